@@ -1,0 +1,137 @@
+"""forge build: export, quantize, compile and write a complete Triton model repository."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..spec import DTYPES, TARGETS, BuildSpec, Limits
+
+HELP = "build a complete Triton model repository from a checkpoint"
+
+
+def _option(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return key, lowered == "true"
+    for cast in (int, float):
+        try:
+            return key, cast(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def add_build_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", action="append", default=[], metavar="NAME",
+                   help="model family (repeat, or comma-separate, for a multi-model repository)")
+    p.add_argument("--model", action="append", default=[], metavar="DIR|FAMILY=DIR",
+                   help="checkpoint directory; FAMILY=DIR gives one family its own checkpoint")
+    p.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--dtype", default="float16", help=f"weights dtype: {', '.join(DTYPES)} (default float16)")
+    p.add_argument("--quant", action="append", default=[], metavar="MODE",
+                   help="quantization (repeat or comma-separate), e.g. w8a16, w4a16, int4_awq, fp8, int8_kv, int8")
+    p.add_argument("--target", default=None, help=f"compile target: {', '.join(TARGETS)} (default: the family's)")
+    p.add_argument("--backend-version", default=None, metavar="X",
+                   help="tensorrtllm_backend profile, e.g. v0.5.0, v0.13.0 (default: newest)")
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-num-tokens", type=int, default=None)
+    p.add_argument("--max-beam-width", type=int, default=1)
+    p.add_argument("--decoupled", action="store_true", help="streaming (decoupled) tensorrt_llm / BLS models")
+    p.add_argument("--calib-data", type=Path, default=None, metavar="FILE",
+                   help="calibration text (one sample per line) for int4_awq / fp8 / int8")
+    p.add_argument("--group-size", type=int, default=None, help="quantization group size (AWQ / w4a16)")
+    p.add_argument("--instances", type=int, default=None, help="instance count of served models")
+    p.add_argument("--parity-tolerance", type=float, default=None,
+                   help="override the family's export parity tolerance (max abs diff)")
+    p.add_argument("-o", "--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                   help="family option (see the family's documentation); repeatable")
+    p.add_argument("--name-prefix", default="", help="prefix for every Triton model name")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and external commands; build nothing")
+    p.add_argument("--allow-pickle", action="store_true", help="allow loading pickle checkpoints (pytorch_model.bin)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints that need custom code")
+    p.add_argument("--json", action="store_true", help="print the result as json")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_build_arguments(p)
+
+
+def _split(values: list[str]) -> list[str]:
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+
+
+def spec_from_args(args: argparse.Namespace) -> BuildSpec:
+    families = _split(args.family)
+    model: Path | None = None
+    models: dict[str, Path] = {}
+    for value in args.model:
+        family, sep, path = value.partition("=")
+        if sep and family in families:
+            models[family] = Path(path)
+        elif model is None:
+            model = Path(value)
+        else:
+            raise UsageError("--model given twice; use FAMILY=DIR to give families their own checkpoints")
+    if model is None:
+        missing = [f for f in families if f not in models]
+        if missing or not families:
+            raise UsageError("--model is required")
+        model = models[families[0]]
+    options = dict(args.option)
+    for key in ("decoupled", "calib_data", "group_size", "instances", "parity_tolerance"):
+        value = getattr(args, key)
+        if value not in (None, False):
+            options.setdefault(key, value)
+    return BuildSpec(
+        families=families, model=model, models=models, out=args.out, tp=args.tp, pp=args.pp,
+        dtype=args.dtype, quant=tuple(_split(args.quant)), target=args.target,
+        backend_version=args.backend_version,
+        limits=Limits(max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
+                      max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+                      max_beam_width=args.max_beam_width),
+        options=options, name_prefix=args.name_prefix, dry_run=args.dry_run,
+        allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+
+
+def print_plan(plans: list, out: Path) -> None:
+    print(f"plan for {out}:")
+    for plan in plans:
+        c = plan.component
+        print(f"  {c.name} (family {c.family}, role {c.role}, target {plan.target}) from {c.source}")
+        for record in plan.records:
+            print(f"    {record.stage}")
+            for command in record.commands:
+                print(f"      $ {shlex.join(command)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..driver import Driver
+    from ..plugins import registry
+    from ..ui import Progress, emit_json
+
+    spec = spec_from_args(args)
+    driver = Driver(registry(), log=Progress(quiet=args.json))
+    result = driver.build(spec)
+    if spec.dry_run:
+        if args.json:
+            emit_json(result.manifest)
+        else:
+            print_plan(result.plans, spec.out)
+        return 0
+    if args.json:
+        emit_json({"out": str(result.out), "up_to_date": result.up_to_date, "models": result.models})
+    else:
+        state = "up to date" if result.up_to_date else "built"
+        print(f"{result.out}: {state} ({', '.join(result.models)})")
+    return 0

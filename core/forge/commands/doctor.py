@@ -1,0 +1,71 @@
+"""forge doctor: what is installed and what each piece enables."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+from importlib import metadata
+from pathlib import Path
+
+HELP = "report Python, forge, plugin and toolchain versions and what each enables"
+
+_PACKAGES = (
+    ("torch", "export of every family, the python target"),
+    ("transformers", "reading Hugging Face checkpoints"),
+    ("onnxruntime", "encoder parity checks, --target onnxruntime/python for encoders"),
+    ("nvidia-modelopt", "--quant int4_awq / fp8 / int8_kv for decoders"),
+    ("tensorrt_llm", "engine builds in-process (trtllm-build ships with it)"),
+    ("tensorrt", "TensorRT plans (trtexec ships with TensorRT)"),
+    ("nvidia-pytriton", "forge serve on this machine (bundles tritonserver with the python backend)"),
+    ("tritonclient", "forge infer / bench, config schema"),
+)
+
+
+def _pkg_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def bundled_tritonserver() -> Path | None:
+    """The tritonserver binary inside the nvidia-pytriton wheel, found without importing it."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = Path(list(spec.submodule_search_locations)[0]) / "tritonserver" / "bin" / "tritonserver"
+    return binary if binary.is_file() else None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print as json")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import __version__, toolchain
+    from ..plugins import registry
+    from ..ui import emit_json
+
+    rows: list[dict[str, str | None]] = [
+        {"name": "python", "version": platform.python_version(), "enables": "forge"},
+        {"name": "forge", "version": __version__, "enables": "forge build / validate / serve"},
+    ]
+    for info in registry().infos.values():
+        rows.append({"name": f"plugin {info.name}", "version": info.version,
+                     "enables": f"families {', '.join(info.families) or '-'}"})
+    for package, enables in _PACKAGES:
+        rows.append({"name": package, "version": _pkg_version(package), "enables": enables})
+    bundled = bundled_tritonserver()
+    rows.append({"name": "tritonserver (nvidia-pytriton)", "version": str(bundled) if bundled else None,
+                 "enables": "forge serve with the python backend (CPU or GPU)"})
+    for tool in toolchain.TOOLS:
+        rows.append({"name": tool.name, "version": toolchain.version(tool.name, tool.version_args),
+                     "enables": tool.enables})
+    if args.json:
+        emit_json(rows)
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['version'] or 'not found':<28}  {r['enables']}")
+    return 0

@@ -1,0 +1,30 @@
+"""forge export: run only the export stage and write its artifact to --out."""
+
+from __future__ import annotations
+
+import argparse
+
+from .build import add_build_arguments, print_plan, spec_from_args
+
+HELP = "run only the export stage (TensorRT-LLM checkpoint, ONNX) and write it to --out"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_build_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..driver import Driver
+    from ..plugins import registry
+    from ..ui import Progress, emit_json
+
+    spec = spec_from_args(args)
+    plans = Driver(registry(), log=Progress(quiet=args.json)).export(spec)
+    if spec.dry_run:
+        print_plan(plans, spec.out)
+    elif args.json:
+        emit_json({"out": str(spec.out), "artifacts": [p.artifact.to_json() for p in plans]})
+    else:
+        for plan in plans:
+            print(f"{plan.component.name}: {plan.artifact.kind} → {spec.out}")
+    return 0

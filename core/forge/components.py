@@ -1,0 +1,126 @@
+"""Plain data passed between the driver and plugins: families, components, artifacts, edges."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family a plugin adds: which checkpoints it accepts and which components it builds.
+
+    ``components`` maps a build spec to the components of the pipeline (one for a plain decoder or
+    MiniLM, two for CLIP's vision and text towers, three for LLaVA); the driver runs every hook
+    stage once per component.
+    """
+
+    name: str
+    kind: str  # "decoder" or "encoder"
+    description: str
+    architectures: tuple[str, ...]
+    targets: tuple[str, ...]
+    default_target: str
+    components: Callable[["BuildSpec"], list["Component"]]  # noqa: F821 (spec.BuildSpec)
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
+    quants: tuple[str, ...] = ()
+    plugin: str = ""  # filled in by the registry: the plugin that registered the family
+
+
+@dataclass(frozen=True)
+class Component:
+    """One unit of a pipeline that goes through export → quantize → compile → emit_config."""
+
+    name: str  # unique within a build, also the Triton model-name prefix source
+    family: str
+    role: str  # e.g. "llm", "vision", "text"
+    source: Path  # the checkpoint directory (or file) this component is built from
+    prefix: str = ""  # prepended to every Triton model name this component emits
+    ensemble: str = "ensemble"  # name of the ensemble its edges belong to
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def model_name(self, base: str) -> str:
+        """The Triton model name for ``base`` (e.g. "preprocessing") in this component."""
+        return f"{self.prefix}{base}"
+
+
+@dataclass
+class Artifact:
+    """What a stage produced: a directory of files plus json-able metadata.
+
+    ``commands`` are external command lines the stage ran (or would run) and go into the manifest.
+    """
+
+    kind: str
+    path: Path
+    meta: dict[str, Any] = field(default_factory=dict)
+    commands: list[list[str]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": str(self.path), "meta": self.meta, "commands": self.commands}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Artifact":
+        return cls(data["kind"], Path(data["path"]), dict(data.get("meta", {})),
+                   [list(c) for c in data.get("commands", [])])
+
+    def moved(self, path: Path) -> "Artifact":
+        return dataclasses.replace(self, path=path)
+
+
+@dataclass
+class TritonModel:
+    """A Triton model to write into the repository: its config and the files of its directory.
+
+    ``files`` maps a path relative to the model directory (``"1/model.py"``) to a source file or
+    directory to copy, or to bytes/str content to write.
+    """
+
+    config: mc.ModelConfig
+    files: dict[str, Path | bytes | str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+@dataclass(frozen=True)
+class Port:
+    """One end of an edge: a model's tensor, or (``model=None``) the ensemble's own interface."""
+
+    model: str | None
+    tensor: str
+
+    def __str__(self) -> str:
+        return f"{self.model or '<ensemble>'}.{self.tensor}"
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A tensor flowing from ``src`` to ``dst`` inside the ensemble named ``ensemble``."""
+
+    src: Port
+    dst: Port
+    ensemble: str = "ensemble"
+
+    @classmethod
+    def feed(cls, tensor: str, model: str, model_tensor: str | None = None,
+             ensemble: str = "ensemble") -> "Edge":
+        """Ensemble input ``tensor`` feeds ``model.model_tensor``."""
+        return cls(Port(None, tensor), Port(model, model_tensor or tensor), ensemble)
+
+    @classmethod
+    def link(cls, src_model: str, src_tensor: str, dst_model: str, dst_tensor: str,
+             ensemble: str = "ensemble") -> "Edge":
+        """``src_model.src_tensor`` feeds ``dst_model.dst_tensor``."""
+        return cls(Port(src_model, src_tensor), Port(dst_model, dst_tensor), ensemble)
+
+    @classmethod
+    def result(cls, model: str, model_tensor: str, tensor: str | None = None,
+               ensemble: str = "ensemble") -> "Edge":
+        """``model.model_tensor`` becomes ensemble output ``tensor``."""
+        return cls(Port(model, model_tensor), Port(None, tensor or model_tensor), ensemble)

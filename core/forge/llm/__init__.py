@@ -1,0 +1,1 @@
+"""Shared machinery of the decoder families (gpt, llama): checkpoint, quantization, engine, repository."""

@@ -1,0 +1,76 @@
+"""The hook implementations every decoder family shares; a family plugin is one adapter.
+
+Heavy modules (torch, transformers) are imported inside the hooks so ``forge plugins`` stays fast.
+"""
+
+from __future__ import annotations
+
+from forge import hookimpl
+from forge.components import Component, Family
+
+from .adapter import DecoderAdapter
+
+TARGETS = ("tensorrtllm", "python")
+QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
+
+
+class DecoderPlugin:
+    """Implements forge's hooks for one decoder family described by ``adapter``."""
+
+    def __init__(self, adapter: DecoderAdapter):
+        self.adapter = adapter
+
+    def _mine(self, component: Component) -> bool:
+        return component.family == self.adapter.family
+
+    def _components(self, spec) -> list[Component]:
+        family = self.adapter.family
+        return [Component(name=f"{spec.name_prefix}{family}", family=family, role="llm",
+                          source=spec.source_for(family), prefix=spec.name_prefix,
+                          ensemble=f"{spec.name_prefix}ensemble")]
+
+    @hookimpl
+    def forge_register_families(self, register):
+        a = self.adapter
+        register(Family(name=a.family, kind="decoder", description=a.description,
+                        architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
+                        components=self._components, quants=QUANTS))
+
+    @hookimpl
+    def forge_export(self, component, ctx):
+        if not self._mine(component):
+            return None
+        from . import checkpoint
+
+        return checkpoint.export(self.adapter, component.source, ctx)
+
+    @hookimpl
+    def forge_quantize(self, component, artifact, ctx):
+        if not self._mine(component) or not ctx.spec.quant:
+            return None
+        from . import quantize
+
+        return quantize.quantize(self.adapter, component.source, artifact, ctx)
+
+    @hookimpl
+    def forge_compile(self, component, artifact, ctx):
+        if not self._mine(component) or ctx.target != "tensorrtllm":
+            return None  # the python target serves the checkpoint as it is
+        from . import engine
+
+        return engine.compile(artifact, ctx)
+
+    @hookimpl
+    def forge_emit_config(self, component, artifact, ctx):
+        if not self._mine(component):
+            return None
+        from . import repository
+
+        return repository.emit(self.adapter, component, artifact, ctx)
+
+    @hookimpl
+    def forge_ensemble_edges(self, components, models, ctx):
+        from . import repository
+
+        return [edge for c in components if self._mine(c)
+                for edge in repository.edges(c, models, ctx)]

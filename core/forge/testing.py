@@ -1,0 +1,73 @@
+"""Helpers for testing forge plugins (the way ``pytester`` serves pytest plugins).
+
+    from forge.testing import use_plugins
+    with use_plugins(("myfamily", my_plugin_module)):
+        assert main(["build", "--family", "myfamily", ...]) == 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+from importlib import metadata
+from typing import Any, Iterator
+from unittest import mock
+
+from . import plugins
+from .plugins import Registry, load_registry
+
+
+def registry_with(*extra: tuple[str, Any], entry_points: bool = False) -> Registry:
+    """A registry of the given in-memory plugins (and, if asked, the installed entry points)."""
+    return load_registry(extra, entry_points=entry_points)
+
+
+@contextlib.contextmanager
+def use_plugins(*extra: tuple[str, Any], entry_points: bool = False) -> Iterator[Registry]:
+    """Make the CLI and driver see exactly these plugins while the block runs."""
+    previous = plugins._registry
+    reg = registry_with(*extra, entry_points=entry_points)
+    plugins.set_registry(reg)
+    try:
+        yield reg
+    finally:
+        plugins.set_registry(previous)
+
+
+class _FakeDist:
+    def __init__(self, name: str, version: str):
+        self.name, self.version = name, version
+        self.metadata = {"Name": name}
+
+
+class FakeEntryPoint:
+    """Stands in for an installed ``forge.plugins`` entry point."""
+
+    def __init__(self, name: str, target: Any, distribution: str = "fake-forge-plugin",
+                 version: str = "0.0.0"):
+        self.name, self.group = name, plugins.ENTRY_POINT_GROUP
+        self.value = f"{getattr(target, '__name__', type(target).__name__)}"
+        self.dist = _FakeDist(distribution, version)
+        self._target = target
+
+    def load(self) -> Any:
+        if isinstance(self._target, BaseException):
+            raise self._target
+        return self._target
+
+
+@contextlib.contextmanager
+def fake_entry_points(*points: FakeEntryPoint, keep_installed: bool = True) -> Iterator[None]:
+    """Pretend these entry points are installed (beside the real ones unless told otherwise)."""
+    real = plugins.iter_entry_points
+
+    def fake() -> list[metadata.EntryPoint]:
+        found = list(real()) if keep_installed else []
+        return sorted([*found, *points], key=lambda ep: ep.name)
+
+    previous = plugins._registry
+    plugins.set_registry(None)
+    with mock.patch.object(plugins, "iter_entry_points", fake):
+        try:
+            yield
+        finally:
+            plugins.set_registry(previous)

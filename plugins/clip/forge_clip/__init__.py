@@ -1,0 +1,1 @@
+"""forge clip family plugin (work in progress)."""

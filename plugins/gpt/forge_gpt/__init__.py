@@ -1,0 +1,1 @@
+"""forge gpt family plugin (work in progress)."""

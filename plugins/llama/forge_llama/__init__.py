@@ -1,0 +1,1 @@
+"""forge llama family plugin (work in progress)."""

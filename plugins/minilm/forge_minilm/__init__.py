@@ -1,0 +1,1 @@
+"""forge minilm family plugin (work in progress)."""

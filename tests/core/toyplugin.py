@@ -1,0 +1,86 @@
+"""A complete, tiny forge plugin used by the core tests: family "toy" (two python models + ensemble)."""
+
+from __future__ import annotations
+
+import json
+
+from forge import hookimpl
+from forge import tritonconfig as tc
+from forge.components import Artifact, Component, Edge, Family, TritonModel
+
+MODEL_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.scale = float(__import__("json").loads(args["model_config"])["parameters"]["scale"]["string_value"])
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "{inp}").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("{outp}", (x * self.scale).astype(np.float32))]))
+        return out
+'''
+
+calls: list[str] = []
+
+
+def _components(spec):
+    return [Component(name=f"{spec.name_prefix}toy", family="toy", role="toy", source=spec.source_for("toy"),
+                      prefix=spec.name_prefix, ensemble=f"{spec.name_prefix}ensemble")]
+
+
+@hookimpl
+def forge_register_families(register):
+    register(Family(name="toy", kind="encoder", description="toy family for tests", architectures=("ToyModel",),
+                    targets=("python",), default_target="python", components=_components, quants=("int8",)))
+
+
+@hookimpl
+def forge_export(component, ctx):
+    if component.family != "toy":
+        return None
+    calls.append("export")
+    config = json.loads((component.source / "config.json").read_text())
+    (ctx.workdir / "exported.json").write_text(json.dumps({"scale": config.get("scale", 2.0)}))
+    ctx.note("parity", {"max_abs_diff": 0.0})
+    return Artifact("toy-export", ctx.workdir, {"scale": config.get("scale", 2.0)})
+
+
+@hookimpl
+def forge_compile(component, artifact, ctx):
+    if component.family != "toy":
+        return None
+    calls.append("compile")
+    return None
+
+
+@hookimpl
+def forge_emit_config(component, artifact, ctx):
+    if component.family != "toy":
+        return None
+    calls.append("emit_config")
+    scale = artifact.meta["scale"]
+    pre = tc.model_config(component.model_name("pre"), backend="python", max_batch_size=8,
+                          inputs=[tc.model_input("X", "FP32", [-1])], outputs=[tc.model_output("Y", "FP32", [-1])],
+                          parameters={"scale": 1.0}, instances=1)
+    main = tc.model_config(component.model_name("main"), backend="python", max_batch_size=8,
+                           inputs=[tc.model_input("IN", "FP32", [-1])], outputs=[tc.model_output("OUT", "FP32", [-1])],
+                           parameters={"scale": scale}, instances=1)
+    return [TritonModel(pre, {"1/model.py": MODEL_PY.replace("{inp}", "X").replace("{outp}", "Y")}),
+            TritonModel(main, {"1/model.py": MODEL_PY.replace("{inp}", "IN").replace("{outp}", "OUT")})]
+
+
+@hookimpl
+def forge_ensemble_edges(components, models, ctx):
+    edges = []
+    for c in components:
+        if c.family != "toy":
+            continue
+        pre, main = c.model_name("pre"), c.model_name("main")
+        edges += [Edge.feed("input", pre, "X", ensemble=c.ensemble), Edge.link(pre, "Y", main, "IN", ensemble=c.ensemble),
+                  Edge.result(main, "OUT", "output", ensemble=c.ensemble)]
+    return edges
