@@ -1,0 +1,1 @@
+"""Running Triton: the tritonserver launcher, clients for infer and bench."""

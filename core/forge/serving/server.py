@@ -1,0 +1,228 @@
+"""Start a real tritonserver on a model repository and wait until every model is READY.
+
+Locally the binary comes from the ``nvidia-pytriton`` wheel. Its python backend needs three things
+arranged (see DESIGN.md): a backend directory holding the python stub for this interpreter's
+version, this virtualenv's ``bin`` first on ``PATH`` (the stub finds its Python that way), and this
+interpreter's libpython first on ``LD_LIBRARY_PATH`` (the stub links it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..cache import cache_dir
+from ..errors import ForgeError, ToolMissingError
+
+
+def pytriton_root() -> Path:
+    """The ``pytriton`` package directory (found without importing pytriton)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ToolMissingError("tritonserver is not available: the nvidia-pytriton package is not installed",
+                               hint="pip install nvidia-pytriton (or forge[serve])")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def backend_directory() -> Path:
+    """A backend directory with the python stub for this interpreter (built once, then reused)."""
+    root = pytriton_root() / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ToolMissingError(f"nvidia-pytriton has no python backend stub for Python {version}")
+    st = stub.stat()
+    target = cache_dir() / "tritonserver" / f"backends-py{version}-{st.st_size}-{st.st_mtime_ns}"
+    if not (target / "python" / "triton_python_backend_stub").is_file():
+        staging = Path(tempfile.mkdtemp(prefix=".backends-", dir=target.parent if target.parent.exists()
+                                        else _mkdir(target.parent)))
+        shutil.copytree(root / "backends", staging / "backends")
+        shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
+        try:
+            os.rename(staging / "backends", target)
+        except OSError:
+            pass  # another process won the race; its copy is identical
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def server_environment() -> dict[str, str]:
+    """Environment for tritonserver and the python stubs it starts."""
+    env = dict(os.environ)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+    site = pytriton_root().parent
+    libs = [sysconfig.get_config_var("LIBDIR") or "", str(site / "nvidia_pytriton.libs")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")])
+    return env
+
+
+def tritonserver_binary() -> Path:
+    binary = os.environ.get("FORGE_TRITONSERVER")
+    if binary:
+        return Path(binary)
+    return pytriton_root() / "tritonserver" / "bin" / "tritonserver"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    """A tritonserver process serving ``repo``; use as a context manager.
+
+    Ports of 0 are replaced by free ports. ``start`` returns when every model is READY and raises
+    ForgeError with the failing model's own error otherwise.
+    """
+
+    repo: Path
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
+    log_file: Path | None = None
+    startup_timeout: float = 300.0
+    extra_args: list[str] = field(default_factory=list)
+    shm_prefix: str = ""
+    process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def command(self) -> list[str]:
+        repo = Path(self.repo).resolve()
+        prefix = self.shm_prefix or f"forge{os.getpid()}_{self.http_port}_"
+        return [str(tritonserver_binary()), f"--model-repository={repo}",
+                f"--backend-directory={backend_directory()}",
+                f"--http-address={self.host}", f"--http-port={self.http_port}",
+                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+                "--allow-metrics=true", "--exit-on-error=true", "--strict-readiness=true",
+                "--exit-timeout-secs=10",
+                f"--backend-config=python,shm-region-prefix-name={prefix}",
+                *self.extra_args]
+
+    def start(self) -> "TritonServer":
+        if not Path(self.repo).is_dir():
+            raise ForgeError(f"model repository {self.repo} is not a directory")
+        for name in ("http_port", "grpc_port", "metrics_port"):
+            if not getattr(self, name):
+                setattr(self, name, free_port(self._client_host))
+        binary = tritonserver_binary()
+        if not binary.is_file():
+            raise ToolMissingError(f"tritonserver binary not found at {binary}")
+        if self.log_file is None:
+            handle, name = tempfile.mkstemp(prefix="forge-tritonserver-", suffix=".log")
+            os.close(handle)
+            self.log_file = Path(name)
+        log = open(self.log_file, "w")
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                        env=server_environment(), start_new_session=True)
+        log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _get(self, path: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(f"http://{self.http_url}{path}", data=body, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def models(self) -> list[dict]:
+        """The repository index: name, version, state and reason of every model."""
+        status, body = self._get("/v2/repository/index", "POST", b"{}")
+        return json.loads(body) if status == 200 else []
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ForgeError(f"tritonserver exited with status {self.process.returncode}: {self.failure()}",
+                                 hint=f"full log: {self.log_file}")
+            try:
+                status, _ = self._get("/v2/health/ready")
+            except (urllib.error.URLError, ConnectionError, OSError):
+                status = 0
+            if status == 200:
+                return
+            time.sleep(0.25)
+        raise ForgeError(f"tritonserver did not become ready within {self.startup_timeout:.0f}s: "
+                         f"{self.failure()}", hint=f"full log: {self.log_file}")
+
+    def failure(self) -> str:
+        """The most specific error the server reported (a model's load failure if there is one)."""
+        try:
+            for model in self.models():
+                if model.get("state") == "UNAVAILABLE" and model.get("reason"):
+                    return f"model {model['name']!r}: {model['reason']}"
+        except (OSError, ValueError):
+            pass
+        text = self.log_file.read_text(errors="replace") if self.log_file and self.log_file.exists() else ""
+        for line in text.splitlines():
+            if "failed to load" in line or ("E" == line[:1] and "error" in line.lower()):
+                return line.strip()[:500]
+        lines = [l for l in text.splitlines() if l.strip()]
+        return lines[-1][:500] if lines else "no output"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the server and every process it started (python stubs)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        # Signal the server alone: it unloads models and stops its stubs itself; signalling the
+        # whole group first kills the stubs under it and leaves the server waiting for them.
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        try:  # stubs may outlive the server by a moment; they are in its process group
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
