@@ -63,6 +63,14 @@ class StageCache:
         artifact.path = self.root / key / "data" / data["relpath"] if data.get("relpath") else self.root / key / "data"
         return artifact if artifact.path.exists() else None
 
+    def is_passthrough(self, key: str) -> bool:
+        """True when the stage ran before and left its input unchanged (the hook returned None)."""
+        return (self.root / key / "passthrough").is_file()
+
+    def mark_passthrough(self, key: str) -> None:
+        (self.root / key).mkdir(parents=True, exist_ok=True)
+        (self.root / key / "passthrough").write_text("")
+
     def workdir(self, key: str) -> Path:
         """A fresh private directory for a stage to write into."""
         work = self.root.parent / "work" / f"{key[:16]}-{os.getpid()}"

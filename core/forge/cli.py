@@ -42,7 +42,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, argument errors: keep main() returning codes
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if not getattr(args, "_run", None):
         parser().print_help()
         return EXIT_USAGE

@@ -105,15 +105,14 @@ class Driver:
         key = plan.keys[stage]
         record = StageRecord(stage, key)
         plan.records.append(record)
-        cached = None if spec.dry_run else self.cache.get(key)
-        if cached is not None:
+        if not spec.dry_run and (self.cache.is_passthrough(key) or self.cache.get(key) is not None):
             record.cached = True
-            marker = cached.path.parent / "record.json" if cached.path.is_file() else cached.path.parent / "record.json"
-            if marker.exists():
-                saved = json.loads(marker.read_text())
-                record.commands, record.notes = saved.get("commands", []), saved.get("notes", {})
+            saved = self.cache.root / key / "record.json"
+            if saved.is_file():
+                data = json.loads(saved.read_text())
+                record.commands, record.notes = data.get("commands", []), data.get("notes", {})
             self.log(f"{plan.component.name}: {stage} (cached)")
-            return cached
+            return artifact if self.cache.is_passthrough(key) else self.cache.get(key)
         workdir = self.cache.workdir(key)
         ctx = BuildContext(spec=spec, target=plan.target, workdir=workdir, record=record, log=self.log)
         hook = getattr(self.registry.hook, f"forge_{stage}")
@@ -131,14 +130,19 @@ class Driver:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
         record.seconds = round(time.perf_counter() - started, 3)
-        if result is None or spec.dry_run:
+        if spec.dry_run:
             shutil.rmtree(workdir, ignore_errors=True)
             return result or artifact
-        result.commands = record.commands
-        stored = self.cache.put(key, result, workdir)
+        if result is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+            self.cache.mark_passthrough(key)
+            stored = artifact
+        else:
+            result.commands = record.commands
+            stored = self.cache.put(key, result, workdir)
+            shutil.rmtree(workdir, ignore_errors=True)
         (self.cache.root / key / "record.json").write_text(
             json.dumps({"commands": record.commands, "notes": record.notes}, default=str))
-        shutil.rmtree(workdir, ignore_errors=True)
         return stored
 
     def export(self, spec: BuildSpec) -> list[ComponentPlan]:

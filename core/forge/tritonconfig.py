@@ -20,6 +20,8 @@ def dtype(name: str | int) -> int:
     """``"INT32"``, ``"TYPE_INT32"`` or an enum value → ``DataType`` enum value."""
     if isinstance(name, int):
         return name
+    if name in ("BYTES", "TYPE_BYTES"):  # the client-side name of TYPE_STRING
+        name = "STRING"
     key = name if name.startswith("TYPE_") else f"TYPE_{name}"
     try:
         return mc.DataType.Value(key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from forge import hookimpl
 from forge import tritonconfig as tc
@@ -44,6 +45,7 @@ def forge_export(component, ctx):
     if component.family != "toy":
         return None
     calls.append("export")
+    time.sleep(float(ctx.option("sleep", 0)))  # lets tests kill a build mid-stage
     config = json.loads((component.source / "config.json").read_text())
     (ctx.workdir / "exported.json").write_text(json.dumps({"scale": config.get("scale", 2.0)}))
     ctx.note("parity", {"max_abs_diff": 0.0})
@@ -63,6 +65,7 @@ def forge_emit_config(component, artifact, ctx):
     if component.family != "toy":
         return None
     calls.append("emit_config")
+    time.sleep(float(ctx.option("sleep", 0)))
     scale = artifact.meta["scale"]
     pre = tc.model_config(component.model_name("pre"), backend="python", max_batch_size=8,
                           inputs=[tc.model_input("X", "FP32", [-1])], outputs=[tc.model_output("Y", "FP32", [-1])],

@@ -1,0 +1,64 @@
+"""CLI contract: bad arguments are one line with stable exit codes; fast commands import no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from forge.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "0"], "--tp must be a positive integer"),
+    (["--pp", "-1"], "--pp must be a positive integer"),
+    (["--tp", "two"], "invalid int value"),
+    (["--dtype", "float8"], "unknown --dtype 'float8'"),
+    (["--target", "gpu"], "unknown --target 'gpu'"),
+    (["--name-prefix", "../evil"], "invalid --name-prefix"),
+    (["--name-prefix", "a/b"], "invalid --name-prefix"),
+    (["--max-input-len", "4096"], "--max-input-len must be smaller"),
+    (["--quant", "int3"], "does not support --quant int3"),
+])
+def test_bad_build_arguments(toy, toy_model, tmp_path, capsys, args, message):
+    """Bad inputs tried: each argument listed above."""
+    out = tmp_path / "out"
+    code = main(["build", "--family", "toy", "--model", str(toy_model), "--out", str(out), *args])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "out_is_file"])
+def test_bad_paths(toy, toy_model, tmp_path, capsys, case):
+    """Bad inputs tried: missing model dir, empty model dir, --out that is a regular file."""
+    model, out = toy_model, tmp_path / "out"
+    if case == "missing":
+        model = tmp_path / "missing"
+    elif case == "empty":
+        model = tmp_path / "empty"
+        model.mkdir()
+    else:
+        out.write_text("i am a file")
+    assert main(["build", "--family", "toy", "--model", str(model), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert {"missing": "does not exist", "empty": "is empty", "out_is_file": "is a regular file"}[case] in err
+    if case != "out_is_file":
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [["--help"], ["plugins"], ["validate", "."], ["build", "--help"]])
+def test_fast_commands_do_not_import_torch(command, tmp_path):
+    code = ("import sys\nfrom forge.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'onnxruntime') if m in sys.modules]\n"
+            "assert not heavy, heavy\n" % command)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
