@@ -1,0 +1,5 @@
+"""``python -m forge``."""
+
+from .cli import run
+
+run()
