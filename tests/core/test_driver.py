@@ -128,3 +128,19 @@ def test_sigkill_at_any_point_leaves_no_partial_output(toy_model, tmp_path, dela
     assert validate_repository(out) == []
     leftovers = [p.name for p in tmp_path.iterdir() if "forge-staging" in p.name]
     assert leftovers == []
+
+
+def test_export_writes_only_the_exported_artifact(toy, toy_model, tmp_path):
+    out = tmp_path / "exported"
+    assert main(["export", "--family", "toy", "--model", str(toy_model), "--out", str(out)]) == 0
+    assert toy.calls == ["export"]
+    assert json.loads((out / "exported.json").read_text()) == {"scale": 3.0}
+    assert (out / repository.MANIFEST).is_file()
+
+
+def test_doctor_reports_toolchain(toy, capsys):
+    assert main(["doctor", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["forge"]["version"]
+    assert rows["trtllm-build"]["enables"].startswith("--target tensorrtllm")
+    assert "tritonserver (nvidia-pytriton)" in rows
