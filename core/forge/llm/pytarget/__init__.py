@@ -1,0 +1,113 @@
+"""``--target python`` for decoders: a Triton python-backend model with the tensorrt_llm interface.
+
+:func:`emit_model` builds the ``tensorrt_llm`` model of a repository as a python-backend model that
+forge writes itself: ``1/model.py`` (this package's ``model.py``), ``1/forge_decoder/`` (the
+``runtime`` package: request checks, continuous-batching engine, sampling, responses) and ``1/hf/``
+(the Hugging Face config and safetensors, linked from the source checkpoint). Its inputs and outputs
+are exactly those of the C++ tensorrt_llm model of the chosen backend profile, so the preprocessing,
+postprocessing, BLS and ensemble of the tensorrtllm target work unchanged in front of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from ...components import Artifact, Component, TritonModel
+from ...errors import UsageError
+from ... import tritonconfig as tc
+
+HERE = Path(__file__).resolve().parent
+RUNTIME = HERE / "runtime"
+RUNTIME_PACKAGE = "forge_decoder"  # the runtime's package name inside the model directory
+WEIGHTS_DIR = "hf"
+_HF_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+def runtime_files() -> dict[str, Path]:
+    """The files of ``1/`` besides the weights: model.py and the runtime package."""
+    files = {"1/model.py": HERE / "model.py"}
+    for path in sorted(RUNTIME.glob("*.py")):
+        files[f"1/{RUNTIME_PACKAGE}/{path.name}"] = path
+    return files
+
+
+def weight_files(source: Path, *, allow_pickle: bool = False) -> dict[str, Path]:
+    """``1/hf/…`` → the checkpoint files the python model loads (config and safetensors)."""
+    from ...hf import inspect_checkpoint
+
+    checkpoint = inspect_checkpoint(source, allow_pickle=allow_pickle)
+    if checkpoint.weight_format != "safetensors":
+        raise UsageError(f"{source} has only pickle weights; --target python loads safetensors only",
+                         hint="convert the checkpoint to safetensors first")
+    files = {f"1/{WEIGHTS_DIR}/{name}": source / name for name in _HF_FILES if (source / name).is_file()}
+    for path in checkpoint.weight_files:
+        files[f"1/{WEIGHTS_DIR}/{path.name}"] = path
+    return files
+
+
+def _message_inputs(inputs: Iterable[Any]) -> list:
+    return [t if hasattr(t, "SerializeToString") else tc.model_input(
+        t.name, t.dtype, t.dims, optional=t.optional, reshape=t.reshape, allow_ragged_batch=t.ragged)
+        for t in inputs]
+
+
+def _message_outputs(outputs: Iterable[Any]) -> list:
+    return [t if hasattr(t, "SerializeToString") else tc.model_output(t.name, t.dtype, t.dims) for t in outputs]
+
+
+def check_spec(spec) -> None:
+    """Refuse build options the python target cannot honour (before any file is written)."""
+    if spec.quant:
+        raise UsageError(f"--target python serves the checkpoint's own weights and cannot apply --quant "
+                         f"{','.join(spec.quant)}", hint="drop --quant, or build --target tensorrtllm")
+    if spec.world_size > 1:
+        raise UsageError(f"--target python runs one model copy on one device; --tp {spec.tp} --pp {spec.pp} "
+                         "only apply to TensorRT-LLM engines", hint="drop --tp/--pp, or build --target tensorrtllm")
+    if spec.limits.max_beam_width > 1:
+        raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
+
+
+def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
+    """(max_input_len, max_seq_len) clamped to the model's position embeddings."""
+    max_seq_len = spec.limits.max_seq_len
+    positions = meta.get("max_position_embeddings")
+    if isinstance(positions, int) and positions > 0:
+        max_seq_len = min(max_seq_len, positions)
+    return min(spec.limits.max_input_len, max_seq_len - 1), max_seq_len
+
+
+def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) -> TritonModel:
+    """The python-backend ``tensorrt_llm`` model of ``component`` for ``profile``'s interface."""
+    from ..repository import tensorrt_llm_io
+
+    spec = ctx.spec
+    check_spec(spec)
+    inputs, outputs = tensorrt_llm_io(profile, spec)
+    meta = dict(artifact.meta or {})
+    max_input_len, max_seq_len = limits(spec, meta)
+    decoupled = bool(ctx.option("decoupled", False))
+    exclude = ctx.option("exclude_input_in_output", None)
+    parameters = {
+        "forge_target": "python",
+        "weights": WEIGHTS_DIR,
+        "dtype": spec.dtype,
+        "device": ctx.option("device", "auto"),
+        "cpu_threads": ctx.option("cpu_threads", 0),
+        "max_input_len": max_input_len,
+        "max_seq_len": max_seq_len,
+        "max_num_sequences": spec.limits.max_batch_size,
+        "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
+        "max_beam_width": 1,
+        "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 20),
+        "exclude_input_in_output": None if exclude is None else bool(exclude),
+    }
+    config = tc.model_config(
+        component.model_name("tensorrt_llm"), backend="python", max_batch_size=spec.limits.max_batch_size,
+        inputs=_message_inputs(inputs), outputs=_message_outputs(outputs), parameters=parameters,
+        instances=1, instance_kind="KIND_CPU",
+        dynamic_batching={"max_queue_delay_microseconds": 0}, decoupled=decoupled)
+    files: dict[str, Path | bytes | str] = {**runtime_files(), **weight_files(component.source)}
+    ctx.note("python_target", {"max_input_len": max_input_len, "max_seq_len": max_seq_len,
+                               "decoupled": decoupled, "weights": sorted(k for k in files if "/hf/" in k)})
+    return TritonModel(config, files)

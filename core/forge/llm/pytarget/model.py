@@ -1,0 +1,210 @@
+"""Triton python-backend model written by forge: a decoder behind the tensorrt_llm tensor interface.
+
+forge copies this file to ``<repository>/tensorrt_llm/1/model.py``, the runtime package beside it
+(``forge_decoder/``) and the Hugging Face weights to ``1/hf/``. ``execute`` only checks and queues
+requests; a continuous-batching engine thread generates and answers through each request's response
+sender, so requests of different lengths share decoding steps and new ones join at any step. In
+decoupled mode streaming requests get one response per generated token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from forge_decoder import engine as engine_mod  # noqa: E402
+from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
+from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _parameter(config: dict, key: str, default: str = "") -> str:
+    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
+    return default if value == "" or value.startswith("${") else value
+
+
+def _tensor(name: str, value: np.ndarray):
+    if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+        # numpy-2 builds of the stub reject numpy-made tensors; DLPack works everywhere
+        import torch
+
+        return pb_utils.Tensor.from_dlpack(name, torch.from_numpy(value))
+    return pb_utils.Tensor(name, value)
+
+
+class _Request:
+    """One Triton request being served: its rows, response sender and what was sent so far."""
+
+    def __init__(self, model: "TritonPythonModel", sender, request_id: str, rows: list[GenerationRequest]):
+        self.model = model
+        self.sender = sender
+        self.request_id = request_id
+        self.rows = rows
+        self.streaming = any(r.streaming for r in rows)
+        self.sequences: list[engine_mod.Sequence] = []
+        self.results: dict[int, RowResult] = {}
+        self.started: set = set()  # streaming rows that sent their first response
+        self.done = False
+        self.lock = threading.Lock()
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def cancel(self) -> None:
+        for seq in self.sequences:
+            seq.cancel()
+
+    def _pad(self) -> int:
+        row = self.rows[0]
+        return row.pad_id if row.pad_id is not None else (row.end_id if row.end_id is not None else 0)
+
+    def _send(self, results: list[RowResult] | None, final: bool, error: str | None = None) -> None:
+        try:
+            if error is not None:
+                self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(error)),
+                                 flags=FINAL)
+            elif results is None:
+                self.sender.send(flags=FINAL)
+            else:
+                tensors = assemble(results, self.model.output_specs, self._pad())
+                response = pb_utils.InferenceResponse([_tensor(k, v) for k, v in tensors.items()])
+                self.sender.send(response, flags=FINAL if final else 0)
+        except Exception as exc:  # the client went away; nothing else to do for it
+            self.model.log_warn(f"could not send a response for request {self.request_id!r}: {exc}")
+        if final:
+            self.done = True
+            self.model.forget(self)
+
+    def on_update(self, seq: engine_mod.Sequence, update: engine_mod.Update) -> None:
+        """Engine callback (engine thread): send what the update completes."""
+        with self.lock:
+            if self.done:
+                return
+            if update.error or update.reason == "cancelled":
+                self.cancel()
+                self._send(None, True, update.error or "the request was cancelled")
+                return
+            req = seq.request
+            last = update.finished and all(s.finished for s in self.sequences)
+            if self.streaming:
+                if update.tokens:
+                    first = seq not in self.started
+                    self.started.add(seq)
+                    self._send([self._row(seq, update.tokens, update.logprobs, update.generation_logits,
+                                          context=first)], last)
+                elif last:
+                    self._send(None, True)
+                return
+            if not update.finished:
+                return
+            ids = seq.output if req.exclude_input else req.prompt + seq.output
+            self.results[req.batch_index] = self._row(seq, ids, seq.logprobs, seq.generation_logits,
+                                                      context=True)
+            if self.model.decoupled:
+                self._send([self.results[req.batch_index]], last)
+            elif last:
+                self._send([self.results[i] for i in sorted(self.results)], True)
+
+    def _row(self, seq, ids, logprobs, generation_logits, context: bool = False) -> RowResult:
+        req = seq.request
+        return RowResult(ids=list(ids), logprobs=list(logprobs), cum_logprob=float(sum(seq.logprobs)),
+                         want_logprobs=req.return_log_probs,
+                         context_logits=seq.context_logits if context else None,
+                         generation_logits=list(generation_logits), batch_index=req.batch_index,
+                         arrival_ns=seq.arrival_ns, first_token_ns=seq.first_token_ns)
+
+
+class TritonPythonModel:
+    """The tensorrt_llm model of a forge ``--target python`` repository."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.output_specs = {
+            o["name"]: OutputSpec(np.dtype(pb_utils.triton_string_to_numpy(o["data_type"])), len(o["dims"]))
+            for o in config["output"]}
+        here = Path(__file__).resolve().parent
+        weights = here / _parameter(config, "weights", "hf")
+        threads = int(os.environ.get("FORGE_PYTARGET_THREADS") or _parameter(config, "cpu_threads", "0"))
+        import torch
+
+        if threads > 0:
+            torch.set_num_threads(threads)
+        device = engine_mod.choose_device(os.environ.get("FORGE_PYTARGET_DEVICE") or _parameter(config, "device", "auto"))
+        dtype = engine_mod.choose_dtype(device, _parameter(config, "dtype", "float32"))
+        model = engine_mod.load_model(weights, device, dtype)
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.limits = Limits(vocab_size=vocab,
+                             max_input_len=int(_parameter(config, "max_input_len", "1024")),
+                             max_seq_len=int(_parameter(config, "max_seq_len", "2048")))
+        self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
+        rows = int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8)
+        self.engine = engine_mod.Engine(
+            model, self.limits, max_rows=rows,
+            max_prefill_tokens=int(_parameter(config, "max_num_tokens", "8192")),
+            cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms", "20")),
+            log=pb_utils.Logger.log_error).start()
+        self.requests: dict[int, _Request] = {}
+        self.lock = threading.Lock()
+        pb_utils.Logger.log_info(
+            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}), "
+            f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
+            f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}")
+
+    def log_warn(self, message: str) -> None:
+        pb_utils.Logger.log_warn(message)
+
+    def forget(self, request: _Request) -> None:
+        with self.lock:
+            self.requests.pop(id(request), None)
+
+    def _stop(self, request_id: str, sender) -> None:
+        """TensorRT-LLM's ``stop`` input: cancel the running request with the same id."""
+        if not request_id:
+            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                "a stop request needs the request id of the request to stop")), flags=FINAL)
+            return
+        with self.lock:
+            victims = [r for r in self.requests.values() if r.request_id == request_id]
+        for victim in victims:
+            victim.cancel()
+        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            request_id = request.request_id()
+            try:
+                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+                if is_stop(tensors):
+                    self._stop(request_id, sender)
+                    continue
+                rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input)
+            except RequestError as exc:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))),
+                            flags=FINAL)
+                continue
+            except Exception as exc:  # malformed tensors: still one clear error, never a dead model
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    f"invalid request: {type(exc).__name__}: {exc}")), flags=FINAL)
+                continue
+            pending = _Request(self, sender, request_id, rows)
+            pending.sequences = [engine_mod.Sequence(row, pending.on_update, pending.is_cancelled, pending)
+                                 for row in rows]
+            with self.lock:
+                self.requests[id(pending)] = pending
+            self.engine.submit(pending.sequences)
+        return None
+
+    def finalize(self):
+        self.engine.stop()

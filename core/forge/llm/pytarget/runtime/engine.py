@@ -1,0 +1,344 @@
+"""Continuous batching over a Hugging Face causal LM: sequences join and leave between steps.
+
+One thread owns the model. Each iteration it admits waiting sequences (one batched, left-padded
+prefill), merges their KV caches into the running batch, runs one decoding step for every
+running sequence, reports new tokens through each sequence's callback and drops the finished
+ones. Sequences of different prompt lengths, output lengths and sampling parameters share steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import kvcache, sampling
+from .request import GenerationRequest, Limits
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Update:
+    """What one step produced for one sequence."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    generation_logits: list[np.ndarray]
+    finished: bool
+    reason: str | None = None  # "length", "end_id", "stop_words", "cancelled", "error"
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A sequence being generated: its request, its owner's callback and its state."""
+
+    request: GenerationRequest
+    on_update: Callable[["Sequence", Update], None]
+    is_cancelled: Callable[[], bool] = lambda: False
+    owner: Any = None
+    tokens: list[int] = field(default_factory=list)
+    generated: int = 0
+    output: list[int] = field(default_factory=list)  # generated tokens reported to the owner
+    logprobs: list[float] = field(default_factory=list)
+    context_logits: np.ndarray | None = None
+    generation_logits: list[np.ndarray] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    top_p: float = 0.0
+    bias: torch.Tensor | None = None
+    cancelled: bool = False
+    finished: bool = False
+    arrival_ns: int = field(default_factory=time.time_ns)
+    first_token_ns: int = 0
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this sequence at its next step (thread-safe)."""
+        self.cancelled = True
+
+
+def choose_device(name: str = "auto") -> torch.device:
+    if name in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def choose_dtype(device: torch.device, name: str) -> torch.dtype:
+    # Half precision matmuls on CPU are slow or missing; CPUs compute in float32.
+    if device.type == "cpu" and name != "bfloat16":
+        return torch.float32
+    return DTYPES.get(name, torch.float32)
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """Load the Hugging Face causal LM from ``model_dir`` (safetensors only, no remote code)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_arg = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), trust_remote_code=False, use_safetensors=True, **{dtype_arg: dtype})
+    return model.to(device).eval()
+
+
+class Engine:
+    """Runs generation for submitted sequences on a background thread."""
+
+    def __init__(self, model, limits: Limits, *, max_rows: int = 8, max_prefill_tokens: int = 8192,
+                 cancel_check_ms: float = 20.0, log: Callable[[str], None] = print):
+        self.model = model
+        self.limits = limits
+        self.max_rows = max(1, max_rows)
+        self.max_prefill_tokens = max(1, max_prefill_tokens)
+        self.cancel_check_s = cancel_check_ms / 1000.0
+        self.log = log
+        self.device = next(model.parameters()).device
+        params = inspect.signature(model.forward).parameters
+        self._keep_arg = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
+        self._cache_position = "cache_position" in params
+        self._pending: deque[Sequence] = deque()
+        self._active: list[Sequence] = []
+        self._batch: kvcache.BatchCache | None = None
+        self._cond = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._last_cancel_check = 0.0
+        self.steps = 0
+
+    # -- public, thread-safe ----------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="forge-decoder", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, sequences: list[Sequence]) -> None:
+        """Queue sequences; their callbacks run on the engine thread."""
+        for seq in sequences:
+            self._prepare(seq)
+        with self._cond:
+            self._pending.extend(sequences)
+            self._cond.notify_all()
+
+    @property
+    def busy(self) -> int:
+        """Sequences waiting or running."""
+        return len(self._pending) + len(self._active)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while self._running and not self._pending and not self._active:
+                        self._cond.wait()
+                    if not self._running:
+                        break
+                try:
+                    self.step()
+                except Exception as exc:  # keep serving everyone else; fail who was in the step
+                    self.log(f"forge decoder step failed: {traceback.format_exc()}")
+                    self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
+        self._fail_all("the model is being unloaded", pending=True)
+
+    def step(self) -> None:
+        """One iteration: cancellations, admissions (prefill), one decoding step."""
+        self._check_cancelled()
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        if self._active:
+            self._decode()
+        self.steps += 1
+
+    def run_until_idle(self, max_steps: int = 100000) -> None:
+        """Run steps on the calling thread until nothing is left (for tests and offline use)."""
+        with torch.inference_mode():
+            for _ in range(max_steps):
+                if not self._pending and not self._active:
+                    return
+                self.step()
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _prepare(self, seq: Sequence) -> None:
+        req = seq.request
+        seq.tokens = list(req.prompt)
+        seq.top_p = req.sampling.top_p
+        if not req.sampling.greedy:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(req.sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        if req.embedding_bias is not None:
+            seq.bias = torch.as_tensor(req.embedding_bias, dtype=torch.float32, device=self.device)
+
+    def _check_cancelled(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_check < self.cancel_check_s:
+            return
+        self._last_cancel_check = now
+        with self._cond:
+            waiting = list(self._pending)
+        for seq in waiting + self._active:
+            if not seq.cancelled:
+                try:
+                    seq.cancelled = bool(seq.is_cancelled())
+                except Exception:  # the owner went away: nobody wants the result
+                    seq.cancelled = True
+        gone = [s for s in waiting if s.cancelled]
+        if gone:
+            with self._cond:
+                for seq in gone:
+                    if seq in self._pending:
+                        self._pending.remove(seq)
+            for seq in gone:
+                self._finish(seq, Update([], [], [], True, "cancelled"))
+        if any(s.cancelled for s in self._active):
+            for seq in self._active:
+                if seq.cancelled:
+                    self._finish(seq, Update([], [], [], True, "cancelled"))
+            self._drop_finished()
+
+    def _admit(self) -> list[Sequence]:
+        free = self.max_rows - len(self._active)
+        admitted: list[Sequence] = []
+        longest = 0
+        with self._cond:
+            while self._pending and len(admitted) < free:
+                seq = self._pending[0]
+                if seq.cancelled:
+                    self._pending.popleft()
+                    self._finish(seq, Update([], [], [], True, "cancelled"))
+                    continue
+                width = max(longest, len(seq.tokens))
+                if admitted and width * (len(admitted) + 1) > self.max_prefill_tokens:
+                    break
+                longest = width
+                admitted.append(self._pending.popleft())
+        return admitted
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
+                 keep_all: bool = False) -> torch.Tensor:
+        kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                      past_key_values=cache, use_cache=True)
+        if self._keep_arg and not keep_all:
+            kwargs[self._keep_arg] = 1
+        if self._cache_position:
+            past = mask.shape[1] - ids.shape[1]
+            kwargs["cache_position"] = torch.arange(past, mask.shape[1], device=self.device)
+        return self.model(**kwargs).logits
+
+    def _prefill(self, admitted: list[Sequence]) -> None:
+        lengths = [len(s.tokens) for s in admitted]
+        width = max(lengths)
+        ids = torch.zeros((len(admitted), width), dtype=torch.long)
+        mask = torch.zeros((len(admitted), width), dtype=torch.long)
+        for i, seq in enumerate(admitted):
+            ids[i, width - lengths[i]:] = torch.tensor(seq.tokens)
+            mask[i, width - lengths[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = kvcache.new_cache()
+        keep_all = any(s.request.return_context_logits for s in admitted)
+        try:
+            logits = self._forward(ids, mask, positions, cache, keep_all=keep_all)
+        except Exception as exc:
+            self.log(f"forge decoder prefill failed: {traceback.format_exc()}")
+            for seq in admitted:
+                self._finish(seq, Update([], [], [], True, "error", f"generation failed: {exc}"))
+            return
+        for i, seq in enumerate(admitted):
+            if seq.request.return_context_logits:
+                seq.context_logits = logits[i, width - lengths[i]:].float().cpu().numpy()
+        batch = kvcache.BatchCache(cache, mask)
+        if self._batch is None or not self._active:
+            self._batch = batch
+        else:
+            self._batch.merge(batch)
+        self._active.extend(admitted)
+        self._advance(logits[:, -1, :], admitted)
+
+    def _decode(self) -> None:
+        ids = torch.tensor([[s.tokens[-1]] for s in self._active], dtype=torch.long, device=self.device)
+        mask = self._batch.extend_mask()
+        positions = (mask.sum(-1, keepdim=True) - 1)
+        logits = self._forward(ids, mask, positions, self._batch.cache)
+        self._advance(logits[:, -1, :], self._active)
+
+    def _advance(self, logits: torch.Tensor, rows: list[Sequence]) -> None:
+        """Pick one token per row, report it, and drop the rows that finished."""
+        tokens, logprobs = sampling.choose(logits, rows)
+        want_logits = any(s.request.return_generation_logits for s in rows)
+        raw = logits.float().cpu().numpy() if want_logits else None
+        now = time.time_ns()
+        for i, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
+            req = seq.request
+            seq.generated += 1
+            if not seq.first_token_ns:
+                seq.first_token_ns = now
+            if req.end_id is not None and token == req.end_id:
+                # TensorRT-LLM stops at end_id and leaves it out of the output
+                self._finish(seq, Update([], [], [], True, "end_id"))
+                continue
+            seq.tokens.append(token)
+            seq.output.append(token)
+            seq.logprobs.append(logprob)
+            gen_logits = [raw[i]] if raw is not None and req.return_generation_logits else []
+            seq.generation_logits.extend(gen_logits)
+            reason = None
+            if seq.generated >= req.max_new_tokens:
+                reason = "length"
+            elif any(len(w) <= len(seq.output) and seq.output[-len(w):] == w for w in req.stop_words):
+                reason = "stop_words"
+            if reason:
+                self._finish(seq, Update([token], [logprob], gen_logits, True, reason))
+            else:
+                self._emit(seq, Update([token], [logprob], gen_logits, False))
+        self._drop_finished()
+
+    def _emit(self, seq: Sequence, update: Update) -> None:
+        try:
+            seq.on_update(seq, update)
+        except Exception:  # an owner's failure must not stop the batch
+            self.log(f"forge decoder callback failed: {traceback.format_exc()}")
+            seq.cancelled = True
+
+    def _finish(self, seq: Sequence, update: Update) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        self._emit(seq, update)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, s in enumerate(self._active) if not s.finished]
+        if len(keep) == len(self._active):
+            return
+        self._active = [self._active[i] for i in keep]
+        if self._active:
+            self._batch.select(keep)
+        else:
+            self._batch = None
+
+    def _fail_all(self, message: str, pending: bool = False) -> None:
+        victims = list(self._active)
+        if pending:
+            with self._cond:
+                victims += list(self._pending)
+                self._pending.clear()
+        for seq in victims:
+            self._finish(seq, Update([], [], [], True, "error", message))
+        self._active, self._batch = [], None

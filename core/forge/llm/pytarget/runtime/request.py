@@ -1,0 +1,276 @@
+"""Turn the tensors of one TensorRT-LLM-style request into checked generation requests.
+
+The tensor names and meanings are those of the ``tensorrt_llm`` model of tensorrtllm_backend
+(``input_ids``, ``request_output_len``, ``runtime_top_k``, ``stop_words_list`` …). Every value is
+checked here so that a bad request gets one clear error and never reaches the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+
+class RequestError(ValueError):
+    """A request the model refuses; the message goes back to the client as the response error."""
+
+
+# Inputs that only change beam search; at beam width 1 TensorRT-LLM ignores them as well.
+BEAM_ONLY = frozenset({"len_penalty", "early_stopping", "beam_search_diversity_rate"})
+
+# Every input this runtime honours.
+HONOURED = frozenset({
+    "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list",
+    "bad_words_list", "embedding_bias", "temperature", "runtime_top_k", "runtime_top_p",
+    "runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "min_length", "random_seed", "return_log_probs",
+    "return_context_logits", "return_generation_logits", "exclude_input_in_output", "streaming",
+    "stop", "beam_width", "num_return_sequences", "return_perf_metrics",
+}) | BEAM_ONLY
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model accepts."""
+
+    vocab_size: int
+    max_input_len: int
+    max_seq_len: int
+
+
+@dataclass
+class SamplingParams:
+    """Per-sequence sampling parameters with TensorRT-LLM's defaults (greedy unless asked)."""
+
+    top_k: int = 0
+    top_p: float = 0.0
+    temperature: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_length: int = 1
+    seed: int = 0
+    top_p_min: float = 1e-6
+    top_p_decay: float = 1.0
+    top_p_reset_id: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        # TensorRT-LLM: top_k = 0 and top_p = 0 means greedy; so does top_k = 1.
+        return self.top_k == 1 or (self.top_k == 0 and self.top_p <= 0.0) or self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate (one row of a Triton request's batch)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    end_id: int | None = None
+    pad_id: int | None = None
+    stop_words: list[list[int]] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)
+    embedding_bias: np.ndarray | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_log_probs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    return_perf_metrics: bool = False
+    exclude_input: bool = False
+    streaming: bool = False
+    batch_index: int = 0
+
+
+def _rows(tensors: Mapping[str, np.ndarray], name: str, batch: int) -> np.ndarray | None:
+    """A per-row scalar input as a flat array of ``batch`` values (one value broadcasts)."""
+    value = tensors.get(name)
+    if value is None:
+        return None
+    flat = np.asarray(value).reshape(-1)
+    if flat.size == batch:
+        return flat
+    if flat.size == 1:
+        return np.repeat(flat, batch)
+    raise RequestError(f"input {name!r} has {flat.size} values for a batch of {batch}; send one per row")
+
+
+def _int(value) -> int:
+    return int(np.asarray(value).item())
+
+
+def word_list(value: np.ndarray | None, name: str) -> list[list[int]]:
+    """Decode the ``[2, N]`` word-list format: flat token ids, then cumulative end offsets (-1 pads)."""
+    if value is None:
+        return []
+    value = np.asarray(value)
+    if value.size == 0:
+        return []
+    if value.ndim != 2 or value.shape[0] != 2:
+        raise RequestError(f"input {name!r} must have shape [2, N] per row (ids, offsets), got {list(value.shape)}")
+    ids, offsets = value[0].astype(np.int64).tolist(), value[1].astype(np.int64).tolist()
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        if end < start or end > len(ids):
+            raise RequestError(f"input {name!r} has an invalid offset {end} (ids has {len(ids)} entries)")
+        if end > start:
+            words.append(ids[start:end])
+        start = end
+    return words
+
+
+def _nonzero(value: np.ndarray) -> bool:
+    value = np.asarray(value)
+    if value.size == 0:
+        return False
+    if value.dtype == object or value.dtype.kind in "SU":
+        return any(bool(v) for v in value.reshape(-1))
+    return bool(np.any(value != 0))
+
+
+def is_stop(tensors: Mapping[str, np.ndarray]) -> bool:
+    """Whether this is a TensorRT-LLM ``stop`` request (cancel the request with the same id)."""
+    stop = tensors.get("stop")
+    return stop is not None and np.asarray(stop).size > 0 and bool(np.asarray(stop).reshape(-1)[0])
+
+
+def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
+          exclude_input: bool = False) -> list[GenerationRequest]:
+    """Check one request's tensors and return one GenerationRequest per batch row."""
+    for name, value in tensors.items():
+        if name not in HONOURED and _nonzero(value):
+            raise RequestError(f"input {name!r} is not supported by forge's python target; "
+                               "leave it out or use the tensorrtllm target")
+    if "input_ids" not in tensors:
+        raise RequestError("input 'input_ids' is required")
+    ids = np.asarray(tensors["input_ids"])
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    if ids.ndim != 2:
+        raise RequestError(f"input 'input_ids' must be [batch, tokens], got shape {list(ids.shape)}")
+    batch = ids.shape[0]
+    if batch == 0:
+        raise RequestError("input 'input_ids' holds no rows")
+
+    lengths = _rows(tensors, "input_lengths", batch)
+    output_len = _rows(tensors, "request_output_len", batch)
+    if output_len is None:
+        raise RequestError("input 'request_output_len' is required")
+    values = {name: _rows(tensors, name, batch) for name in (
+        "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p", "runtime_top_p_min",
+        "runtime_top_p_decay", "runtime_top_p_reset_ids", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "min_length", "random_seed", "return_log_probs", "return_context_logits",
+        "return_generation_logits", "return_perf_metrics", "exclude_input_in_output", "streaming",
+        "beam_width", "num_return_sequences")}
+
+    def get(name: str, row: int, default):
+        column = values[name]
+        return default if column is None else column[row]
+
+    requests = []
+    for row in range(batch):
+        length = ids.shape[1] if lengths is None else _int(lengths[row])
+        if length <= 0:
+            raise RequestError("the prompt is empty (input_lengths is 0); send at least one token")
+        if length > ids.shape[1]:
+            raise RequestError(f"input_lengths {length} exceeds the {ids.shape[1]} tokens in input_ids")
+        prompt = ids[row, :length].astype(np.int64)
+        if prompt.min() < 0 or prompt.max() >= limits.vocab_size:
+            bad = int(prompt[(prompt < 0) | (prompt >= limits.vocab_size)][0])
+            raise RequestError(f"input_ids holds token id {bad}, outside the vocabulary [0, {limits.vocab_size})")
+        if length > limits.max_input_len:
+            raise RequestError(f"the prompt has {length} tokens, more than this model's max_input_len "
+                               f"{limits.max_input_len}")
+        new = _int(output_len[row])
+        if new <= 0:
+            raise RequestError(f"request_output_len must be at least 1, got {new}")
+        if length + new > limits.max_seq_len:
+            raise RequestError(f"prompt ({length} tokens) + request_output_len ({new}) exceeds this model's "
+                               f"max_seq_len {limits.max_seq_len}")
+
+        beam = _int(get("beam_width", row, 1))
+        if beam not in (0, 1):
+            raise RequestError(f"beam_width {beam} is not supported by forge's python target (beam width 1 only)")
+        returns = _int(get("num_return_sequences", row, 1))
+        if returns not in (0, 1):
+            raise RequestError(f"num_return_sequences {returns} is not supported by forge's python target (1 only)")
+
+        sampling = SamplingParams(
+            top_k=_int(get("runtime_top_k", row, 0)),
+            top_p=float(get("runtime_top_p", row, 0.0)),
+            temperature=float(get("temperature", row, 1.0)),
+            repetition_penalty=float(get("repetition_penalty", row, 1.0)),
+            presence_penalty=float(get("presence_penalty", row, 0.0)),
+            frequency_penalty=float(get("frequency_penalty", row, 0.0)),
+            min_length=_int(get("min_length", row, 1)),
+            seed=int(np.asarray(get("random_seed", row, 0)).astype(np.uint64).item()),
+            top_p_min=float(get("runtime_top_p_min", row, 1e-6)),
+            top_p_decay=float(get("runtime_top_p_decay", row, 1.0)),
+        )
+        reset = values["runtime_top_p_reset_ids"]
+        if reset is not None and 0 <= _int(reset[row]) < limits.vocab_size:
+            sampling.top_p_reset_id = _int(reset[row])
+        _check_sampling(sampling)
+
+        end_id = get("end_id", row, None)
+        end_id = None if end_id is None or not 0 <= _int(end_id) < limits.vocab_size else _int(end_id)
+        pad_id = get("pad_id", row, None)
+
+        bias = tensors.get("embedding_bias")
+        if bias is not None and np.asarray(bias).size:
+            bias = np.asarray(bias, dtype=np.float32)
+            bias = bias[row] if bias.ndim == 2 and bias.shape[0] == batch else bias.reshape(-1)
+            if bias.size != limits.vocab_size:
+                raise RequestError(f"embedding_bias has {bias.size} values; the vocabulary has {limits.vocab_size}")
+        else:
+            bias = None
+
+        def words(name: str) -> list[list[int]]:
+            value = tensors.get(name)
+            if value is None:
+                return []
+            value = np.asarray(value)
+            if value.ndim == 3:
+                value = value[row if value.shape[0] == batch else 0]
+            return word_list(value, name)
+
+        streaming = bool(get("streaming", row, False))
+        if streaming and not decoupled:
+            raise RequestError("streaming needs a decoupled model; rebuild the repository with --decoupled")
+        requests.append(GenerationRequest(
+            prompt=prompt.tolist(), max_new_tokens=new, end_id=end_id,
+            pad_id=None if pad_id is None else _int(pad_id),
+            stop_words=words("stop_words_list"), bad_words=words("bad_words_list"),
+            embedding_bias=bias, sampling=sampling,
+            return_log_probs=bool(get("return_log_probs", row, False)),
+            return_context_logits=bool(get("return_context_logits", row, False)),
+            return_generation_logits=bool(get("return_generation_logits", row, False)),
+            return_perf_metrics=bool(get("return_perf_metrics", row, False)),
+            exclude_input=bool(get("exclude_input_in_output", row, exclude_input)),
+            streaming=streaming, batch_index=row))
+    return requests
+
+
+def _check_sampling(s: SamplingParams) -> None:
+    if s.top_k < 0:
+        raise RequestError(f"runtime_top_k must be ≥ 0, got {s.top_k}")
+    if not 0.0 <= s.top_p <= 1.0:
+        raise RequestError(f"runtime_top_p must be in [0, 1], got {s.top_p}")
+    if s.temperature < 0.0 or not np.isfinite(s.temperature):
+        raise RequestError(f"temperature must be ≥ 0, got {s.temperature}")
+    if s.repetition_penalty <= 0.0:
+        raise RequestError(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+    if s.min_length < 0:
+        raise RequestError(f"min_length must be ≥ 0, got {s.min_length}")
+    if not 0.0 < s.top_p_decay <= 1.0:
+        raise RequestError(f"runtime_top_p_decay must be in (0, 1], got {s.top_p_decay}")
+    if not 0.0 < s.top_p_min <= 1.0:
+        raise RequestError(f"runtime_top_p_min must be in (0, 1], got {s.top_p_min}")

@@ -1,0 +1,105 @@
+"""Choose the next token of every running sequence from its logits, with its own parameters.
+
+Order as in TensorRT-LLM: embedding bias, bad words and min length, penalties, temperature,
+then top-k / top-p sampling (or argmax when the sequence is greedy). Each sequence samples
+with its own seeded generator, so a seed reproduces its tokens whatever else is batched with it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+class Row(Protocol):
+    """What the sampler needs to know about one running sequence."""
+
+    request: "object"  # request.GenerationRequest
+    tokens: list[int]  # prompt + generated so far
+    generated: int  # tokens generated so far
+    generator: torch.Generator | None
+    top_p: float  # current top-p (runtime_top_p_decay changes it)
+    bias: torch.Tensor | None  # embedding bias on the logits' device
+
+
+def _banned(words: list[list[int]], tokens: list[int]) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the sequence now."""
+    banned = []
+    for word in words:
+        head = word[:-1]
+        if not head or (len(tokens) >= len(head) and tokens[-len(head):] == head):
+            banned.append(word[-1])
+    return banned
+
+
+def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    """Apply bias, bad words, min length, penalties and temperature; return float32 logits."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        req = row.request
+        if row.bias is not None:
+            logits[i] += row.bias
+        banned = _banned(req.bad_words, row.tokens) if req.bad_words else []
+        if req.end_id is not None and row.generated < req.sampling.min_length:
+            banned.append(req.end_id)
+        banned = [t for t in banned if 0 <= t < vocab]
+        if banned:
+            logits[i, banned] = NEG_INF
+        s = req.sampling
+        if s.penalised:
+            history = torch.tensor(row.tokens, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(history, minlength=vocab)[:vocab].to(logits.dtype)
+            seen = counts > 0
+            if s.repetition_penalty != 1.0:
+                scaled = torch.where(logits[i] > 0, logits[i] / s.repetition_penalty,
+                                     logits[i] * s.repetition_penalty)
+                logits[i] = torch.where(seen, scaled, logits[i])
+            if s.presence_penalty:
+                logits[i] -= s.presence_penalty * seen.to(logits.dtype)
+            if s.frequency_penalty:
+                logits[i] -= s.frequency_penalty * counts
+        if not s.greedy and s.temperature not in (0.0, 1.0):
+            logits[i] /= s.temperature
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0:
+        k = min(top_k, logits.shape[-1])
+        threshold = torch.topk(logits, k).values[-1]
+        logits = logits.masked_fill(logits < threshold, NEG_INF)
+    if 0.0 < top_p < 1.0:
+        ordered, index = torch.sort(logits, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        # keep the smallest prefix whose probability reaches top_p (always the first token)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        ordered = ordered.masked_fill(drop, NEG_INF)
+        logits = torch.full_like(logits, NEG_INF).scatter(0, index, ordered)
+    return logits
+
+
+def choose(logits: torch.Tensor, rows: Sequence[Row]) -> tuple[list[int], list[float]]:
+    """The next token of every row and its log-probability under the processed distribution."""
+    processed = process(logits, rows)
+    logprobs = torch.log_softmax(processed, dim=-1)
+    tokens = torch.argmax(processed, dim=-1)
+    sampled = [i for i, row in enumerate(rows) if not row.request.sampling.greedy]
+    for i in sampled:
+        s = rows[i].request.sampling
+        filtered = _top_k_top_p(processed[i], s.top_k, rows[i].top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens[i] = torch.multinomial(probs, 1, generator=rows[i].generator)[0]
+    chosen = tokens.tolist()
+    picked = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
+    for row, token in zip(rows, chosen):
+        s = row.request.sampling
+        if s.top_p_decay != 1.0 or s.top_p_reset_id is not None:
+            if token == s.top_p_reset_id:
+                row.top_p = s.top_p
+            else:
+                row.top_p = max(row.top_p * s.top_p_decay, s.top_p_min)
+    return chosen, picked
