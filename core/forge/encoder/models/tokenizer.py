@@ -1,0 +1,103 @@
+"""Triton python-backend model: texts → token ids, exactly as the model's own tokenizer does.
+
+Input ``text_input`` (STRING, one text per batch row); outputs ``input_ids`` and, when the encoder
+takes it, ``attention_mask`` (INT32). The tokenizer is the Hugging Face ``tokenizer.json`` stored
+next to this file; truncation at ``max_length`` keeps the special tokens, as ``transformers`` does.
+Padding is to the longest text of the request (``padding=longest``) or to ``max_length``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+try:  # only present inside tritonserver's python stub
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # imported by forge itself for parity checks
+    pb_utils = None
+
+
+class TextTokenizer:
+    """Tokenize, truncate and pad a batch of texts."""
+
+    def __init__(self, tokenizer_file: str, *, max_length: int, padding: str = "longest", pad_id: int = 0,
+                 lowercase: bool = False, outputs: tuple[str, ...] = ("input_ids", "attention_mask")):
+        from tokenizers import Tokenizer
+
+        if padding not in ("longest", "max_length"):
+            raise ValueError(f"padding must be longest or max_length, not {padding!r}")
+        self.tokenizer = Tokenizer.from_file(tokenizer_file)
+        self.tokenizer.no_padding()  # padding is done below, with the pad id and dtype we need
+        self.tokenizer.enable_truncation(max_length)
+        self.max_length, self.padding, self.pad_id = max_length, padding, pad_id
+        self.lowercase, self.outputs = lowercase, tuple(outputs)
+
+    def __call__(self, texts: list[str]) -> dict[str, np.ndarray]:
+        if self.lowercase:
+            texts = [t.lower() for t in texts]
+        encodings = self.tokenizer.encode_batch(texts)
+        width = self.max_length if self.padding == "max_length" else max([len(e.ids) for e in encodings] + [1])
+        ids = np.full((len(texts), width), self.pad_id, dtype=np.int32)
+        mask = np.zeros((len(texts), width), dtype=np.int32)
+        for row, encoding in enumerate(encodings):
+            ids[row, :len(encoding.ids)] = encoding.ids
+            mask[row, :len(encoding.ids)] = 1
+        arrays = {"input_ids": ids, "attention_mask": mask}
+        return {name: arrays[name] for name in self.outputs}
+
+
+def decode_texts(raw: np.ndarray) -> list[str]:
+    """A STRING tensor of shape [batch, 1] → one str per row; invalid UTF-8 raises ValueError."""
+    if raw.ndim != 2 or raw.shape[1] != 1:
+        raise ValueError(f"text_input must have shape [batch, 1], got {list(raw.shape)}")
+    if raw.shape[0] == 0:
+        raise ValueError("the request holds no texts (empty batch)")
+    texts = []
+    for row, value in enumerate(raw.reshape(-1)):
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"text {row} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        texts.append(str(value))
+    return texts
+
+
+def from_parameters(params: dict[str, str], directory: str) -> TextTokenizer:
+    """Build the tokenizer from the model config's parameters (all strings)."""
+    return TextTokenizer(
+        os.path.join(directory, params.get("tokenizer_file", "tokenizer.json")),
+        max_length=int(params["max_length"]), padding=params.get("padding", "longest"),
+        pad_id=int(params.get("pad_id", "0")), lowercase=params.get("lowercase", "false") == "true",
+        outputs=tuple(params.get("outputs", "input_ids,attention_mask").split(",")))
+
+
+def error(exc: Exception):
+    """A Triton error for ``exc``: INVALID_ARG for bad input (ValueError), INTERNAL otherwise."""
+    codes = pb_utils.TritonError
+    code = getattr(codes, "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL", None)
+    return codes(f"tokenizer: {exc}", code) if code is not None else codes(f"tokenizer: {exc}")
+
+
+class TritonPythonModel:
+    """Triton's entry point."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        directory = os.path.join(args["model_repository"], args["model_version"])
+        self.tokenizer = from_parameters(params, directory)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                texts = decode_texts(pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy())
+                arrays = self.tokenizer(texts)
+                responses.append(pb_utils.InferenceResponse(
+                    [pb_utils.Tensor(name, array) for name, array in arrays.items()]))
+            except Exception as exc:  # one bad request must not fail the others of the batch
+                responses.append(pb_utils.InferenceResponse(error=error(exc)))
+        return responses

@@ -1,0 +1,92 @@
+"""The hook implementations every encoder family shares; a family plugin is one adapter.
+
+Heavy modules (torch, onnx, onnxruntime) are imported inside the hooks so ``forge plugins`` stays fast.
+
+Naming. Each tower is one component whose Triton models carry its name as prefix:
+``minilm_tokenizer`` → ``minilm_encoder``; ``clip_vision_preprocessing`` → ``clip_vision_encoder``;
+``clip_text_tokenizer`` → ``clip_text_encoder``. Each tower's pipeline is one ensemble named after
+the tower's ``pipeline`` (``minilm``, ``clip_image``, ``clip_text``), except that a family with a
+single pipeline built alone names it ``solo_ensemble`` (MiniLM: ``ensemble``, what default
+clients call). ``--name-prefix P`` prepends P to every model and ensemble name.
+"""
+
+from __future__ import annotations
+
+from forge import hookimpl
+from forge.components import Component, Family
+
+from .adapter import EncoderAdapter
+
+TARGETS = ("tensorrt", "onnxruntime", "python")
+#: Production wants TensorRT plans on GPUs; on machines without trtexec use --target python/onnxruntime.
+DEFAULT_TARGET = "tensorrt"
+DTYPES = ("float32", "float16")
+QUANTS = ("int8",)
+
+
+class EncoderPlugin:
+    """Implements forge's hooks for one encoder family described by ``adapter``."""
+
+    def __init__(self, adapter: EncoderAdapter):
+        self.adapter = adapter
+
+    def _mine(self, component: Component) -> bool:
+        return component.family == self.adapter.family
+
+    def components(self, spec) -> list[Component]:
+        """One component per tower, named as the module docstring explains."""
+        a = self.adapter
+        alone = spec.families == [a.family]
+        result = []
+        for tower in a.towers:
+            name = a.family if len(a.towers) == 1 else f"{a.family}_{tower.role}"
+            pipeline = a.solo_ensemble if alone and a.solo_ensemble and len(a.towers) == 1 else tower.pipeline
+            result.append(Component(name=f"{spec.name_prefix}{name}", family=a.family, role=tower.role,
+                                    source=spec.source_for(a.family), prefix=f"{spec.name_prefix}{name}_",
+                                    ensemble=f"{spec.name_prefix}{pipeline}"))
+        return result
+
+    @hookimpl
+    def forge_register_families(self, register):
+        a = self.adapter
+        register(Family(name=a.family, kind="encoder", description=a.description,
+                        architectures=a.architectures, targets=TARGETS, default_target=DEFAULT_TARGET,
+                        components=self.components, dtypes=DTYPES, quants=QUANTS))
+
+    @hookimpl
+    def forge_export(self, component, ctx):
+        if not self._mine(component):
+            return None
+        from . import export
+
+        return export.export(self.adapter, component, ctx)
+
+    @hookimpl
+    def forge_quantize(self, component, artifact, ctx):
+        if not self._mine(component):
+            return None
+        from . import quantize
+
+        return quantize.quantize(self.adapter, component, artifact, ctx)
+
+    @hookimpl
+    def forge_compile(self, component, artifact, ctx):
+        if not self._mine(component) or ctx.target != "tensorrt":
+            return None  # onnxruntime and python serve the ONNX file as it is
+        from . import tensorrt
+
+        return tensorrt.compile(component, artifact, ctx)
+
+    @hookimpl
+    def forge_emit_config(self, component, artifact, ctx):
+        if not self._mine(component):
+            return None
+        from . import repository
+
+        return repository.emit(component, artifact, ctx)
+
+    @hookimpl
+    def forge_ensemble_edges(self, components, models, ctx):
+        from . import repository
+
+        return [edge for c in components if self._mine(c) for edge in repository.edges(c, models)]
