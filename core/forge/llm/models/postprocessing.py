@@ -1,0 +1,86 @@
+"""forge's ``postprocessing`` model: token ids → text, safe for streaming.
+
+Runs in Triton's python backend (copied into a repository as ``postprocessing/1/model.py``).
+Without streaming it decodes each beam's ``sequence_length`` tokens like the tokenizer does. When
+the ensemble's ``stream`` flag reaches it (the optional ``STREAM`` input forge wires), each
+response carries only the newly generated tokens, so it returns exactly the bytes those tokens add
+after the text before them: spaces that SentencePiece keeps inside tokens are not lost, and the
+pieces concatenate to the full decode. A character split across streamed tokens arrives split
+across pieces as raw UTF-8 bytes; clients join pieces as bytes (as ``forge infer`` does).
+
+Inputs ``X`` with a declared output ``OUT_X`` (log probs, logits, batch index in older backend
+versions) are passed through unchanged.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import forge_text  # noqa: E402  (shipped next to this file)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = forge_text.parameters(config)
+        path = forge_text.resolve_dir(params.get("tokenizer_dir") or "tokenizer",
+                                      args["model_repository"], args["model_version"])
+        self.tokenizer = forge_text.load_tokenizer(
+            path, trust_remote_code=forge_text.parse_bool(params.get("trust_remote_code"), False))
+        self.skip_special_tokens = forge_text.parse_bool(params.get("skip_special_tokens"), True)
+        self.codec = forge_text.TokenBytes(self.tokenizer, self.skip_special_tokens)
+        self.bos_id = self.tokenizer.bos_token_id
+        self.inputs = {t["name"] for t in config["input"]}
+        outputs = {t["name"]: t for t in config["output"]}
+        self.output_rank = len(outputs["OUTPUT"]["dims"])  # [-1] → [batch, beam]; [-1, -1] → [batch, beam, 1]
+        self.passthrough = [(name[len("OUT_"):], name) for name in outputs
+                            if name.startswith("OUT_") and name[len("OUT_"):] in self.inputs]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                responses.append(pb_utils.InferenceResponse(output_tensors=self._process(request)))
+            except ValueError as exc:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
+        return responses
+
+    def _get(self, request, name):
+        if name not in self.inputs:
+            return None
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def _text(self, ids, streaming):
+        if not streaming:
+            return forge_text.decode(self.tokenizer, ids, self.skip_special_tokens).encode("utf-8")
+        # A streamed piece continues the text unless it starts the sequence (the prompt's BOS).
+        at_start = len(ids) > 0 and self.bos_id is not None and int(ids[0]) == self.bos_id
+        return self.codec.bytes_of(ids, at_start=at_start)
+
+    def _process(self, request):
+        tokens = self._get(request, "TOKENS_BATCH")
+        if tokens.ndim == 2:  # [batch, seq] from a model without a beam dimension
+            tokens = tokens[:, None, :]
+        batch, beams = tokens.shape[0], tokens.shape[1]
+        lengths = self._get(request, "SEQUENCE_LENGTH")
+        lengths = np.full((batch, beams), tokens.shape[2]) if lengths is None else lengths.reshape(batch, -1)
+        stream = self._get(request, "STREAM")
+        texts = np.empty((batch, beams), dtype=object)
+        for b in range(batch):
+            streaming = bool(stream is not None and np.asarray(stream[b]).reshape(-1)[0])
+            for beam in range(beams):
+                length = int(min(max(lengths[b, min(beam, lengths.shape[1] - 1)], 0), tokens.shape[2]))
+                texts[b, beam] = self._text(tokens[b, beam, :length].tolist(), streaming)
+        if self.output_rank == 2:
+            texts = texts[:, :, None]
+        out = [pb_utils.Tensor("OUTPUT", texts)]
+        for source, target in self.passthrough:
+            value = self._get(request, source)
+            if value is not None:
+                out.append(pb_utils.Tensor(target, value))
+        return out

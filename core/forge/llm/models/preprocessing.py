@@ -1,0 +1,130 @@
+"""forge's ``preprocessing`` model: text → token ids, stop/bad word lists, end/pad ids, logit bias.
+
+Runs in Triton's python backend (copied into a repository as ``preprocessing/1/model.py``). The
+tensor names and dtypes come from the model's own config.pbtxt, which forge writes for the chosen
+tensorrtllm_backend version, so one file serves every version. Optional outputs whose inputs are
+absent are not produced; the ensemble then leaves the matching tensorrt_llm input unset.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import forge_text  # noqa: E402  (shipped next to this file)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = forge_text.parameters(config)
+        path = forge_text.resolve_dir(params.get("tokenizer_dir") or "tokenizer",
+                                      args["model_repository"], args["model_version"])
+        self.tokenizer = forge_text.load_tokenizer(
+            path, trust_remote_code=forge_text.parse_bool(params.get("trust_remote_code"), False))
+        self.add_special_tokens = forge_text.parse_bool(params.get("add_special_tokens"), True)
+        eos = self.tokenizer.eos_token_id
+        self.end_id = int(params.get("end_id") or (eos if eos is not None else 0))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(params.get("pad_id") or (pad if pad is not None else self.end_id))
+        self.stop_token_ids = [int(t) for t in (params.get("stop_token_ids") or "").split(",") if t.strip()]
+        self.vocab_size = int(params.get("vocab_size") or len(self.tokenizer))
+        self.max_input_len = int(params.get("max_input_len") or 0)
+        self.inputs = {t["name"] for t in config["input"]}
+        self.dtypes = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                tensors = self._process(request)
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            except ValueError as exc:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
+        return responses
+
+    # -- one request -----------------------------------------------------------------------
+    def _get(self, request, name):
+        if name not in self.inputs:
+            return None
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def _out(self, name, value):
+        return pb_utils.Tensor(name, np.ascontiguousarray(value, dtype=self.dtypes[name]))
+
+    def _tokenize(self, texts, what):
+        rows = []
+        for index, row in enumerate(texts):
+            text = row.reshape(-1)[0] if np.ndim(row) else row
+            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            ids = forge_text.token_ids(text, self.tokenizer, self.add_special_tokens)
+            if not ids:
+                raise ValueError(f"{what} of batch row {index} is empty after tokenization")
+            if self.max_input_len and len(ids) > self.max_input_len:
+                raise ValueError(f"{what} of batch row {index} has {len(ids)} tokens; this model accepts at "
+                                 f"most {self.max_input_len} (the engine's max_input_len)")
+            rows.append(ids)
+        width = max(len(ids) for ids in rows)
+        padded = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        for index, ids in enumerate(rows):
+            padded[index, :len(ids)] = ids
+        lengths = np.array([[len(ids)] for ids in rows], dtype=np.int64)
+        return padded, lengths
+
+    def _process(self, request):
+        query = self._get(request, "QUERY")
+        batch = query.shape[0]
+        out = []
+        input_ids, input_lengths = self._tokenize(query, "text_input")
+        out.append(self._out("INPUT_ID", input_ids))
+        out.append(self._out("REQUEST_INPUT_LEN", input_lengths))
+
+        output_len = self._get(request, "REQUEST_OUTPUT_LEN")
+        if output_len is not None:
+            if np.any(output_len.astype(np.int64) < 0):
+                raise ValueError("max_tokens must not be negative")
+            out.append(self._out("REQUEST_OUTPUT_LEN", output_len.reshape(batch, -1)[:, :1]))
+
+        decoder_query = self._get(request, "DECODER_QUERY")
+        if decoder_query is not None and "DECODER_INPUT_ID" in self.dtypes:
+            ids, lengths = self._tokenize(decoder_query, "decoder_text_input")
+            out.append(self._out("DECODER_INPUT_ID", ids))
+            out.append(self._out("REQUEST_DECODER_INPUT_LEN", lengths))
+
+        for words_name, ids_name, extra in (("BAD_WORDS_DICT", "BAD_WORDS_IDS", ()),
+                                            ("STOP_WORDS_DICT", "STOP_WORDS_IDS", self.stop_token_ids)):
+            words = self._get(request, words_name)
+            if ids_name in self.dtypes and (words is not None or extra):
+                out.append(self._out(ids_name, forge_text.word_list(words, batch, self.tokenizer, extra)))
+
+        bias_words = self._get(request, "EMBEDDING_BIAS_WORDS")
+        bias_weights = self._get(request, "EMBEDDING_BIAS_WEIGHTS")
+        if "EMBEDDING_BIAS" in self.dtypes and bias_words is not None and bias_weights is not None:
+            out.append(self._out("EMBEDDING_BIAS", forge_text.embedding_bias(
+                bias_words, bias_weights, self.vocab_size, self.tokenizer)))
+        elif (bias_words is None) != (bias_weights is None) and "EMBEDDING_BIAS" in self.dtypes:
+            raise ValueError("embedding_bias_words and embedding_bias_weights must be given together")
+
+        for name, default in (("END_ID", self.end_id), ("PAD_ID", self.pad_id)):
+            if f"OUT_{name}" not in self.dtypes:
+                continue
+            given = self._get(request, name)
+            value = np.full((batch, 1), default, dtype=np.int64) if given is None \
+                else given.reshape(batch, -1)[:, :1].astype(np.int64)
+            out.append(self._out(f"OUT_{name}", value))
+
+        extra_id = self._get(request, "PROMPT_TABLE_EXTRA_ID")
+        if extra_id is not None and "OUT_PROMPT_TABLE_EXTRA_IDS" in self.dtypes:
+            # Prompt-table tokens (ids past the vocabulary) carry the request's extra id for KV reuse.
+            extra = extra_id.reshape(batch, -1)[:, :1].astype(np.uint64)
+            out.append(self._out("OUT_PROMPT_TABLE_EXTRA_IDS",
+                                 np.where(input_ids >= self.vocab_size, extra, 0)))
+
+        table = self._get(request, "PROMPT_EMBEDDING_TABLE")
+        if table is not None and "OUT_PROMPT_EMBEDDING_TABLE" in self.dtypes:
+            out.append(self._out("OUT_PROMPT_EMBEDDING_TABLE", table))
+        return out

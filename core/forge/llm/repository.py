@@ -1,0 +1,476 @@
+"""The Triton side of a decoder: preprocessing, tensorrt_llm, postprocessing, BLS and ensemble edges.
+
+Every tensor, parameter and dtype comes from the backend-version profile (:mod:`forge.llm.profiles`),
+so a repository built with ``--backend-version v0.5.0`` looks to clients exactly like one made from
+that release's templates, and the newest release is the default. Tokenizer files are copied into
+each python model's ``1/tokenizer`` (hard links), so the repository is self-contained.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from forge import tritonconfig as tc
+from forge.components import Artifact, Component, Edge, TritonModel
+from forge.errors import ForgeError, UsageError
+
+from . import models as model_files
+from . import profiles
+from .profiles import Parameter, Profile, Tensor
+
+PRE, LLM, POST, BLS = "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"
+TOKENIZER_DIR = "tokenizer"  # inside each python model's version directory
+#: Files of a Hugging Face checkpoint that make up its tokenizer (and its chat/generation defaults).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json", "config.json")
+_TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.json", "vocab.txt")
+_DTYPES = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
+_TYPE_OPTIONS = {  # -o options that choose a dtype the templates leave open
+    profiles.LOGITS: "logits_datatype",
+    profiles.PROMPT_TABLE: "prompt_embedding_table_data_type",
+    profiles.ENCODER_FEATURES: "encoder_input_features_data_type",
+}
+#: -o options of forge's own models (every backend version) with their kind.
+FORGE_OPTIONS = {
+    "bls": "bool", "decoupled": "bool", "instances": "int", "preprocessing_instance_count": "int",
+    "postprocessing_instance_count": "int", "bls_instance_count": "int",
+    "max_queue_delay_microseconds": "int", "max_queue_size": "int",
+    "add_special_tokens": "bool", "skip_special_tokens": "bool", "end_id": "int", "pad_id": "int",
+    "stop_token_ids": "str", **{name: "dtype" for name in _TYPE_OPTIONS.values()},
+}
+Log = Callable[[str], None]
+
+
+# -- profile and options ------------------------------------------------------------------------
+
+def profile_of(spec) -> Profile:
+    """The backend profile of a build (``--backend-version``, newest when absent)."""
+    return profiles.resolve(spec.backend_version)
+
+
+def check_options(spec) -> Profile:
+    """Check every ``-o`` option the Triton side reads; return the profile. Cheap: call it at plan time."""
+    profile = profile_of(spec)
+    options = spec.options
+    by_name = {p.name: p for p in profile.parameters if not p.fixed}
+    fixed = {p.name for p in profile.parameters if p.fixed}
+    elsewhere = _options_of_other_versions(profile)
+    for name, value in options.items():
+        if name in FORGE_OPTIONS:
+            _check_value(name, value, FORGE_OPTIONS[name])
+        elif name in by_name:
+            _check_parameter(by_name[name], value, profile)
+        elif name in fixed:
+            raise UsageError(f"-o {name} is set by forge for backend {profile.version} and cannot be changed")
+        elif name in elsewhere:
+            raise UsageError(f"-o {name} is not a parameter of tensorrtllm_backend {profile.version} "
+                             f"(it exists in {elsewhere[name]})",
+                             hint="drop it, or choose a --backend-version that has it")
+    for name in ("instances", "preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count"):
+        if name in options and int(options[name]) < 1:
+            raise UsageError(f"-o {name} must be at least 1, got {options[name]}")
+    for name in ("max_queue_delay_microseconds", "max_queue_size"):
+        if name in options and int(options[name]) < 0:
+            raise UsageError(f"-o {name} must not be negative, got {options[name]}")
+    if _bool(options.get("bls", False)) and not profile.has_model(BLS):
+        first = next(p.version for p in profiles.PROFILES.values() if p.has_model(BLS))
+        raise UsageError(f"-o bls=true needs tensorrtllm_backend {first} or newer; "
+                         f"--backend-version {profile.version} has no tensorrt_llm_bls model")
+    return profile
+
+
+def _options_of_other_versions(profile: Profile) -> dict[str, str]:
+    seen: dict[str, list[str]] = {}
+    for other in profiles.PROFILES.values():
+        for p in other.parameters:
+            if not p.fixed:
+                seen.setdefault(p.name, []).append(other.version)
+    mine = {p.name for p in profile.parameters}
+    return {name: (versions[0] if len(versions) == 1 else f"{versions[0]}–{versions[-1]}")
+            for name, versions in seen.items() if name not in mine}
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in ("true", "1", "yes", "on")
+
+
+def _check_value(name: str, value: Any, kind: str) -> None:
+    if kind == "bool" and not (isinstance(value, bool) or str(value).lower() in ("true", "false", "1", "0")):
+        raise UsageError(f"-o {name} takes true or false, got {value!r}")
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise UsageError(f"-o {name} takes an integer, got {value!r}")
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise UsageError(f"-o {name} takes a number, got {value!r}")
+    if kind == "dtype":
+        _triton_dtype(name, value)
+
+
+def _check_parameter(p: Parameter, value: Any, profile: Profile) -> None:
+    _check_value(p.name, value, p.kind)
+    if p.choices and str(value) not in p.choices:
+        raise UsageError(f"-o {p.name}={value} is not valid for tensorrtllm_backend {profile.version}; "
+                         f"choose one of {', '.join(p.choices)}")
+    if p.name == "kv_cache_free_gpu_mem_fraction" and not 0 < float(value) <= 1:
+        raise UsageError(f"-o kv_cache_free_gpu_mem_fraction must be in (0, 1], got {value}")
+
+
+def _triton_dtype(name: str, value: Any) -> str:
+    text = str(value).strip()
+    key = _DTYPES.get(text.lower(), text.upper().removeprefix("TYPE_"))
+    if key not in ("FP32", "FP16", "BF16"):
+        raise UsageError(f"-o {name} takes TYPE_FP32, TYPE_FP16 or TYPE_BF16, got {value!r}")
+    return key
+
+
+def _parameter_value(p: Parameter, options: Mapping[str, Any]) -> str | None:
+    value = p.default if p.fixed else options.get(p.name, p.default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or p.kind == "bool":
+        return "true" if _bool(value) else "false"
+    return str(value)
+
+
+# -- tensors ------------------------------------------------------------------------------------
+
+def _engine_config(meta: Mapping[str, Any] | None, engine_dir: Path | None) -> Mapping[str, Any]:
+    if engine_dir is not None and (engine_dir / "config.json").is_file():
+        try:
+            return json.loads((engine_dir / "config.json").read_text()).get("pretrained_config", {})
+        except ValueError:
+            return {}
+    return {}
+
+
+def resolve_dtype(dtype: str, spec, meta: Mapping[str, Any] | None = None,
+                  engine_dir: Path | None = None) -> str:
+    """A profile dtype with the build's choice filled in for the types templates leave open."""
+    if not dtype.startswith("$"):
+        return dtype
+    option = _TYPE_OPTIONS[dtype]
+    if option in spec.options:
+        return _triton_dtype(option, spec.options[option])
+    if dtype == profiles.LOGITS:
+        logits = _engine_config(meta, engine_dir).get("logits_dtype") or (meta or {}).get("logits_dtype")
+        return _DTYPES.get(str(logits), "FP32")
+    return _DTYPES.get(spec.dtype, "FP16")
+
+
+def _message_input(t: Tensor, dtype: str, *, ensemble_facing: bool = False) -> mc.ModelInput:
+    dims = t.feed_dims if ensemble_facing and t.feed_dims else t.dims
+    return tc.model_input(t.name, dtype, dims, optional=t.optional, reshape=t.reshape,
+                          allow_ragged_batch=t.ragged)
+
+
+def tensorrt_llm_io(profile: Profile, spec, meta: Mapping[str, Any] | None = None,
+                    engine_dir: Path | None = None) -> tuple[list[mc.ModelInput], list[mc.ModelOutput]]:
+    """The ``tensorrt_llm`` model's inputs and outputs for ``profile`` (every target uses these)."""
+    spec_io = profile.interface(LLM)
+    inputs = [_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs]
+    outputs = [tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)
+               for t in spec_io.outputs]
+    return inputs, outputs
+
+
+def tensorrt_llm_parameters(profile: Profile, spec, *, engine_dir: str | None = None,
+                            log: Log = lambda message: None) -> dict[str, str]:
+    """The ``tensorrt_llm`` model's ``parameters`` for ``profile``: every -o option or its documented default."""
+    options = spec.options
+    values: dict[str, str] = {}
+    for p in profile.params(LLM):
+        if p.key == "gpt_model_path":
+            value = options.get(p.name, engine_dir)
+            value = None if value is None else str(value)
+        elif p.key == "max_beam_width":
+            value = str(options.get(p.name, spec.limits.max_beam_width))
+        else:
+            value = _parameter_value(p, options)
+        if value is None:
+            continue
+        if value in p.deprecated:
+            log(f"warning: {p.name}={value} is deprecated in tensorrtllm_backend {profile.version}")
+        values[p.key] = value
+    return values
+
+
+# -- models -------------------------------------------------------------------------------------
+
+def _text_tensors(profile: Profile, model: str) -> tuple[list[Tensor], list[Tensor]]:
+    spec_io = profile.interface(model)
+    return ([t for t in spec_io.inputs if not t.multimodal], [t for t in spec_io.outputs if not t.multimodal])
+
+
+def _stream_feed(profile: Profile) -> str | None:
+    streaming = next((t for t in profile.interface(LLM).inputs if t.name == "streaming"), None)
+    return streaming.feed if streaming is not None else None
+
+
+def _instances(ctx, name: str) -> int:
+    return int(ctx.option(name, ctx.option("instances", 1)))
+
+
+def _batching(ctx, max_batch_size: int) -> dict[str, Any]:
+    return {"preferred_batch_size": [max_batch_size],
+            "max_queue_delay_microseconds": int(ctx.option("max_queue_delay_microseconds", 0)),
+            "max_queue_size": int(ctx.option("max_queue_size", 0))}
+
+
+def tokenizer_files(source: Path) -> dict[str, bytes]:
+    """The tokenizer files of a Hugging Face directory, by name; a clear error when there are none."""
+    if not source.is_dir():
+        raise UsageError(f"{source} is not a Hugging Face directory, so it has no tokenizer files")
+    found = {name: (source / name).read_bytes() for name in TOKENIZER_FILES if (source / name).is_file()}
+    if not any(name in found for name in _TOKENIZER_CORE):
+        raise UsageError(f"{source} has no tokenizer (none of {', '.join(_TOKENIZER_CORE)})",
+                         hint="copy the model's tokenizer files into the checkpoint directory")
+    return found
+
+
+def _tokenizer_defaults(source: Path, spec) -> dict[str, Any]:
+    """End/pad ids and extra end-of-turn ids, read once at build time (and proving the tokenizer loads)."""
+    from .models import forge_text
+
+    try:
+        tokenizer = forge_text.load_tokenizer(str(source), trust_remote_code=spec.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any loader failure means the same thing to the user
+        raise UsageError(f"cannot load the tokenizer in {source}: {type(exc).__name__}: {exc}",
+                         hint="check the tokenizer files (or pass --trust-remote-code if it needs custom code)")
+    eos: list[int] = []
+    generation = source / "generation_config.json"
+    if generation.is_file():
+        try:
+            value = json.loads(generation.read_text()).get("eos_token_id")
+        except ValueError:
+            value = None
+        eos = [int(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.insert(0, int(tokenizer.eos_token_id))
+    if not eos:
+        raise UsageError(f"the tokenizer in {source} has no end-of-sequence token",
+                         hint="set one with -o end_id=<token id>")
+    pad = tokenizer.pad_token_id
+    return {"end_id": eos[0], "pad_id": eos[0] if pad is None else int(pad),
+            "stop_token_ids": ",".join(str(t) for t in eos[1:]), "vocab": len(tokenizer)}
+
+
+def _python_files(model_py: Path, tokenizer: Mapping[str, bytes]) -> dict[str, Path | bytes | str]:
+    # Contents, not paths: the driver hard-links paths, and a repository must never share inodes
+    # with forge's own sources or the user's checkpoint (editing one would change the other).
+    files: dict[str, Path | bytes | str] = {"1/model.py": model_py.read_bytes(),
+                                            "1/forge_text.py": model_files.TEXT.read_bytes()}
+    files.update({f"1/{TOKENIZER_DIR}/{name}": data for name, data in tokenizer.items()})
+    return files
+
+
+def _flag(params: Mapping[str, Any], key: str, options: Mapping[str, Any]) -> str:
+    """A tokenizer flag of forge's python models: -o value, else the profile's default, else true."""
+    value = options.get(key, params.get(key))
+    return "true" if value is None or _bool(value) else "false"
+
+
+def _max_input_len(spec, meta: Mapping[str, Any]) -> int:
+    positions = meta.get("max_position_embeddings")
+    limit = spec.limits.max_input_len
+    if isinstance(positions, int) and positions > 1:
+        limit = min(limit, positions - 1)
+    return limit
+
+
+def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[str, bytes],
+                        defaults: Mapping[str, Any], meta: Mapping[str, Any]) -> TritonModel:
+    """forge's preprocessing model with ``profile``'s tensor interface."""
+    spec = ctx.spec
+    inputs, outputs = _text_tensors(profile, PRE)
+    params = {p.key: _parameter_value(p, spec.options) for p in profile.params(PRE)
+              if p.key not in ("tokenizer_dir", "gpt_model_path")}
+    params.update({
+        "tokenizer_dir": TOKENIZER_DIR,
+        "add_special_tokens": _flag(params, "add_special_tokens", spec.options),
+        "end_id": ctx.option("end_id", defaults["end_id"]),
+        "pad_id": ctx.option("pad_id", defaults["pad_id"]),
+        "stop_token_ids": ctx.option("stop_token_ids", defaults["stop_token_ids"]),
+        "vocab_size": meta.get("vocab_size_padded") or meta.get("vocab_size") or defaults["vocab"],
+        "max_input_len": _max_input_len(spec, meta),
+        "trust_remote_code": spec.trust_remote_code,
+    })
+    if "gpt_model_path" in {p.key for p in profile.params(PRE)} and "engine_dir" in spec.options:
+        params["gpt_model_path"] = str(spec.options["engine_dir"])
+    batching = _batching(ctx, spec.limits.max_batch_size) if PRE in profile.dynamic_batching else False
+    config = tc.model_config(
+        component.model_name(PRE), backend="python", max_batch_size=spec.limits.max_batch_size,
+        inputs=[_message_input(t, t.dtype, ensemble_facing=True) for t in inputs],
+        outputs=[tc.model_output(t.name, t.dtype, t.dims) for t in outputs],
+        parameters=params, instances=_instances(ctx, "preprocessing_instance_count"),
+        dynamic_batching=batching)
+    return TritonModel(config, _python_files(model_files.PREPROCESSING, tokenizer))
+
+
+def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[str, bytes],
+                         meta: Mapping[str, Any], engine_dir: Path | None) -> TritonModel:
+    """forge's postprocessing model: the profile's tensors plus the ensemble's ``stream`` flag."""
+    spec = ctx.spec
+    inputs, outputs = _text_tensors(profile, POST)
+    params = {p.key: _parameter_value(p, spec.options) for p in profile.params(POST) if p.key != "tokenizer_dir"}
+    params.update({
+        "tokenizer_dir": TOKENIZER_DIR,
+        "skip_special_tokens": _flag(params, "skip_special_tokens", spec.options),
+        "trust_remote_code": spec.trust_remote_code,
+    })
+    messages = [_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in inputs]
+    if _stream_feed(profile):
+        # forge's own addition: streamed responses carry new tokens only and are decoded in context.
+        messages.append(tc.model_input("STREAM", "BOOL", [1], optional=True))
+    config = tc.model_config(
+        component.model_name(POST), backend="python", max_batch_size=spec.limits.max_batch_size,
+        inputs=messages,
+        outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims) for t in outputs],
+        parameters=params, instances=_instances(ctx, "postprocessing_instance_count"),
+        dynamic_batching=POST in profile.dynamic_batching)
+    return TritonModel(config, _python_files(model_files.POSTPROCESSING, tokenizer))
+
+
+def bls_routes(profile: Profile) -> dict[str, Any]:
+    """How the BLS model maps its tensors onto preprocessing and tensorrt_llm (same names as the ensemble)."""
+    bls_inputs = {t.name for t in profile.interface(BLS).inputs}
+    bls_outputs = {t.name for t in profile.interface(BLS).outputs}
+    routes = profiles.routes(profile, include=lambda model, t: not t.multimodal)
+    post_in = {t.name: t.src for t in profile.interface(POST).inputs if t.src}
+    outputs = []
+    for model, tensor, name in routes.results:
+        if name == "text_output" or name not in bls_outputs:
+            continue
+        if model == LLM:
+            outputs.append([tensor, name])
+        elif model == POST and tensor.startswith("OUT_") and (post_in.get(tensor[4:]) or "").startswith(LLM + "."):
+            outputs.append([post_in[tensor[4:]].split(".", 1)[1], name])
+    stream = _stream_feed(profile)
+    return {
+        "preprocessing": [[feed, tensor] for feed, model, tensor in routes.feeds if model == PRE and feed in bls_inputs],
+        "tensorrt_llm": [[feed, tensor] for feed, model, tensor in routes.feeds if model == LLM and feed in bls_inputs],
+        "links": [[src_t, dst_t] for src_m, src_t, dst_m, dst_t in routes.links if src_m == PRE and dst_m == LLM],
+        "outputs": outputs,
+        "stream_input": "streaming" if stream else None,
+    }
+
+
+def bls_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[str, bytes],
+              meta: Mapping[str, Any], engine_dir: Path | None, decoupled: bool) -> TritonModel:
+    """forge's tensorrt_llm_bls model with ``profile``'s BLS interface."""
+    spec = ctx.spec
+    spec_io = profile.interface(BLS)
+    params = {p.key: _parameter_value(p, spec.options) for p in profile.params(BLS)}
+    params.update({
+        "tensorrt_llm_model_name": component.model_name(LLM),
+        "preprocessing_model_name": component.model_name(PRE),
+        "tokenizer_dir": TOKENIZER_DIR,
+        "skip_special_tokens": _flag({}, "skip_special_tokens", spec.options),
+        "forge_routes": json.dumps(bls_routes(profile), separators=(",", ":")),
+        "trust_remote_code": spec.trust_remote_code,
+    })
+    config = tc.model_config(
+        component.model_name(BLS), backend="python", max_batch_size=spec.limits.max_batch_size,
+        inputs=[_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs],
+        outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)
+                 for t in spec_io.outputs],
+        parameters=params, instances=_instances(ctx, "bls_instance_count"), decoupled=decoupled)
+    return TritonModel(config, _python_files(model_files.BLS, tokenizer))
+
+
+def engine_files(engine_dir: Path) -> dict[str, Path]:
+    """``1/<file>`` → file for every file of a built engine directory (logs left out)."""
+    files = {f"1/{path.relative_to(engine_dir).as_posix()}": path
+             for path in sorted(engine_dir.rglob("*")) if path.is_file() and path.suffix != ".log"}
+    if "1/config.json" not in files or not any(k.endswith(".engine") for k in files):
+        raise ForgeError(f"engine directory {engine_dir} lacks config.json or rank*.engine files",
+                         hint="rebuild the engine (the compile stage did not finish)")
+    return files
+
+
+def tensorrt_llm_model(component: Component, profile: Profile, ctx, artifact: Artifact) -> TritonModel:
+    """The C++ ``tensorrt_llm`` model serving the engine placed in ``tensorrt_llm/1``."""
+    spec = ctx.spec
+    engine_dir = Path(artifact.path)
+    name = component.model_name(LLM)
+    # The C++ backend reads gpt_model_path as given (relative paths would follow the server's cwd),
+    # so point at the engine's final place; -o engine_dir=… overrides it for repositories mounted elsewhere.
+    default_path = str((spec.out / name / "1").resolve())
+    inputs, outputs = tensorrt_llm_io(profile, spec, artifact.meta, engine_dir)
+    params = tensorrt_llm_parameters(profile, spec, engine_dir=default_path, log=ctx.log)
+    decoupled = _bool(ctx.option("decoupled", False))
+    batching = _batching(ctx, spec.limits.max_batch_size) if LLM in profile.dynamic_batching else False
+    config = tc.model_config(name, backend="tensorrtllm", max_batch_size=spec.limits.max_batch_size,
+                             inputs=inputs, outputs=outputs, parameters=params, instances=1,
+                             instance_kind="KIND_CPU", dynamic_batching=batching, decoupled=decoupled)
+    world = int(artifact.meta.get("world_size", 1) or 1)
+    if world > 1:
+        ctx.log(f"{name}: {world} ranks; serve it with one MPI rank per GPU (forge serve does this, or "
+                f"launch tritonserver under mpirun -n {world})")
+    return TritonModel(config, engine_files(engine_dir))
+
+
+def _python_target_model(adapter, component: Component, artifact: Artifact, ctx, profile: Profile) -> TritonModel:
+    try:
+        from . import pytarget
+    except ImportError as exc:
+        raise ForgeError(f"--target python is not available in this forge installation ({exc})") from None
+    emit_model = getattr(pytarget, "emit_model", None)
+    if emit_model is None:
+        raise ForgeError("--target python is not available in this forge installation "
+                         "(forge.llm.pytarget has no emit_model)")
+    return emit_model(adapter, component, artifact, ctx, profile)
+
+
+def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonModel]:
+    """Every Triton model of a decoder component (the ensemble comes from :func:`edges`)."""
+    profile = check_options(ctx.spec)
+    meta = dict(artifact.meta or {})
+    tokenizer = tokenizer_files(component.source)
+    defaults = _tokenizer_defaults(component.source, ctx.spec)
+    if ctx.target == "tensorrtllm":
+        if artifact.kind != "trtllm-engine":
+            raise ForgeError(f"--target tensorrtllm needs a built engine, but the compile stage returned "
+                             f"a {artifact.kind!r} artifact")
+        llm = tensorrt_llm_model(component, profile, ctx, artifact)
+        engine_dir: Path | None = Path(artifact.path)
+    elif ctx.target == "python":
+        llm = _python_target_model(adapter, component, artifact, ctx, profile)
+        engine_dir = None
+    else:
+        raise UsageError(f"decoders build for --target tensorrtllm or python, not {ctx.target}")
+    decoupled = llm.config.model_transaction_policy.decoupled
+    models = [preprocessing_model(component, profile, ctx, tokenizer, defaults, meta), llm,
+              postprocessing_model(component, profile, ctx, tokenizer, meta, engine_dir)]
+    if _bool(ctx.option("bls", False)):
+        models.append(bls_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled))
+    ctx.log(f"{component.name}: tensorrtllm_backend {profile.version} interface "
+            f"(container {profile.container})")
+    return models
+
+
+def edges(component: Component, models: Mapping[str, TritonModel], ctx) -> list[Edge]:
+    """The ensemble of a decoder component: ``text_input`` → preprocessing → tensorrt_llm → postprocessing."""
+    profile = profile_of(ctx.spec)
+    ensemble = component.ensemble
+    name = {role: component.model_name(role) for role in (PRE, LLM, POST)}
+    routes = profiles.routes(profile, include=lambda model, t: not t.multimodal)
+    result: list[Edge] = []
+    for feed, model, tensor in routes.feeds:
+        result.append(Edge.feed(feed, name[model], tensor, ensemble=ensemble))
+    for src_model, src_tensor, dst_model, dst_tensor in routes.links:
+        result.append(Edge.link(name[src_model], src_tensor, name[dst_model], dst_tensor, ensemble=ensemble))
+    for model, tensor, output in routes.results:
+        result.append(Edge.result(name[model], tensor, output, ensemble=ensemble))
+    stream = _stream_feed(profile)
+    post = models.get(name[POST])
+    if stream and post is not None and any(t.name == "STREAM" for t in post.config.input):
+        result.append(Edge.feed(stream, name[POST], "STREAM", ensemble=ensemble))
+    return result
