@@ -123,6 +123,9 @@ def export_onnx(module, iface: TowerInterface, feeds: dict[str, Any], path: Path
     path.parent.mkdir(parents=True, exist_ok=True)
     args = tuple(torch.from_numpy(feeds[t.name]) for t in iface.inputs)
     axes = dynamic_axes(iface)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    # nn.MultiheadAttention's inference fast path (open_clip) traces to an op ONNX does not have.
+    torch.backends.mha.set_fastpath_enabled(False)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # tracer warnings about python branches on shapes
         try:
@@ -133,6 +136,8 @@ def export_onnx(module, iface: TowerInterface, feeds: dict[str, Any], path: Path
         except Exception as exc:  # the exporter raises many types; all mean "this graph did not export"
             raise ForgeError(f"ONNX export of the {iface.role} tower failed: {type(exc).__name__}: "
                              f"{str(exc).splitlines()[0][:300]}", hint="try another -o opset=N") from exc
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
     onnx.checker.check_model(str(path))
     graph = onnx.load(str(path), load_external_data=False).graph
     ops = collections.Counter(node.op_type for node in graph.node)

@@ -32,7 +32,7 @@ def text_parameters(iface: TowerInterface, opts: EncoderOptions) -> dict[str, st
     pp = iface.preprocessing
     return {"tokenizer_file": TOKENIZER_FILE, "max_length": _string(pp["max_length"]),
             "padding": text_padding(iface, opts), "pad_id": _string(pp.get("pad_id", 0)),
-            "lowercase": _string(bool(pp.get("lowercase", False))),
+            "lowercase": _string(bool(pp.get("lowercase", False))), "clean": pp.get("clean", "none"),
             "outputs": ",".join(t.name for t in iface.inputs)}
 
 

@@ -8,6 +8,7 @@ Padding is to the longest text of the request (``padding=longest``) or to ``max_
 
 from __future__ import annotations
 
+import html
 import json
 import os
 
@@ -19,15 +20,38 @@ except ImportError:  # imported by forge itself for parity checks
     pb_utils = None
 
 
+def _open_clip_cleaner():
+    """open_clip's default text cleaning (ftfy, HTML entities, whitespace, lower case)."""
+    try:
+        import ftfy
+    except ImportError:
+        raise RuntimeError("this tokenizer cleans text like open_clip and needs the ftfy package "
+                           "(pip install ftfy)") from None
+
+    def clean(text: str) -> str:
+        text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+        return " ".join(text.split()).lower()
+
+    return clean
+
+
+#: Text cleaning applied before the tokenizer, as the model's own tokenizer library does it.
+CLEANERS = {"none": lambda: None, "open_clip": _open_clip_cleaner}
+
+
 class TextTokenizer:
     """Tokenize, truncate and pad a batch of texts."""
 
     def __init__(self, tokenizer_file: str, *, max_length: int, padding: str = "longest", pad_id: int = 0,
-                 lowercase: bool = False, outputs: tuple[str, ...] = ("input_ids", "attention_mask")):
+                 lowercase: bool = False, clean: str = "none",
+                 outputs: tuple[str, ...] = ("input_ids", "attention_mask")):
         from tokenizers import Tokenizer
 
         if padding not in ("longest", "max_length"):
             raise ValueError(f"padding must be longest or max_length, not {padding!r}")
+        if clean not in CLEANERS:
+            raise ValueError(f"clean must be one of {', '.join(CLEANERS)}, not {clean!r}")
+        self.clean = CLEANERS[clean]()
         self.tokenizer = Tokenizer.from_file(tokenizer_file)
         self.tokenizer.no_padding()  # padding is done below, with the pad id and dtype we need
         self.tokenizer.enable_truncation(max_length)
@@ -35,6 +59,8 @@ class TextTokenizer:
         self.lowercase, self.outputs = lowercase, tuple(outputs)
 
     def __call__(self, texts: list[str]) -> dict[str, np.ndarray]:
+        if self.clean is not None:
+            texts = [self.clean(t) for t in texts]
         if self.lowercase:
             texts = [t.lower() for t in texts]
         encodings = self.tokenizer.encode_batch(texts)
@@ -71,6 +97,7 @@ def from_parameters(params: dict[str, str], directory: str) -> TextTokenizer:
         os.path.join(directory, params.get("tokenizer_file", "tokenizer.json")),
         max_length=int(params["max_length"]), padding=params.get("padding", "longest"),
         pad_id=int(params.get("pad_id", "0")), lowercase=params.get("lowercase", "false") == "true",
+        clean=params.get("clean", "none"),
         outputs=tuple(params.get("outputs", "input_ids,attention_mask").split(",")))
 
 
