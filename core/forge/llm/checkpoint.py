@@ -28,7 +28,7 @@ ARTIFACT_KIND = "trtllm-checkpoint"
 DTYPE_TAGS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # numpy has no bfloat16: raw bits
 _READABLE = {**_NUMPY, "F64": np.float64, "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32,
-             "I64": np.int64}  # quantized checkpoints (read by the reference model) hold integer tensors
+             "I64": np.int64, "F8_E4M3": np.uint8}  # quantized checkpoints (read by the reference model)
 _BITS = {"F32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "F16": (np.uint16, 0x7FFF, 0x7C00),
          "BF16": (np.uint16, 0x7FFF, 0x7F80)}  # (view type, abs mask, exponent-all-ones)
 CHUNK_BYTES = 16 << 20  # rows are converted and written in blocks of about this size
@@ -61,7 +61,8 @@ def convert(a: np.ndarray, src: str, dst: str) -> np.ndarray:
     if src == dst:
         return np.ascontiguousarray(a)
     if src != "BF16" and dst != "BF16":
-        return np.ascontiguousarray(a, dtype=_NUMPY[dst])
+        with np.errstate(over="ignore"):  # overflow shows up as Inf and is reported by the caller
+            return np.ascontiguousarray(a, dtype=_NUMPY[dst])
     return np.ascontiguousarray(from_float32(to_float32(a, src), dst))
 
 
@@ -519,8 +520,12 @@ def checkpoint_meta(adapter: DecoderAdapter, norm: Mapping[str, Any], hf_archite
 def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weight_files: Sequence[Path],
                        out: Path, *, dtype: str, tp: int, pp: int, weight_format: str = "safetensors",
                        prefixes: Sequence[str] | None = None, where: str = "checkpoint",
-                       log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
-    """Convert a checkpoint (config dict + weight files) into ``out``; return the normalized config."""
+                       log: Callable[[str], None] = lambda m: None, write: bool = True) -> dict[str, Any]:
+    """Convert a checkpoint (config dict + weight files) into ``out``; return the normalized config.
+
+    With ``write=False`` only the checks run (config, parallelism, every tensor's name, dtype and
+    shape, read from the headers), which is what ``--dry-run`` does.
+    """
     if dtype not in DTYPE_TAGS:
         raise UsageError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_TAGS)}")
     architecture = (config.get("architectures") or [""])[0]
@@ -533,6 +538,8 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
     tag = DTYPE_TAGS[dtype]
     with SourceIndex(weight_files, weight_format) as index:
         jobs = plan(adapter, norm, tp, pp, index, prefixes, where)
+        if not write:
+            return norm
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(trtllm_config(adapter, norm, dtype, tp, pp), indent=2))
         layouts: dict[int, list[tuple[str, tuple[int, ...]]]] = {r: [] for r in range(tp * pp)}
@@ -568,7 +575,7 @@ def export(adapter: DecoderAdapter, source: Path, ctx, *, hf_config: Mapping[str
     out = ctx.workdir / "checkpoint"
     norm = convert_checkpoint(adapter, config, checkpoint.weight_files, out, dtype=spec.dtype, tp=spec.tp,
                               pp=spec.pp, weight_format=checkpoint.weight_format, prefixes=prefixes,
-                              where=str(source), log=ctx.log)
+                              where=str(source), log=ctx.log, write=not ctx.dry_run)
     architecture = (config.get("architectures") or [""])[0]
     meta = checkpoint_meta(adapter, norm, architecture, spec.dtype, spec.tp, spec.pp, source)
     ctx.note("export", {"format": "tensorrt-llm unified checkpoint", "architecture": meta["architecture"],

@@ -21,14 +21,32 @@ _RMSNORM_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 _TANH_GELU = {"gelu_new", "gelu_fast", "gelu_pytorch_tanh", "openai-gelu"}
 
 
+def _float8_e4m3_table() -> np.ndarray:
+    # FP8 E4M3 ("fn": no infinities, 0x7F/0xFF are NaN), decoded once into a 256-entry table.
+    b = np.arange(256)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, (b & 7) / 8.0
+    value = np.where(exp == 0, man * 2.0 ** -6, (1.0 + man) * 2.0 ** (exp - 7.0)) * sign
+    value[(b & 0x7F) == 0x7F] = np.nan
+    return value.astype(np.float32)
+
+
+_FP8 = _float8_e4m3_table()
+
+
 def load_rank(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one rank file as numpy (floating point as float32, integers unchanged)."""
+    """Every tensor of one rank file as numpy (floating point, FP8 included, as float32; integers unchanged)."""
     f = SafetensorsFile(Path(path))
     try:
         out = {}
         for name, ref in f.refs.items():
             a = ref.array()
-            out[name] = to_float32(a, ref.tag).copy() if ref.tag in ("F32", "F16", "BF16") else a.copy()
+            if ref.tag in ("F32", "F16", "BF16"):
+                out[name] = to_float32(a, ref.tag).copy()
+            elif ref.tag == "F8_E4M3":
+                out[name] = _FP8[a]
+            else:
+                out[name] = a.copy()
         return out
     finally:
         f.close()
@@ -85,7 +103,9 @@ class ReferenceModel:
         quant = self.config.get("quantization") or {}
         self.quant_algo = quant.get("quant_algo")
         self.group_size = quant.get("group_size", 128)
-        if self.quant_algo not in (None, "W8A16", "W4A16", "W4A16_AWQ"):
+        # Weight-only algorithms are applied by trtllm-build, so W8A16/W4A16 checkpoints hold float weights;
+        # FP8 checkpoints are evaluated with dequantized weights and unquantized activations.
+        if self.quant_algo not in (None, "W8A16", "W4A16", "W4A16_AWQ", "FP8"):
             raise NotImplementedError(f"reference model cannot evaluate {self.quant_algo} checkpoints")
         self.rmsnorm = bool(self.config.get("rmsnorm")) or self.config["architecture"] in _RMSNORM_ARCHITECTURES
 
@@ -105,6 +125,9 @@ class ReferenceModel:
         weight = w[f"{prefix}.weight"]
         if weight.dtype == np.int8 and f"{prefix}.weights_scaling_factor" in w:
             weight = dequantize_awq(w, prefix, self.group_size)
+        elif self.quant_algo == "FP8" and f"{prefix}.weights_scaling_factor" in w:
+            scale = w[f"{prefix}.weights_scaling_factor"].astype(np.float32)
+            weight = weight * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(()))
         y = x @ weight.T
         if bias and f"{prefix}.bias" in w:
             y = y + w[f"{prefix}.bias"]

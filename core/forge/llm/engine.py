@@ -1,0 +1,118 @@
+"""The compile stage for ``--target tensorrtllm``: ``trtllm-build`` over a unified checkpoint.
+
+The command line follows the flag set of the chosen backend version (``--backend-version``; the
+newest when absent) and is run through ``ctx.run_tool``, so it lands in the manifest and a missing
+``trtllm-build`` becomes a clear error naming the command and the ``python`` target.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Mapping
+
+from forge.components import Artifact
+from forge.errors import ForgeError, UsageError
+
+ARTIFACT_KIND = "trtllm-engine"
+NEWEST = (99, 0, 0)  # no --backend-version: the newest trtllm-build flag set
+
+# Flag history of trtllm-build, as (first version, meaning).
+_SEQ_LEN = (0, 11)  # --max_seq_len replaced --max_output_len
+_PAGED_CONTEXT_FMHA = (0, 9)  # --use_paged_context_fmha
+_MULTIPLE_PROFILES = (0, 11)  # --multiple_profiles
+_KV_CACHE_TYPE = (1, 0)  # --kv_cache_type paged supersedes --paged_kv_cache enable
+_TRTLLM_BUILD = (0, 8)  # trtllm-build and the unified checkpoint first shipped here
+
+
+def parse_version(text: str | None) -> tuple[int, int, int]:
+    """``"v0.13.0"`` → (0, 13, 0); None → the newest flag set."""
+    if text is None:
+        return NEWEST
+    match = re.fullmatch(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.-]?\w*)?", text.strip())
+    if not match:
+        raise UsageError(f"cannot read --backend-version {text!r}; write it like v0.13.0")
+    return tuple(int(part or 0) for part in match.groups())  # type: ignore[return-value]
+
+
+def _switch(value: bool) -> str:
+    return "enable" if value else "disable"
+
+
+def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any], spec,
+                  options: Mapping[str, Any]) -> list[str]:
+    """The ``trtllm-build`` argv for a checkpoint, the build limits and the backend version."""
+    version = parse_version(spec.backend_version)
+    lim = spec.limits
+    dtype = meta["dtype"]
+    quant = meta.get("quant") or {}
+    argv = ["trtllm-build", "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(output_dir),
+            "--max_batch_size", str(lim.max_batch_size), "--max_input_len", str(lim.max_input_len)]
+    if version >= _SEQ_LEN:
+        argv += ["--max_seq_len", str(lim.max_seq_len)]
+    else:  # older builds bound the generated tokens instead of the whole sequence
+        argv += ["--max_output_len", str(lim.max_seq_len - lim.max_input_len)]
+    argv += ["--max_beam_width", str(lim.max_beam_width)]
+    if lim.max_num_tokens:
+        argv += ["--max_num_tokens", str(lim.max_num_tokens)]
+    argv += ["--gpt_attention_plugin", dtype]
+    if quant.get("quant_algo") != "FP8":  # FP8 GEMMs run in TensorRT itself, not the gemm plugin
+        argv += ["--gemm_plugin", dtype]
+    if version >= _KV_CACHE_TYPE:
+        argv += ["--kv_cache_type", "paged"]
+    else:
+        argv += ["--paged_kv_cache", "enable"]
+    argv += ["--remove_input_padding", "enable"]
+    fmha = dtype != "float32" and bool(options.get("context_fmha", True))  # fused MHA has no fp32 kernels
+    argv += ["--context_fmha", _switch(fmha)]
+    if version >= _PAGED_CONTEXT_FMHA:
+        argv += ["--use_paged_context_fmha", _switch(fmha and bool(options.get("paged_context_fmha", True)))]
+    if version >= _MULTIPLE_PROFILES:
+        argv += ["--multiple_profiles", _switch(bool(options.get("multiple_profiles", True)))]
+    workers = int(options.get("workers") or meta.get("world_size", 1))
+    if workers > 1:
+        argv += ["--workers", str(workers)]
+    extra = options.get("trtllm_build_args")
+    if extra:
+        argv += shlex.split(str(extra))
+    return argv
+
+
+def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stage's name)
+    """The compile stage: build engines into ``ctx.workdir/engine`` (only record the command on --dry-run)."""
+    meta = dict(artifact.meta)
+    spec = ctx.spec
+    output_dir = ctx.workdir / "engine"
+    # Run inside the stage's work directory with a relative --output_dir: the recorded command stays
+    # meaningful after the driver moves the work directory into its cache.
+    argv = build_command(artifact.path, Path("engine"), meta, spec, spec.options)
+    version = parse_version(spec.backend_version)
+    if version < _TRTLLM_BUILD:
+        ctx.note("compatibility", f"TensorRT-LLM {spec.backend_version} predates trtllm-build and the unified "
+                                  "checkpoint (0.8); the recorded command uses the oldest trtllm-build flags")
+    ctx.run_tool(argv, purpose="--target tensorrtllm (building TensorRT-LLM engines)", cwd=ctx.workdir)
+    if ctx.dry_run:
+        return None  # nothing was built; the plan shows the command
+    world = int(meta.get("world_size", 1))
+    missing = [f"rank{r}.engine" for r in range(world) if not (output_dir / f"rank{r}.engine").is_file()]
+    if not (output_dir / "config.json").is_file():
+        missing.insert(0, "config.json")
+    if missing:
+        raise ForgeError(f"trtllm-build finished but {output_dir} lacks {', '.join(missing)}",
+                         hint=f"see {ctx.workdir / 'trtllm-build.log'}")
+    try:
+        built = json.loads((output_dir / "config.json").read_text())
+    except ValueError as exc:
+        raise ForgeError(f"trtllm-build wrote an unreadable {output_dir / 'config.json'}: {exc}") from None
+    lim = spec.limits
+    meta["engine"] = {
+        "backend_version": spec.backend_version,
+        "max_batch_size": lim.max_batch_size, "max_input_len": lim.max_input_len,
+        "max_seq_len": lim.max_seq_len, "max_num_tokens": lim.max_num_tokens,
+        "max_beam_width": lim.max_beam_width, "paged_kv_cache": True, "remove_input_padding": True,
+        "trtllm_version": built.get("version"),
+    }
+    ctx.note("engine", {"files": sorted(p.name for p in output_dir.iterdir()), "command": shlex.join(argv)})
+    return Artifact(ARTIFACT_KIND, output_dir, meta)
