@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from ..cache import cache_dir
 from ..errors import ForgeError, ToolMissingError
+from . import launch
 
 
 def pytriton_root() -> Path:
@@ -82,6 +84,18 @@ def tritonserver_binary() -> Path:
     return pytriton_root() / "tritonserver" / "bin" / "tritonserver"
 
 
+_LOAD_FAILURE = re.compile(r"failed to load '(?P<model>[^']+)' version \d+: (?P<reason>.*)")
+
+
+def _first_line(reason: str) -> str:
+    """A Triton error reason without its traceback (``\\n``-escaped in the log) or status prefix."""
+    reason = reason.replace("\\n", "\n").strip().strip('"')
+    first = reason.split("\n", 1)[0].strip()
+    for prefix in ("Internal: ", "Invalid argument: ", "Unavailable: ", "Not found: "):
+        first = first.removeprefix(prefix)
+    return first[:500]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -105,6 +119,7 @@ class TritonServer:
     startup_timeout: float = 300.0
     extra_args: list[str] = field(default_factory=list)
     shm_prefix: str = ""
+    world: launch.Layout | None = None  # several ranks: one tritonserver per rank under mpirun
     process: subprocess.Popen | None = None
 
     @property
@@ -126,6 +141,13 @@ class TritonServer:
     def command(self) -> list[str]:
         repo = Path(self.repo).resolve()
         prefix = self.shm_prefix or f"forge{os.getpid()}_{self.http_port}_"
+        if self.world is not None and self.world.world_size > 1:
+            return launch.mpirun_command(
+                str(tritonserver_binary()), repo, self.world, host=self.host, http_port=self.http_port,
+                grpc_port=self.grpc_port, metrics_port=self.metrics_port, shm_prefix=prefix,
+                extra=["--exit-on-error=true", "--strict-readiness=true", "--exit-timeout-secs=10",
+                       *self.extra_args],
+                mpirun=launch.find_mpirun() or "mpirun")
         return [str(tritonserver_binary()), f"--model-repository={repo}",
                 f"--backend-directory={backend_directory()}",
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
@@ -145,10 +167,18 @@ class TritonServer:
         binary = tritonserver_binary()
         if not binary.is_file():
             raise ToolMissingError(f"tritonserver binary not found at {binary}")
+        if self.world is not None and self.world.world_size > 1 and launch.find_mpirun() is None:
+            import shlex
+
+            raise ToolMissingError(
+                f"this repository needs {self.world.world_size} ranks, and mpirun is not installed",
+                hint=f"install Open MPI, or run on a machine that has it: {shlex.join(self.command())}")
         if self.log_file is None:
             handle, name = tempfile.mkstemp(prefix="forge-tritonserver-", suffix=".log")
             os.close(handle)
             self.log_file = Path(name)
+        self.log_file = Path(self.log_file)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "w")
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                         env=server_environment(), start_new_session=True)
@@ -189,18 +219,27 @@ class TritonServer:
         raise ForgeError(f"tritonserver did not become ready within {self.startup_timeout:.0f}s: "
                          f"{self.failure()}", hint=f"full log: {self.log_file}")
 
+    def wait(self) -> int:
+        """Block until the server exits; its exit status."""
+        return self.process.wait() if self.process is not None else 0
+
     def failure(self) -> str:
         """The most specific error the server reported (a model's load failure if there is one)."""
         try:
             for model in self.models():
                 if model.get("state") == "UNAVAILABLE" and model.get("reason"):
-                    return f"model {model['name']!r}: {model['reason']}"
+                    return f"model {model['name']!r}: {_first_line(model['reason'])}"
         except (OSError, ValueError):
             pass
-        text = self.log_file.read_text(errors="replace") if self.log_file and self.log_file.exists() else ""
+        log = Path(self.log_file) if self.log_file else None
+        text = log.read_text(errors="replace") if log and log.exists() else ""
         for line in text.splitlines():
-            if "failed to load" in line or ("E" == line[:1] and "error" in line.lower()):
-                return line.strip()[:500]
+            match = _LOAD_FAILURE.search(line)
+            if match:
+                return f"model {match['model']!r}: {_first_line(match['reason'])}"
+        for line in text.splitlines():
+            if line[:1] == "E" or "error" in line.lower():
+                return _first_line(line.split("] ", 1)[-1])
         lines = [l for l in text.splitlines() if l.strip()]
         return lines[-1][:500] if lines else "no output"
 

@@ -1,0 +1,112 @@
+"""forge infer: ask a served decoder (HTTP generate endpoint, or gRPC streaming with --stream)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import UsageError
+
+HELP = "send a prompt to a served model (HTTP generate endpoint; gRPC streaming with --stream)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=20, help="tokens to generate (default 20)")
+    p.add_argument("--model", default="ensemble", help="model to ask (default: ensemble)")
+    p.add_argument("--url", default="localhost:8000", help="HTTP endpoint host:port (default localhost:8000)")
+    p.add_argument("--grpc-url", default=None,
+                   help="gRPC endpoint for --stream / --stop-after-ms (default: --url's host, port 8001)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they arrive (gRPC streaming; "
+                   "needs a repository built with --decoupled)")
+    p.add_argument("--stop-after-ms", type=float, default=None, metavar="MS",
+                   help="cancel the request after this long (generation stops on the server)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None, help="random seed (sampling)")
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--min-length", type=int, default=None)
+    p.add_argument("--stop-words", action="append", default=[], metavar="WORD",
+                   help="stop when this text is generated (repeatable)")
+    p.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                   help="never generate this text (repeatable)")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="TOKENIZER_DIR",
+                   help="wrap the prompt as a user message with this tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print the whole response as json")
+
+
+def _grpc_url(args: argparse.Namespace) -> str:
+    if args.grpc_url:
+        return args.grpc_url
+    from ..serving.client import grpc_target
+
+    host = grpc_target(args.url).rsplit(":", 1)[0] if ":" in grpc_target(args.url) else grpc_target(args.url)
+    return f"{host}:8001"
+
+
+def chat_prompt(tokenizer_dir: Path, text: str) -> str:
+    """``text`` as a single user turn in the tokenizer's chat template, ready for the assistant."""
+    from transformers import AutoTokenizer
+
+    if not tokenizer_dir.is_dir():
+        raise UsageError(f"--chat-template {tokenizer_dir} is not a directory")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"the tokenizer in {tokenizer_dir} has no chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..serving import client
+    from ..ui import emit_json
+
+    if args.max_tokens < 1:
+        raise UsageError("--max-tokens must be at least 1")
+    if not args.prompt:
+        raise UsageError("the prompt is empty")
+    prompt = chat_prompt(args.chat_template, args.prompt) if args.chat_template else args.prompt
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+                "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+                "frequency_penalty": args.frequency_penalty, "min_length": args.min_length}
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+
+    if not args.stream and args.stop_after_ms is None:
+        inputs = client.ModelInputs.from_config(client.model_config(args.url, args.model))
+        payload = client.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,
+                                          bad_words=args.bad_words, **sampling)
+        response = client.generate(args.url, args.model, payload)
+        if args.json:
+            emit_json(response)
+        else:
+            print(client.text_of(response.get("text_output", "")))
+        return 0
+
+    stop_s = None if args.stop_after_ms is None else args.stop_after_ms / 1000.0
+    with client.GrpcSession(_grpc_url(args)) as session:
+        inputs = session.config(args.model)
+        tensors = client.text_request(inputs, prompt, args.max_tokens, stream=args.stream,
+                                      stop_words=args.stop_words, bad_words=args.bad_words, **sampling)
+        pieces: list[str] = []
+        try:
+            for event in session.stream(args.model, tensors, stop_after_s=stop_s):
+                if "text_output" in event.outputs:
+                    piece = client.text_of(event.outputs["text_output"])
+                    pieces.append(piece)
+                    if not args.json:
+                        print(piece, end="" if args.stream else "\n", flush=True)
+        except TimeoutError as exc:
+            if not args.json:
+                print(("\n" if args.stream and pieces else "") + f"({exc})", file=sys.stderr)
+            else:
+                emit_json({"text_output": "".join(pieces), "cancelled": True})
+            return 0
+        if args.json:
+            emit_json({"text_output": "".join(pieces), "cancelled": False})
+        elif args.stream:
+            print()
+    return 0

@@ -1,0 +1,113 @@
+"""forge serve: run a real tritonserver on a model repository, in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import ForgeError, ToolMissingError, UsageError, ValidationError
+
+HELP = "serve a Triton model repository with a real tritonserver (local, or the NGC container with --docker)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("repo", type=Path, metavar="REPO", help="model repository (forge-built or hand-written)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--log-file", type=Path, default=None, help="tritonserver log (default: a temporary file)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="MPI ranks (default: the engine's tp × pp; a different value is refused)")
+    p.add_argument("--docker", action="store_true",
+                   help="print the NGC tritonserver container command for this repository's profile")
+    p.add_argument("--run", action="store_true", help="with --docker: run the printed command")
+    p.add_argument("--backend-version", default=None, metavar="X",
+                   help="with --docker: container of this backend profile (default: the repository's)")
+    p.add_argument("--gpus", default="all", help="with --docker: GPUs to pass (all, none, or ids like 0,1)")
+    p.add_argument("--shm-size", default="2g", help="with --docker: shared memory size (default 2g)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for READY")
+    p.add_argument("--json", action="store_true", help="print the endpoints as json when ready")
+
+
+def _check(repo: Path) -> None:
+    from ..validate import validate_repository
+
+    if not repo.is_dir():
+        raise UsageError(f"{repo} is not a directory")
+    problems = validate_repository(repo)
+    if problems:
+        more = f" (and {len(problems) - 1} more; see forge validate)" if len(problems) > 1 else ""
+        raise ValidationError(f"refusing to serve {repo}: {problems[0]}{more}")
+
+
+def _docker(args: argparse.Namespace, world) -> int:
+    from ..serving import launch
+
+    image, version = launch.container_image(args.repo, args.backend_version)
+    argv = launch.docker_command(args.repo, world, image, host=args.host, http_port=args.http_port,
+                                 grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                                 shm_size=args.shm_size, gpus=args.gpus, log_file=args.log_file)
+    print(f"# tensorrtllm_backend {version}, {world.world_size} rank(s)", file=sys.stderr)
+    print(shlex.join(argv))
+    if not args.run:
+        return 0
+    import shutil
+
+    if shutil.which("docker") is None:
+        raise ToolMissingError("docker is not installed", hint="run the printed command where docker is")
+    return subprocess.call(argv)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..serving import launch
+    from ..serving.server import TritonServer
+    from ..ui import emit_json
+
+    _check(args.repo)
+    world = launch.layout(args.repo, args.world_size)
+    if args.docker:
+        return _docker(args, world)
+    if args.run:
+        raise UsageError("--run only goes with --docker")
+    server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, log_file=args.log_file,
+                          startup_timeout=args.startup_timeout, world=world)
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        server.start()
+        models = [m for m in server.models() if m.get("state") == "READY"]
+        info = {"http": f"http://{server.http_url}", "grpc": server.grpc_url, "metrics": server.metrics_url,
+                "log": str(server.log_file), "world_size": world.world_size,
+                "models": [m["name"] for m in models]}
+        if args.json:
+            emit_json(info)
+        else:
+            print(f"serving {args.repo} ({len(models)} models READY: {', '.join(info['models'])})")
+            print(f"  HTTP     {info['http']}   (POST /v2/models/<model>/generate)")
+            print(f"  gRPC     {info['grpc']}")
+            print(f"  metrics  {info['metrics']}")
+            print(f"  log      {info['log']}")
+            print("press Ctrl-C to stop", flush=True)
+        sys.stdout.flush()
+        status = server.wait()
+        raise ForgeError(f"tritonserver exited with status {status}: {server.failure()}",
+                         hint=f"full log: {server.log_file}")
+    except (_Stop, KeyboardInterrupt):
+        print("stopping tritonserver", file=sys.stderr)
+        return 0
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)

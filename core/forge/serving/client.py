@@ -1,0 +1,274 @@
+"""Clients of a served decoder: Triton's HTTP generate endpoint and gRPC (streaming) inference.
+
+Inputs are typed from the served model's own config, so one client talks to repositories of every
+backend profile (``max_tokens`` is UINT32 for v0.5.0 and INT32 later; ``text_input`` is ``[-1]`` or
+``[1]``) and to hand-written text models that take ``text_input`` and ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from ..errors import ForgeError, UsageError
+
+_NUMPY = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
+          "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+          "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "STRING": np.object_,
+          "BYTES": np.object_}
+
+# forge infer's sampling flags → the ensemble / BLS input names of tensorrtllm_backend
+SAMPLING_INPUTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "random_seed",
+                   "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty", "min_length": "min_length"}
+
+
+def http_base(url: str) -> str:
+    return url if url.startswith(("http://", "https://")) else f"http://{url}"
+
+
+def grpc_target(url: str) -> str:
+    for prefix in ("grpc://", "http://", "https://"):
+        url = url.removeprefix(prefix)
+    return url.rstrip("/")
+
+
+@dataclass
+class ModelInputs:
+    """The inputs of a served model: name → (Triton dtype, dims without the batch dim), and batching."""
+
+    name: str
+    inputs: dict[str, tuple[str, list[int]]]
+    batching: bool
+    outputs: list[str] = field(default_factory=list)
+    decoupled: bool = False
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "ModelInputs":
+        inputs = {i["name"]: (i["data_type"].removeprefix("TYPE_"), [int(d) for d in i.get("dims", [])])
+                  for i in config.get("input", [])}
+        outputs = [o["name"] for o in config.get("output", [])]
+        decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        return cls(config.get("name", ""), inputs, int(config.get("max_batch_size", 0)) > 0, outputs, decoupled)
+
+    def array(self, name: str, value: Any) -> np.ndarray:
+        """``value`` as this input's dtype and shape, for a batch of one."""
+        dtype, dims = self.inputs[name]
+        np_type = _NUMPY.get(dtype)
+        if np_type is None:
+            raise UsageError(f"input {name!r} of model {self.name!r} has type {dtype}, which forge infer cannot send")
+        if np_type is np.object_:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            array = np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+        else:
+            array = np.array(value if isinstance(value, (list, tuple, np.ndarray)) else [value], dtype=np_type)
+        array = array.reshape(-1)
+        if len(dims) > 1:  # e.g. [2, -1] word lists
+            array = array.reshape([d if d > 0 else -1 for d in dims])
+        if self.batching:
+            array = array[None, ...]
+        return array
+
+
+def model_config(http_url: str, model: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The served model's config (Triton's JSON form)."""
+    url = f"{http_base(http_url)}/v2/models/{model}/config"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise ForgeError(f"model {model!r} is not served at {http_url}: {_error_text(exc)}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ForgeError(f"cannot reach a Triton server at {http_url}: {getattr(exc, 'reason', exc)}",
+                         hint="start one with 'forge serve REPO' or pass --url") from None
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    body = exc.read().decode(errors="replace")
+    try:
+        return json.loads(body).get("error", body)
+    except ValueError:
+        return body or str(exc)
+
+
+def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_words: list[str] = (),
+                     bad_words: list[str] = (), stream: bool = False, **sampling: Any) -> dict[str, Any]:
+    """The JSON body of a generate request: only inputs the model has (unknown sampling flags refused)."""
+    payload: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens}
+    if "bad_words" in inputs.inputs:
+        payload["bad_words"] = ",".join(bad_words) if bad_words else ""
+    if "stop_words" in inputs.inputs:
+        payload["stop_words"] = ",".join(stop_words) if stop_words else ""
+    if stream and "stream" in inputs.inputs:
+        payload["stream"] = True
+    for flag, value in sampling.items():
+        if value is None:
+            continue
+        name = SAMPLING_INPUTS.get(flag, flag)
+        if name not in inputs.inputs:
+            raise UsageError(f"model {inputs.name!r} has no input {name!r} for --{flag.replace('_', '-')}")
+        payload[name] = value
+    missing = [k for k in ("text_input", "max_tokens") if k not in inputs.inputs]
+    if missing:
+        raise UsageError(f"model {inputs.name!r} is not a text-generation model (no input {missing[0]!r}); "
+                         "point --model at the ensemble or the BLS model")
+    return payload
+
+
+def generate(http_url: str, model: str, payload: Mapping[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    """POST /v2/models/<model>/generate; the response JSON (``text_output`` …)."""
+    request = urllib.request.Request(f"{http_base(http_url)}/v2/models/{model}/generate",
+                                     data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise ForgeError(f"the server refused the request: {_error_text(exc)}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ForgeError(f"cannot reach a Triton server at {http_url}: {getattr(exc, 'reason', exc)}") from None
+
+
+def text_of(value: Any) -> str:
+    """A ``text_output`` value (str, bytes, or a list of them) as one string."""
+    if isinstance(value, (list, tuple)):
+        return "".join(text_of(v) for v in value)
+    if isinstance(value, np.ndarray):
+        return "".join(text_of(v) for v in value.reshape(-1).tolist())
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+@dataclass
+class StreamEvent:
+    """One response of a streamed request."""
+
+    outputs: dict[str, np.ndarray]
+    final: bool
+    seconds: float  # since the request was sent
+
+
+class GrpcSession:
+    """A gRPC client that sends one request at a time, streamed or not, and can cancel it."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(grpc_target(url))
+        self._events: queue.Queue = queue.Queue()
+        self._streaming = False
+
+    def close(self) -> None:
+        if self._streaming:
+            try:
+                self.client.stop_stream(cancel_requests=True)
+            except Exception:
+                pass
+            self._streaming = False
+        self.client.close()
+
+    def __enter__(self) -> "GrpcSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def config(self, model: str) -> ModelInputs:
+        from google.protobuf import json_format
+
+        try:
+            response = self.client.get_model_config(model)
+        except Exception as exc:
+            raise ForgeError(f"model {model!r} is not available: {_grpc_message(exc)}") from None
+        config = json_format.MessageToDict(response.config, preserving_proto_field_name=True)
+        return ModelInputs.from_config(config)
+
+    def _inputs(self, tensors: Mapping[str, np.ndarray]) -> list:
+        result = []
+        for name, array in tensors.items():
+            triton_type = "BYTES" if array.dtype == np.object_ else self._grpc_dtype(array)
+            tensor = self._grpc.InferInput(name, list(array.shape), triton_type)
+            tensor.set_data_from_numpy(array)
+            result.append(tensor)
+        return result
+
+    @staticmethod
+    def _grpc_dtype(array: np.ndarray) -> str:
+        from tritonclient.utils import np_to_triton_dtype
+
+        return np_to_triton_dtype(array.dtype)
+
+    def infer(self, model: str, tensors: Mapping[str, np.ndarray], *, request_id: str = "",
+              timeout_s: float | None = None) -> dict[str, np.ndarray]:
+        """One non-streamed request; raises ForgeError with the server's message."""
+        done: queue.Queue = queue.Queue()
+        call = self.client.async_infer(model, self._inputs(tensors), callback=lambda result, error: done.put((result, error)),
+                                       request_id=request_id)
+        try:
+            result, error = done.get(timeout=timeout_s)
+        except queue.Empty:
+            call.cancel()
+            raise TimeoutError(f"no answer within {timeout_s:.3f}s; request cancelled") from None
+        if error is not None:
+            raise ForgeError(f"the server refused the request: {_grpc_message(error)}")
+        response = result.get_response()
+        return {o.name: result.as_numpy(o.name) for o in response.outputs}
+
+    def stream(self, model: str, tensors: Mapping[str, np.ndarray], *, request_id: str = "",
+               stop_after_s: float | None = None) -> Iterator[StreamEvent]:
+        """Send one request on the bidirectional stream and yield its responses as they arrive.
+
+        With ``stop_after_s`` the request is cancelled after that long (the stream is closed with
+        cancellation, which stops generation on the server).
+        """
+        if not self._streaming:
+            self.client.start_stream(callback=lambda result, error: self._events.put((result, error, time.perf_counter())))
+            self._streaming = True
+        started = time.perf_counter()
+        self.client.async_stream_infer(model, self._inputs(tensors), request_id=request_id,
+                                       enable_empty_final_response=True)
+        while True:
+            timeout = None if stop_after_s is None else max(0.0, started + stop_after_s - time.perf_counter())
+            try:
+                result, error, at = self._events.get(timeout=timeout)
+            except queue.Empty:
+                self.client.stop_stream(cancel_requests=True)
+                self._streaming = False
+                raise TimeoutError(f"stopped after {stop_after_s * 1000:.0f} ms; request cancelled") from None
+            if error is not None:
+                raise ForgeError(f"the server refused the request: {_grpc_message(error)}")
+            response = result.get_response()
+            final = bool(response.parameters["triton_final_response"].bool_param) \
+                if "triton_final_response" in response.parameters else True
+            outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
+            yield StreamEvent(outputs, final, at - started)
+            if final:
+                return
+
+
+def _grpc_message(error: Exception) -> str:
+    message = getattr(error, "message", None)
+    text = message() if callable(message) else str(error)
+    return text.removeprefix("[StatusCode.INTERNAL] ").strip()
+
+
+def text_request(inputs: ModelInputs, prompt: str, max_tokens: int, *, stream: bool = False,
+                 stop_words: list[str] = (), bad_words: list[str] = (), **sampling: Any) -> dict[str, np.ndarray]:
+    """gRPC tensors for a text model (ensemble, BLS, or any model with text_input/max_tokens)."""
+    payload = generate_payload(inputs, prompt, max_tokens, stop_words=stop_words, bad_words=bad_words,
+                               stream=stream, **sampling)
+    tensors = {}
+    for name, value in payload.items():
+        if name in ("bad_words", "stop_words"):
+            value = value if value else ""
+        tensors[name] = inputs.array(name, value)
+    return tensors

@@ -1,0 +1,191 @@
+"""How a repository is launched: its world size, the mpirun line for several ranks, the NGC container.
+
+Multi-GPU TensorRT-LLM repositories run one tritonserver per rank under MPI, the way
+tensorrtllm_backend's ``launch_triton_server.py`` does it: rank 0 serves every model, the other ranks
+load only the tensorrt_llm models (explicit model control, no HTTP/gRPC/metrics endpoints), and each
+rank gets its own python-backend shared-memory prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import tritonconfig
+from ..errors import UsageError, ValidationError
+
+MANIFEST = "forge-manifest.json"
+DEFAULT_SHM_SIZE = "2g"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the repository needs to run: ranks, and the models every rank loads."""
+
+    world_size: int
+    llm_models: tuple[str, ...]  # backend tensorrtllm models (loaded on every rank)
+    gpus: bool  # whether any model needs a GPU (tensorrtllm backend or KIND_GPU instances)
+
+
+def _engine_world(config, model_dir: Path) -> int | None:
+    raw = tritonconfig.parameter(config, "gpt_model_path") or tritonconfig.parameter(config, "engine_dir")
+    candidates = []
+    if raw and "${" not in raw:
+        path = Path(raw)
+        candidates.append(path if path.is_absolute() else model_dir / path)
+    candidates.append(model_dir / "1")
+    for engine in candidates:
+        file = engine / "config.json"
+        if file.is_file():
+            try:
+                data = json.loads(file.read_text())
+            except ValueError as exc:
+                raise ValidationError(f"{file}: invalid json: {exc}") from None
+            mapping = data.get("pretrained_config", {}).get("mapping") or {}
+            builder = data.get("builder_config", {})
+            tp = mapping.get("tp_size", builder.get("tensor_parallel", 1))
+            pp = mapping.get("pp_size", builder.get("pipeline_parallel", 1))
+            return int(mapping.get("world_size", tp * pp))
+    return None
+
+
+def layout(repo: Path, world_size: int | None = None) -> Layout:
+    """Read the repository's world size from its engines; refuse a ``world_size`` that disagrees."""
+    from ..validate import load_configs
+
+    configs, dirs, _ = load_configs(repo)
+    worlds: dict[str, int] = {}
+    llm_models = []
+    gpus = False
+    for name, config in configs.items():
+        if any(g.kind == g.KIND_GPU for g in config.instance_group):
+            gpus = True
+        if config.backend != "tensorrtllm":
+            continue
+        gpus = True
+        llm_models.append(name)
+        world = _engine_world(config, dirs[name])
+        if world is not None:
+            worlds[name] = world
+    engine_worlds = set(worlds.values())
+    if len(engine_worlds) > 1:
+        raise ValidationError("the repository's engines disagree on the world size: "
+                              + ", ".join(f"{m} {w}" for m, w in sorted(worlds.items())))
+    engine_world = engine_worlds.pop() if engine_worlds else 1
+    if world_size is not None and world_size != engine_world:
+        raise UsageError(f"--world-size {world_size} disagrees with the engine, which was built for "
+                         f"{engine_world} rank(s) (tp × pp)", hint=f"use --world-size {engine_world} or rebuild")
+    return Layout(engine_world, tuple(sorted(llm_models)), gpus)
+
+
+def tritonserver_args(repo: Path, *, rank: int, world: Layout, host: str, http_port: int, grpc_port: int,
+                      metrics_port: int, shm_prefix: str, log_file: Path | None = None) -> list[str]:
+    """The arguments of one rank's tritonserver (after the binary)."""
+    args = [f"--model-repository={repo}", "--disable-auto-complete-config"]
+    if rank == 0:
+        args += [f"--http-address={host}", f"--http-port={http_port}",
+                 f"--grpc-address={host}", f"--grpc-port={grpc_port}",
+                 f"--metrics-address={host}", f"--metrics-port={metrics_port}", "--allow-metrics=true"]
+        if log_file is not None:
+            args.append(f"--log-file={log_file}")
+    else:
+        # Other ranks only hold their engine shard: explicit loading, no endpoints to bind.
+        args += ["--model-control-mode=explicit", *[f"--load-model={m}" for m in world.llm_models],
+                 "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false"]
+    args.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}{rank}_")
+    return args
+
+
+def mpirun_command(tritonserver: str, repo: Path, world: Layout, *, host: str = "127.0.0.1",
+                   http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                   shm_prefix: str = "prefix", extra: list[str] | None = None,
+                   log_file: Path | None = None, mpirun: str = "mpirun") -> list[str]:
+    """One mpirun line starting ``world.world_size`` tritonservers (MPMD, one rank each)."""
+    argv = [mpirun, "--allow-run-as-root"]
+    for rank in range(world.world_size):
+        if rank:
+            argv.append(":")
+        argv += ["-n", "1", tritonserver, *tritonserver_args(
+            repo, rank=rank, world=world, host=host, http_port=http_port, grpc_port=grpc_port,
+            metrics_port=metrics_port, shm_prefix=shm_prefix, log_file=log_file)]
+        if rank == 0 and extra:
+            argv += extra
+    return argv
+
+
+def find_mpirun() -> str | None:
+    return shutil.which("mpirun")
+
+
+def manifest(repo: Path) -> dict[str, Any]:
+    """The forge manifest of a repository ({} for hand-written repositories)."""
+    path = repo / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {}
+
+
+def backend_version(repo: Path) -> str | None:
+    """The tensorrtllm_backend version a forge repository was built for, if it says so."""
+    data = manifest(repo)
+    spec = data.get("spec") or {}
+    if spec.get("backend_version"):
+        return spec["backend_version"]
+    if data.get("backend_version"):
+        return data["backend_version"]
+    for component in data.get("components", []):
+        for stage in component.get("stages", []):
+            notes = stage.get("notes") or {}
+            for key in ("backend_version", "profile"):
+                value = notes.get(key)
+                if isinstance(value, str):
+                    return value
+                if isinstance(value, dict) and value.get("version"):
+                    return value["version"]
+    return None
+
+
+def container_image(repo: Path, version: str | None = None) -> tuple[str, str]:
+    """(image, backend version) of the NGC tritonserver container matching the repository's profile."""
+    from ..llm import profiles
+
+    profile = profiles.resolve(version or backend_version(repo))
+    return profile.container, profile.version
+
+
+def docker_command(repo: Path, world: Layout, image: str, *, host: str = "127.0.0.1", http_port: int = 8000,
+                   grpc_port: int = 8001, metrics_port: int = 8002, shm_size: str = DEFAULT_SHM_SIZE,
+                   gpus: str = "all", log_file: Path | None = None) -> list[str]:
+    """``docker run`` of the NGC container serving ``repo``, mounted at the same absolute path.
+
+    The same path inside and outside keeps absolute engine paths in configs valid.
+    """
+    repo = repo.resolve()
+    argv = ["docker", "run", "--rm", "--init", f"--shm-size={shm_size}",
+            "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
+    if gpus and gpus != "none":
+        argv += ["--gpus", gpus if gpus == "all" else f"device={gpus}"]
+    publish = host if host not in ("0.0.0.0", "") else ""
+    for port in (http_port, grpc_port, metrics_port):
+        argv += ["-p", f"{publish}:{port}:{port}" if publish else f"{port}:{port}"]
+    argv += ["-v", f"{repo}:{repo}:ro"]
+    if log_file is not None:
+        log_file = log_file.resolve()
+        argv += ["-v", f"{log_file.parent}:{log_file.parent}"]
+    argv.append(image)
+    # Inside the container the server listens on every interface; -p decides what the host exposes.
+    if world.world_size > 1:
+        argv += mpirun_command("/opt/tritonserver/bin/tritonserver", repo, world, host="0.0.0.0",
+                               http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                               log_file=log_file)
+    else:
+        argv += ["/opt/tritonserver/bin/tritonserver", *tritonserver_args(
+            repo, rank=0, world=world, host="0.0.0.0", http_port=http_port, grpc_port=grpc_port,
+            metrics_port=metrics_port, shm_prefix="prefix", log_file=log_file)]
+    return argv
