@@ -315,23 +315,23 @@ def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: 
 
 
 def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[str, bytes],
-                         meta: Mapping[str, Any], engine_dir: Path | None) -> TritonModel:
-    """forge's postprocessing model: the profile's tensors plus the ensemble's ``stream`` flag."""
+                         meta: Mapping[str, Any], engine_dir: Path | None, decoupled: bool) -> TritonModel:
+    """forge's postprocessing model; behind a decoupled tensorrt_llm it decodes streamed pieces in context."""
     spec = ctx.spec
     inputs, outputs = _text_tensors(profile, POST)
     params = {p.key: _parameter_value(p, spec.options) for p in profile.params(POST) if p.key != "tokenizer_dir"}
     params.update({
         "tokenizer_dir": TOKENIZER_DIR,
         "skip_special_tokens": _flag(params, "skip_special_tokens", spec.options),
+        # Triton ensembles cannot join the request's own tensors with a decoupled model's outputs in
+        # one step, so postprocessing cannot see the `stream` flag: behind a decoupled tensorrt_llm
+        # every response is decoded as a piece of a stream (exact bytes, spaces kept).
+        "streaming": decoupled,
         "trust_remote_code": spec.trust_remote_code,
     })
-    messages = [_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in inputs]
-    if _stream_feed(profile):
-        # forge's own addition: streamed responses carry new tokens only and are decoded in context.
-        messages.append(tc.model_input("STREAM", "BOOL", [1], optional=True))
     config = tc.model_config(
         component.model_name(POST), backend="python", max_batch_size=spec.limits.max_batch_size,
-        inputs=messages,
+        inputs=[_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in inputs],
         outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "postprocessing_instance_count"),
         dynamic_batching=POST in profile.dynamic_batching)
@@ -448,7 +448,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
         raise UsageError(f"decoders build for --target tensorrtllm or python, not {ctx.target}")
     decoupled = llm.config.model_transaction_policy.decoupled
     models = [preprocessing_model(component, profile, ctx, tokenizer, defaults, meta), llm,
-              postprocessing_model(component, profile, ctx, tokenizer, meta, engine_dir)]
+              postprocessing_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled)]
     if _bool(ctx.option("bls", False)):
         models.append(bls_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled))
     ctx.log(f"{component.name}: tensorrtllm_backend {profile.version} interface "
@@ -469,8 +469,4 @@ def edges(component: Component, models: Mapping[str, TritonModel], ctx) -> list[
         result.append(Edge.link(name[src_model], src_tensor, name[dst_model], dst_tensor, ensemble=ensemble))
     for model, tensor, output in routes.results:
         result.append(Edge.result(name[model], tensor, output, ensemble=ensemble))
-    stream = _stream_feed(profile)
-    post = models.get(name[POST])
-    if stream and post is not None and any(t.name == "STREAM" for t in post.config.input):
-        result.append(Edge.feed(stream, name[POST], "STREAM", ensemble=ensemble))
     return result

@@ -91,10 +91,21 @@ class TritonPythonModel:
         llm_request = self._llm_request(request, pre_outputs, stream)
         if stream:
             return self._stream(llm_request, sender)
-        response = llm_request.exec()
-        if response.has_error():
-            raise RequestError(response.error().message())
-        return self._response(response, None)
+        return self._response(self._single(llm_request), None)
+
+    def _single(self, llm_request):
+        """The one response of a non-streaming request (a decoupled model sends it, then a final flag)."""
+        if not self.decoupled:
+            responses = [llm_request.exec()]
+        else:  # tensorrt_llm and this model share the transaction policy (forge validate checks it)
+            responses = list(llm_request.exec(decoupled=True))
+        for response in responses:
+            if response.has_error():
+                raise RequestError(response.error().message())
+        answers = [r for r in responses if pb_utils.get_output_tensor_by_name(r, "output_ids") is not None]
+        if not answers:
+            raise RequestError(f"{self.llm} finished without returning tokens")
+        return answers[-1]
 
     def _preprocess(self, request):
         inputs = []

@@ -1,12 +1,13 @@
 """forge's ``postprocessing`` model: token ids → text, safe for streaming.
 
 Runs in Triton's python backend (copied into a repository as ``postprocessing/1/model.py``).
-Without streaming it decodes each beam's ``sequence_length`` tokens like the tokenizer does. When
-the ensemble's ``stream`` flag reaches it (the optional ``STREAM`` input forge wires), each
-response carries only the newly generated tokens, so it returns exactly the bytes those tokens add
-after the text before them: spaces that SentencePiece keeps inside tokens are not lost, and the
-pieces concatenate to the full decode. A character split across streamed tokens arrives split
-across pieces as raw UTF-8 bytes; clients join pieces as bytes (as ``forge infer`` does).
+It decodes each beam's ``sequence_length`` tokens like the tokenizer does, unless the repository's
+tensorrt_llm model is decoupled (``streaming`` parameter): then a response may hold only the tokens
+generated since the previous one, and the model returns exactly the bytes those tokens add after
+the text before them. Spaces that SentencePiece keeps inside tokens ("▁Paris") are not lost and the
+pieces concatenate to the full text; a character whose bytes span two streamed tokens arrives split
+across two pieces, so clients join pieces as bytes (as ``forge infer`` does). A response that starts
+with the tokenizer's BOS token holds a whole sequence and is decoded normally.
 
 Inputs ``X`` with a declared output ``OUT_X`` (log probs, logits, batch index in older backend
 versions) are passed through unchanged.
@@ -34,6 +35,7 @@ class TritonPythonModel:
         self.skip_special_tokens = forge_text.parse_bool(params.get("skip_special_tokens"), True)
         self.codec = forge_text.TokenBytes(self.tokenizer, self.skip_special_tokens)
         self.bos_id = self.tokenizer.bos_token_id
+        self.streaming = forge_text.parse_bool(params.get("streaming"), False)
         self.inputs = {t["name"] for t in config["input"]}
         outputs = {t["name"]: t for t in config["output"]}
         self.output_rank = len(outputs["OUTPUT"]["dims"])  # [-1] → [batch, beam]; [-1, -1] → [batch, beam, 1]
@@ -55,12 +57,11 @@ class TritonPythonModel:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()
 
-    def _text(self, ids, streaming):
-        if not streaming:
+    def _text(self, ids):
+        whole = len(ids) > 0 and self.bos_id is not None and int(ids[0]) == self.bos_id
+        if not self.streaming or whole:
             return forge_text.decode(self.tokenizer, ids, self.skip_special_tokens).encode("utf-8")
-        # A streamed piece continues the text unless it starts the sequence (the prompt's BOS).
-        at_start = len(ids) > 0 and self.bos_id is not None and int(ids[0]) == self.bos_id
-        return self.codec.bytes_of(ids, at_start=at_start)
+        return self.codec.bytes_of(ids, at_start=False)
 
     def _process(self, request):
         tokens = self._get(request, "TOKENS_BATCH")
@@ -69,13 +70,11 @@ class TritonPythonModel:
         batch, beams = tokens.shape[0], tokens.shape[1]
         lengths = self._get(request, "SEQUENCE_LENGTH")
         lengths = np.full((batch, beams), tokens.shape[2]) if lengths is None else lengths.reshape(batch, -1)
-        stream = self._get(request, "STREAM")
         texts = np.empty((batch, beams), dtype=object)
         for b in range(batch):
-            streaming = bool(stream is not None and np.asarray(stream[b]).reshape(-1)[0])
             for beam in range(beams):
                 length = int(min(max(lengths[b, min(beam, lengths.shape[1] - 1)], 0), tokens.shape[2]))
-                texts[b, beam] = self._text(tokens[b, beam, :length].tolist(), streaming)
+                texts[b, beam] = self._text(tokens[b, beam, :length].tolist())
         if self.output_rank == 2:
             texts = texts[:, :, None]
         out = [pb_utils.Tensor("OUTPUT", texts)]

@@ -1,0 +1,178 @@
+"""forge's preprocessing, postprocessing, ensemble and BLS answering on the real tritonserver.
+
+The C++ tensorrt_llm model cannot run here (no GPU, no TensorRT); where a test needs generation it
+puts ``engine_double.generating_model`` in its place: the same tensor interface, a fixed continuation.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+import engine_double
+import helpers
+from forge.llm import profiles
+
+pytestmark = pytest.mark.heavy
+
+PROMPT = "The capital of France is"
+CONTINUATION = "Paris. héllo 日本語 🙂 naïve"  # multi-byte characters arrive as byte-fallback tokens
+
+
+def _tokenizer(path):
+    from forge.llm.models import forge_text
+
+    return forge_text.load_tokenizer(str(path))
+
+
+def _bytes_input(http, name, values):
+    tensor = http.InferInput(name, list(values.shape), "BYTES")
+    tensor.set_data_from_numpy(values)
+    return tensor
+
+
+def _input(http, name, values, dtype):
+    tensor = http.InferInput(name, list(values.shape), dtype)
+    tensor.set_data_from_numpy(values)
+    return tensor
+
+
+@pytest.fixture(scope="module")
+def text_repo(tokenizer_dirs, tmp_path_factory):
+    """Only forge's preprocessing and postprocessing (of a streaming build), for both tokenizer styles."""
+    root = tmp_path_factory.mktemp("text-repo")
+    out = root / "repo"
+    for kind, prefix in (("byte_level", "bl_"), ("sentencepiece", "sp_")):
+        models, _, _, _ = helpers.emit(tokenizer_dirs[kind], out, root / kind, prefix=prefix,
+                                       options={"decoupled": True})
+        kept = {name: m for name, m in models.items() if not name.endswith("tensorrt_llm")}
+        assert helpers.write(kept, [], out) == []
+    return out
+
+
+def test_preprocessing_and_postprocessing_answer(text_repo, tokenizer_dirs):
+    import tritonclient.http as http
+
+    from forge.serving.server import TritonServer
+
+    with TritonServer(text_repo) as server:
+        client = http.InferenceServerClient(server.http_url)
+        for kind, prefix in (("byte_level", "bl_"), ("sentencepiece", "sp_")):
+            tokenizer = _tokenizer(tokenizer_dirs[kind])
+            queries = np.array([[b"hello world"], ["héllo wörld 🙂".encode()]], dtype=object)
+            result = client.infer(f"{prefix}preprocessing", [
+                _bytes_input(http, "QUERY", queries),
+                _input(http, "REQUEST_OUTPUT_LEN", np.array([[16], [16]], dtype=np.int32), "INT32"),
+                _bytes_input(http, "STOP_WORDS_DICT", np.array([[b"world"], [b"world"]], dtype=object))])
+            expected = [tokenizer.encode(q[0].decode(), add_special_tokens=True) for q in queries]
+            ids, lengths = result.as_numpy("INPUT_ID"), result.as_numpy("REQUEST_INPUT_LEN")
+            assert lengths.reshape(-1).tolist() == [len(e) for e in expected]
+            for row, want in zip(ids, expected):
+                assert row[:len(want)].tolist() == want
+            assert result.as_numpy("REQUEST_OUTPUT_LEN").reshape(-1).tolist() == [16, 16]
+            assert result.as_numpy("OUT_END_ID").reshape(-1).tolist() == [tokenizer.eos_token_id] * 2
+            stop = result.as_numpy("STOP_WORDS_IDS")
+            world = tokenizer.encode("world", add_special_tokens=False)
+            assert stop.shape[:2] == (2, 2) and stop[0, 0, :len(world)].tolist() == world
+            if kind == "sentencepiece":  # its generation_config names a second end-of-turn id
+                assert 5 in stop[0, 0].tolist()
+
+            tokens = np.array([[tokenizer.encode("hello world", add_special_tokens=True)]], dtype=np.int32)
+            result = client.infer(f"{prefix}postprocessing", [
+                _input(http, "TOKENS_BATCH", tokens, "INT32"),
+                _input(http, "SEQUENCE_LENGTH", np.array([[tokens.shape[2]]], dtype=np.int32), "INT32")])
+            assert result.as_numpy("OUTPUT").reshape(-1)[0].decode() == "hello world"
+
+            # Streaming: one token per call, each decoded in context; the pieces join to the full text.
+            prompt = tokenizer.encode(PROMPT, add_special_tokens=True)
+            answer = tokenizer.encode(CONTINUATION, add_special_tokens=False)
+            pieces = []
+            for token in answer:
+                result = client.infer(f"{prefix}postprocessing", [
+                    _input(http, "TOKENS_BATCH", np.array([[[token]]], dtype=np.int32), "INT32"),
+                    _input(http, "SEQUENCE_LENGTH", np.array([[1]], dtype=np.int32), "INT32")])
+                pieces.append(result.as_numpy("OUTPUT").reshape(-1)[0])
+            whole = tokenizer.decode(prompt + answer, skip_special_tokens=True)
+            assert b"".join(pieces).decode("utf-8") == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+
+        # Bad input: an empty prompt is refused with a message, and the model keeps serving.
+        with pytest.raises(Exception, match="empty"):
+            client.infer("bl_preprocessing", [
+                _bytes_input(http, "QUERY", np.array([[b""]], dtype=object)),
+                _input(http, "REQUEST_OUTPUT_LEN", np.array([[4]], dtype=np.int32), "INT32")])
+        assert client.is_model_ready("bl_preprocessing")
+
+
+def _stream(client, grpc, model, inputs):
+    """Send one request on a gRPC stream; return the byte pieces of ``text_output`` in order."""
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        pieces = []
+        while True:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                raise AssertionError(str(error))
+            response = result.get_response()
+            if response.outputs:
+                pieces.append(result.as_numpy("text_output").reshape(-1)[0])
+            if response.parameters["triton_final_response"].bool_param:
+                return pieces
+    finally:
+        client.stop_stream()
+
+
+def _grpc_inputs(grpc, names: dict):
+    inputs = []
+    for name, (values, dtype) in names.items():
+        tensor = grpc.InferInput(name, list(values.shape), dtype)
+        tensor.set_data_from_numpy(values)
+        inputs.append(tensor)
+    return inputs
+
+
+def test_ensemble_and_bls_stream_without_losing_text(tokenizer_dirs, tmp_path):
+    """Decoupled ensemble and BLS over a generating test double: streamed pieces join to the full text."""
+    import tritonclient.grpc as grpc
+
+    from forge.serving.server import TritonServer
+
+    source = tokenizer_dirs["sentencepiece"]
+    out = tmp_path / "repo"
+    models, edges, ctx, comp = helpers.emit(source, out, tmp_path, options={"bls": True, "decoupled": True})
+    models["tensorrt_llm"] = engine_double.generating_model(
+        "tensorrt_llm", profiles.resolve(None), ctx.spec, source, CONTINUATION, decoupled=True)
+    assert helpers.write(models, edges, out) == []
+
+    tokenizer = _tokenizer(source)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=True)
+    answer = tokenizer.encode(CONTINUATION, add_special_tokens=False)
+    full = tokenizer.decode(prompt + answer, skip_special_tokens=True)
+    added = full[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+    assert added.startswith(" Paris")  # the space a token-by-token decode would lose
+
+    def request(stream: bool):
+        return _grpc_inputs(grpc, {
+            "text_input": (np.array([[PROMPT.encode()]], dtype=object), "BYTES"),
+            "max_tokens": (np.array([[len(answer)]], dtype=np.int32), "INT32"),
+            "stop_words": (np.array([[b"zzz"]], dtype=object), "BYTES"),
+            "stream": (np.array([[stream]]), "BOOL")})
+
+    with TritonServer(out) as server:
+        client = grpc.InferenceServerClient(server.grpc_url)
+        pieces = _stream(client, grpc, "ensemble", request(True))
+        assert len(pieces) == len(answer)
+        assert b"".join(pieces).decode("utf-8") == added
+
+        whole = _stream(client, grpc, "ensemble", request(False))
+        assert [p.decode("utf-8") for p in whole] == [full]
+
+        pieces = _stream(client, grpc, "tensorrt_llm_bls", request(True))
+        texts = [p.decode("utf-8") for p in pieces]  # every BLS piece is valid UTF-8 on its own
+        assert "".join(texts) == added and all("\ufffd" not in t for t in texts)
+
+        whole = _stream(client, grpc, "tensorrt_llm_bls", request(False))
+        assert [p.decode("utf-8") for p in whole] == [full]
