@@ -82,3 +82,105 @@ def open_clip_weights(model_name: str, out: Path, seed: int = 0) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out))
     return out
+
+
+# -- pytest fixtures shared by tests/minilm, tests/clip and tests/encoders (star-imported by their conftest) --
+import contextlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def encoder_cache(tmp_path_factory) -> Path:
+    """One stage cache per test session: builds of the same model and options are done once."""
+    return tmp_path_factory.mktemp("forge-cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def encoder_environment(encoder_cache):
+    """Isolated cache, only the encoder plugins, and few threads (the CI machine is shared)."""
+    import forge_clip
+    import forge_minilm
+    import torch
+
+    from forge.testing import use_plugins
+
+    torch.set_num_threads(2)
+    with pytest.MonkeyPatch.context() as patch, \
+            use_plugins(("clip", forge_clip.plugin), ("minilm", forge_minilm.plugin)):
+        patch.setenv("FORGE_CACHE_DIR", str(encoder_cache))
+        yield
+
+
+@pytest.fixture(scope="session")
+def minilm_model() -> Path:
+    return minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def hf_clip_model(tmp_path_factory) -> Path:
+    import torch
+
+    torch.set_num_threads(2)
+    return tiny_hf_clip(tmp_path_factory.mktemp("hf-clip"))
+
+
+@pytest.fixture(scope="session")
+def open_clip_model(tmp_path_factory) -> Path:
+    import torch
+
+    torch.set_num_threads(2)
+    return tiny_open_clip(tmp_path_factory.mktemp("open-clip"))
+
+
+def build(*args: str) -> int:
+    """Run ``forge build`` in-process and return its exit code."""
+    from forge.cli import main
+
+    return main(["build", *args])
+
+
+def built(out: Path, *args: str) -> Path:
+    """``forge build ... --out out``, which must succeed; returns ``out``."""
+    code = build(*args, "--out", str(out))
+    assert code == 0, f"forge build {' '.join(args)} exited {code}"
+    return out
+
+
+def manifest_notes(repo: Path, component: str, stage: str) -> dict:
+    """The notes a stage recorded in the repository's manifest."""
+    manifest = json.loads((repo / "forge-manifest.json").read_text())
+    for entry in manifest["components"]:
+        if entry["name"] == component:
+            for record in entry["stages"]:
+                if record["stage"] == stage:
+                    return record["notes"]
+    raise KeyError(f"{component}/{stage} not in the manifest")
+
+
+@contextlib.contextmanager
+def serving(repo: Path):
+    """A real tritonserver on ``repo`` and an HTTP client for it."""
+    import tritonclient.http as http
+
+    from forge.serving.server import TritonServer
+
+    with TritonServer(repo) as server:
+        yield server, http.InferenceServerClient(server.http_url, concurrency=8)
+
+
+def infer(client, model: str, name: str, values, output: str = "embedding"):
+    """Send ``values`` (texts or image bytes) to ``model`` as one request; returns the output array."""
+    import numpy as np
+    import tritonclient.http as http
+
+    array = np.array([[v.encode() if isinstance(v, str) else v] for v in values], dtype=object).reshape(-1, 1)
+    tensor = http.InferInput(name, list(array.shape), "BYTES")
+    tensor.set_data_from_numpy(array)
+    return client.infer(model, [tensor]).as_numpy(output)
+
+
+def cosine(a, b):
+    import numpy as np
+
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))

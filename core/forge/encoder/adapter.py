@@ -22,7 +22,8 @@ TEXT = "text"
 IMAGE = "image"
 EMBEDDING = "embedding"  # the output tensor of every encoder and every encoder ensemble
 
-#: Default parity tolerances (max |Δ| of the embedding against torch float32) per precision.
+#: Default parity tolerances per precision: max |Δ| of the embedding against torch float32, divided by
+#: max(1, largest |value|) — see forge.encoder.parity.check.
 DEFAULT_TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "int8": 0.15}
 
 

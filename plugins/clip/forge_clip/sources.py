@@ -149,6 +149,9 @@ class HFClipSource:
 
     def load(self, role: str):
         from transformers import CLIPModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # forge shows its own progress
 
         from .towers import HFTextTower, HFVisionTower
 

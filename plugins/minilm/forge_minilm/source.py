@@ -125,6 +125,9 @@ class SentenceTransformerSource:
 
     def load(self, role: str):
         from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # forge shows its own progress
 
         from ._pooling import SentenceEmbedding
 

@@ -73,7 +73,9 @@ class ImagePreprocessor:
                 image.load()
             except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
                 raise ValueError(f"the image is too large ({exc})") from None
-            except (OSError, SyntaxError, ValueError) as exc:  # PIL's ways of saying "not an image"
+            except Image.UnidentifiedImageError:
+                raise ValueError("not a decodable image (unknown or unsupported format)") from None
+            except (OSError, SyntaxError, ValueError) as exc:  # truncated or corrupt files
                 raise ValueError(f"not a decodable image ({exc})") from None
         return image
 

@@ -1,0 +1,212 @@
+"""minilm builds: targets, options, quantization and the checkpoints it refuses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from encoder_fixtures import build, built, cosine, manifest_notes
+
+from forge.errors import EXIT_TOOL_MISSING, EXIT_USAGE
+
+
+def copy_minilm(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_dry_run_prints_the_trtexec_command(minilm_model, tmp_path, capsys):
+    """tensorrt is the default target; --dry-run shows the profile from --max-batch-size and max_seq_length."""
+    code = build("--family", "minilm", "--model", str(minilm_model), "--out", str(tmp_path / "repo"),
+                 "--max-batch-size", "16", "--dry-run")
+    out = capsys.readouterr().out
+    assert code == 0 and not (tmp_path / "repo").exists()
+    line = next(line for line in out.splitlines() if "$ trtexec" in line)
+    assert "--minShapes=input_ids:1x1,attention_mask:1x1" in line
+    assert "--optShapes=input_ids:16x256,attention_mask:16x256" in line
+    assert "--maxShapes=input_ids:16x256,attention_mask:16x256" in line
+    assert "--fp16" in line and "--saveEngine=" in line and "--timingCacheFile=" in line
+    assert "--int8" not in line
+
+
+def test_dry_run_int8_adds_the_calibration_cache(minilm_model, tmp_path, capsys):
+    code = build("--family", "minilm", "--model", str(minilm_model), "--out", str(tmp_path / "repo"),
+                 "--quant", "int8", "--dtype", "float32", "-o", "padding=longest", "--dry-run")
+    line = next(line for line in capsys.readouterr().out.splitlines() if "$ trtexec" in line)
+    assert code == 0 and "--int8 --calib=" in line and "calibration.cache" in line and "--fp16" not in line
+    assert "--optShapes=input_ids:8x128,attention_mask:8x128" in line  # longest padding: opt 128
+
+
+@pytest.mark.heavy
+def test_tensorrt_without_trtexec_fails_with_exit_3_and_the_command(minilm_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no trtexec anywhere
+    code = build("--family", "minilm", "--model", str(minilm_model), "--out", str(tmp_path / "repo"))
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("forge: error:")]
+    assert code == EXIT_TOOL_MISSING and len(error) == 1
+    assert "trtexec is not installed" in error[0] and "--target python" in error[0]
+    assert "trtexec --onnx=" in error[0] and "--saveEngine=" in error[0] and "--fp16" in error[0]
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.heavy
+def test_onnxruntime_target_repository_passes_validate(minilm_model, tmp_path):
+    from forge.cli import main
+    from forge.tritonconfig import read
+
+    repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(minilm_model), "--target", "onnxruntime",
+                 "--dtype", "float32", "--instances", "2")
+    assert main(["validate", str(repo)]) == 0
+    encoder = read(repo / "minilm_encoder")
+    assert encoder.platform == "onnxruntime_onnx" and encoder.instance_group[0].count == 2
+    assert (repo / "minilm_encoder" / "1" / "model.onnx").is_file()
+    assert not any(t.allow_ragged_batch for t in encoder.input)  # the ORT backend would flatten them
+    tokenizer = read(repo / "minilm_tokenizer")
+    assert tokenizer.backend == "python" and tokenizer.parameters["padding"].string_value == "longest"
+    assert {s.model_name for s in read(repo / "ensemble").ensemble_scheduling.step} == {"minilm_tokenizer",
+                                                                                         "minilm_encoder"}
+
+
+@pytest.mark.heavy
+def test_int8_parity_is_reported_and_served_graph_is_quantized(minilm_model, tmp_path):
+    import onnx
+    from sentence_transformers import SentenceTransformer
+
+    from forge.encoder.models.tokenizer import from_parameters
+
+    repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(minilm_model), "--target", "python",
+                 "--quant", "int8")
+    notes = manifest_notes(repo, "minilm", "quantize")
+    assert notes["quantization"]["mode"] == "dynamic" and notes["quantization"]["quant"] == "int8"
+    assert notes["parity"]["precision"] == "int8" and notes["parity"]["min_cosine"] > 0.95
+    assert notes["parity"]["scaled_diff"] <= notes["parity"]["tolerance"]
+    graph = onnx.load(str(repo / "minilm_encoder" / "1" / "model.onnx")).graph
+    assert any(node.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for node in graph.node)
+
+    # the served graph, run in process on the served tokenizer's output, stays close to sentence-transformers
+    import onnxruntime as ort
+
+    from forge.tritonconfig import read
+
+    params = {k: v.string_value for k, v in read(repo / "minilm_tokenizer").parameters.items()}
+    texts = ["A man is eating food.", "Quantized embeddings stay close.", ""]
+    feeds = from_parameters(params, str(repo / "minilm_tokenizer" / "1"))(texts)
+    session = ort.InferenceSession(str(repo / "minilm_encoder" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    served = session.run(None, feeds)[0]
+    expected = SentenceTransformer(str(minilm_model), device="cpu").encode(texts, normalize_embeddings=True)
+    assert cosine(served, expected).min() > 0.95
+
+
+@pytest.mark.heavy
+def test_parity_tolerance_fails_the_build(minilm_model, tmp_path, capsys):
+    """A tolerance the export cannot meet fails with exit 1 and the measured difference."""
+    code = build("--family", "minilm", "--model", str(minilm_model), "--target", "python", "--dtype", "float32",
+                 "--parity-tolerance", "1e-12", "--out", str(tmp_path / "repo"))
+    err = capsys.readouterr().err
+    assert code == 1 and "ONNX export parity" in err and "exceeds the tolerance 1e-12" in err
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "padding=sideways"], "padding"),
+    (["-o", "instances=0"], "instances"),
+    (["-o", "opset=9"], "opset"),
+    (["--dtype", "bfloat16"], "does not support --dtype bfloat16"),
+    (["--quant", "int4_awq"], "does not support --quant int4_awq"),
+    (["--target", "tensorrtllm"], "cannot be built for --target tensorrtllm"),
+])
+def test_bad_options_are_usage_errors(minilm_model, tmp_path, capsys, args, message):
+    """Bad option values: one line, exit 2, nothing written."""
+    code = build("--family", "minilm", "--model", str(minilm_model), "--out", str(tmp_path / "repo"),
+                 "--target", "python", "--dry-run", *args) if "--target" not in args else \
+        build("--family", "minilm", "--model", str(minilm_model), "--out", str(tmp_path / "repo"), *args)
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("forge: error:")]
+    assert code == EXIT_USAGE and len(error) == 1 and message in error[0]
+
+
+def test_unsupported_module_is_refused(minilm_model, tmp_path, capsys):
+    """modules.json with a module forge cannot put in a graph (Dense) is a usage error."""
+    model = copy_minilm(minilm_model, tmp_path / "model")
+    modules = json.loads((model / "modules.json").read_text())
+    modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (model / "modules.json").write_text(json.dumps(modules))
+    code = build("--family", "minilm", "--model", str(model), "--out", str(tmp_path / "repo"), "--dry-run")
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "sentence_transformers.models.Dense" in err and "supported: Transformer" in err
+
+
+def test_unsupported_pooling_is_refused(minilm_model, tmp_path, capsys):
+    model = copy_minilm(minilm_model, tmp_path / "model")
+    config = model / "1_Pooling" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pooling_mode_mean_tokens": False,
+                                  "pooling_mode_weightedmean_tokens": True}))
+    code = build("--family", "minilm", "--model", str(model), "--out", str(tmp_path / "repo"), "--dry-run")
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "weightedmean" in err and "forge supports cls, max, mean" in err
+
+
+def test_wrong_architecture_lists_the_supported_ones(minilm_model, tmp_path, capsys):
+    model = copy_minilm(minilm_model, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    code = build("--family", "minilm", "--model", str(model), "--out", str(tmp_path / "repo"), "--dry-run")
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "'GPT2LMHeadModel' is not supported" in err and "BertModel" in err
+
+
+def test_pickle_only_checkpoint_is_refused(minilm_model, tmp_path, capsys):
+    model = copy_minilm(minilm_model, tmp_path / "model")
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    code = build("--family", "minilm", "--model", str(model), "--out", str(tmp_path / "repo"), "--dry-run")
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "pickle" in err and "--allow-pickle" in err
+
+
+def test_truncated_weights_are_refused(minilm_model, tmp_path, capsys):
+    model = copy_minilm(minilm_model, tmp_path / "model")
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    code = build("--family", "minilm", "--model", str(model), "--out", str(tmp_path / "repo"), "--dry-run")
+    assert code == EXIT_USAGE and "truncated" in capsys.readouterr().err
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("modes", [("cls",), ("max",), ("mean_sqrt_len_tokens",), ("cls", "mean")])
+def test_pooling_modes_match_sentence_transformers(minilm_model, tmp_path, modes):
+    """A tiny random BERT with each pooling mode (and no Normalize) exports to sentence-transformers' numbers."""
+    import onnxruntime as ort
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import BertConfig, BertModel
+
+    from forge.encoder.models.tokenizer import from_parameters
+    from forge.tritonconfig import read
+
+    model = tmp_path / "model"
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_model / name, model / name)
+    (model / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": "cls" in modes,
+        "pooling_mode_mean_tokens": "mean" in modes, "pooling_mode_max_tokens": "max" in modes,
+        "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens" in modes}))
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(model), "--target", "python",
+                 "--dtype", "float32")
+    assert manifest_notes(repo, "minilm", "export")["interface"]["pooling"] == list(modes)
+    texts = ["a short one", "", "a much longer sentence " * 20]
+    params = {k: v.string_value for k, v in read(repo / "minilm_tokenizer").parameters.items()}
+    feeds = from_parameters(params, str(repo / "minilm_tokenizer" / "1"))(texts)
+    session = ort.InferenceSession(str(repo / "minilm_encoder" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    served = session.run(None, feeds)[0]
+    expected = SentenceTransformer(str(model), device="cpu").encode(texts)
+    assert served.shape == expected.shape == (3, 32 * len(modes))
+    np.testing.assert_allclose(served, expected, atol=2e-5)
