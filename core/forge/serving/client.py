@@ -163,7 +163,8 @@ class GrpcSession:
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
-        self.client = grpcclient.InferenceServerClient(grpc_target(url))
+        self.url = grpc_target(url)
+        self.client = grpcclient.InferenceServerClient(self.url)
         self._events: queue.Queue = queue.Queue()
         self._streaming = False
 
@@ -188,7 +189,11 @@ class GrpcSession:
         try:
             response = self.client.get_model_config(model)
         except Exception as exc:
-            raise ForgeError(f"model {model!r} is not available: {_grpc_message(exc)}") from None
+            message = _grpc_message(exc)
+            if "failed to connect" in message.lower() or "unavailable" in message.lower():
+                raise ForgeError(f"cannot reach a Triton server's gRPC endpoint at {self.url}",
+                                 hint="start one with 'forge serve REPO', or pass its gRPC host:port") from None
+            raise ForgeError(f"model {model!r} is not available at {self.url}: {message}") from None
         config = json_format.MessageToDict(response.config, preserving_proto_field_name=True)
         return ModelInputs.from_config(config)
 

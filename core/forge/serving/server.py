@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -96,6 +97,10 @@ def _first_line(reason: str) -> str:
     return first[:500]
 
 
+def _sigterm_to_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -159,6 +164,7 @@ class TritonServer:
                 *self.extra_args]
 
     def start(self) -> "TritonServer":
+        self._trap_sigterm()
         if not Path(self.repo).is_dir():
             raise ForgeError(f"model repository {self.repo} is not a directory")
         for name in ("http_port", "grpc_port", "metrics_port"):
@@ -244,21 +250,39 @@ class TritonServer:
         return lines[-1][:500] if lines else "no output"
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the server and every process it started (python stubs)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        # Signal the server alone: it unloads models and stops its stubs itself; signalling the
-        # whole group first kills the stubs under it and leaves the server waiting for them.
-        self.process.send_signal(signal.SIGINT)
+        """Stop the server and every process it started (python stubs, MPI ranks)."""
         try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        try:  # stubs may outlive the server by a moment; they are in its process group
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            if self.process is None:
+                return
+            if self.process.poll() is None:
+                # Signal the server alone: it unloads models and stops its stubs itself; signalling
+                # the whole group first kills the stubs under it and leaves the server waiting.
+                self.process.send_signal(signal.SIGINT)
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                    self.process.wait()
+            try:  # stubs may outlive the server by a moment; they are in its process group
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        finally:
+            if getattr(self, "_restore_sigterm", False) and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                self._restore_sigterm = False
+
+    def _trap_sigterm(self) -> None:
+        """Turn SIGTERM into KeyboardInterrupt while the server runs, so ``stop`` still runs.
+
+        The server lives in its own session (Ctrl-C in a terminal reaches only forge), so a forge
+        process killed without cleanup would leave it running.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+            self._restore_sigterm = True
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -24,11 +24,15 @@ WEIGHTS_DIR = "hf"
 _HF_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
 
 
-def runtime_files() -> dict[str, Path]:
-    """The files of ``1/`` besides the weights: model.py and the runtime package."""
-    files = {"1/model.py": HERE / "model.py"}
+def runtime_files() -> dict[str, bytes]:
+    """The files of ``1/`` besides the weights: model.py and the runtime package.
+
+    Contents, not paths: the driver hard-links paths, and editing a repository's model.py must not
+    edit forge's own source.
+    """
+    files = {"1/model.py": (HERE / "model.py").read_bytes()}
     for path in sorted(RUNTIME.glob("*.py")):
-        files[f"1/{RUNTIME_PACKAGE}/{path.name}"] = path
+        files[f"1/{RUNTIME_PACKAGE}/{path.name}"] = path.read_bytes()
     return files
 
 
@@ -54,6 +58,10 @@ def _message_inputs(inputs: Iterable[Any]) -> list:
 
 def _message_outputs(outputs: Iterable[Any]) -> list:
     return [t if hasattr(t, "SerializeToString") else tc.model_output(t.name, t.dtype, t.dims) for t in outputs]
+
+
+def _truthy(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes", "on")
 
 
 def check_spec(spec) -> None:
@@ -83,10 +91,10 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
 
     spec = ctx.spec
     check_spec(spec)
-    inputs, outputs = tensorrt_llm_io(profile, spec)
     meta = dict(artifact.meta or {})
+    inputs, outputs = tensorrt_llm_io(profile, spec, meta)
     max_input_len, max_seq_len = limits(spec, meta)
-    decoupled = bool(ctx.option("decoupled", False))
+    decoupled = _truthy(ctx.option("decoupled", False))
     exclude = ctx.option("exclude_input_in_output", None)
     parameters = {
         "forge_target": "python",
@@ -100,13 +108,16 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 20),
-        "exclude_input_in_output": None if exclude is None else bool(exclude),
+        "exclude_input_in_output": None if exclude is None else _truthy(exclude),
     }
     config = tc.model_config(
         component.model_name("tensorrt_llm"), backend="python", max_batch_size=spec.limits.max_batch_size,
         inputs=_message_inputs(inputs), outputs=_message_outputs(outputs), parameters=parameters,
-        instances=1, instance_kind="KIND_CPU",
-        dynamic_batching={"max_queue_delay_microseconds": 0}, decoupled=decoupled)
+        instances=int(ctx.option("instances", 1)), instance_kind="KIND_CPU",
+        dynamic_batching={"max_queue_delay_microseconds": int(ctx.option("max_queue_delay_microseconds", 0)),
+                          "max_queue_size": int(ctx.option("max_queue_size", 0))},
+        decoupled=decoupled)
+    # Weights are hard-linked (they can be GBs); the code is written as contents.
     files: dict[str, Path | bytes | str] = {**runtime_files(), **weight_files(component.source)}
     ctx.note("python_target", {"max_input_len": max_input_len, "max_seq_len": max_seq_len,
                                "decoupled": decoupled, "weights": sorted(k for k in files if "/hf/" in k)})

@@ -86,6 +86,7 @@ class _Request:
 
     def on_update(self, seq: engine_mod.Sequence, update: engine_mod.Update) -> None:
         """Engine callback (engine thread): send what the update completes."""
+        self.model.count(update)
         with self.lock:
             if self.done:
                 return
@@ -120,7 +121,9 @@ class _Request:
                          want_logprobs=req.return_log_probs,
                          context_logits=seq.context_logits if context else None,
                          generation_logits=list(generation_logits), batch_index=req.batch_index,
-                         arrival_ns=seq.arrival_ns, first_token_ns=seq.first_token_ns)
+                         arrival_ns=seq.arrival_ns, scheduled_ns=seq.scheduled_ns,
+                         first_token_ns=seq.first_token_ns, last_token_ns=seq.last_token_ns,
+                         input_tokens=len(req.prompt), output_tokens=len(seq.output))
 
 
 class TritonPythonModel:
@@ -156,10 +159,35 @@ class TritonPythonModel:
             log=pb_utils.Logger.log_error).start()
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
+        self._metrics()
         pb_utils.Logger.log_info(
             f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}), "
             f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
             f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}")
+
+    def _metrics(self) -> None:
+        """Gauges and counters on Triton's metrics endpoint (cancellations show up there)."""
+        self.metric_sequences = pb_utils.MetricFamily(
+            name="forge_decoder_sequences", description="sequences waiting for or in generation",
+            kind=pb_utils.MetricFamily.GAUGE)
+        self.metric_finished = pb_utils.MetricFamily(
+            name="forge_decoder_finished_total", description="sequences finished, by reason",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self.metric_tokens = pb_utils.MetricFamily(
+            name="forge_decoder_generated_tokens_total", description="tokens generated",
+            kind=pb_utils.MetricFamily.COUNTER)
+        labels = {"model": self.name}
+        self.busy_gauge = self.metric_sequences.Metric(labels=labels)
+        self.token_counter = self.metric_tokens.Metric(labels=labels)
+        self.finished = {reason: self.metric_finished.Metric(labels={**labels, "reason": reason})
+                         for reason in ("length", "end_id", "stop_words", "cancelled", "error")}
+
+    def count(self, update: engine_mod.Update) -> None:
+        if update.tokens:
+            self.token_counter.increment(len(update.tokens))
+        if update.finished and update.reason in self.finished:
+            self.finished[update.reason].increment(1)
+            self.busy_gauge.set(max(0, self.engine.busy - 1))
 
     def log_warn(self, message: str) -> None:
         pb_utils.Logger.log_warn(message)
@@ -204,6 +232,7 @@ class TritonPythonModel:
             with self.lock:
                 self.requests[id(pending)] = pending
             self.engine.submit(pending.sequences)
+        self.busy_gauge.set(self.engine.busy)
         return None
 
     def finalize(self):

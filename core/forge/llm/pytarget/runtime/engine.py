@@ -58,7 +58,9 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     arrival_ns: int = field(default_factory=time.time_ns)
+    scheduled_ns: int = 0
     first_token_ns: int = 0
+    last_token_ns: int = 0
 
     def cancel(self) -> None:
         """Ask the engine to stop this sequence at its next step (thread-safe)."""
@@ -243,6 +245,9 @@ class Engine:
         return self.model(**kwargs).logits
 
     def _prefill(self, admitted: list[Sequence]) -> None:
+        scheduled = time.time_ns()
+        for seq in admitted:
+            seq.scheduled_ns = scheduled
         lengths = [len(s.tokens) for s in admitted]
         width = max(lengths)
         ids = torch.zeros((len(admitted), width), dtype=torch.long)
@@ -290,6 +295,7 @@ class Engine:
             seq.generated += 1
             if not seq.first_token_ns:
                 seq.first_token_ns = now
+            seq.last_token_ns = now
             if req.end_id is not None and token == req.end_id:
                 # TensorRT-LLM stops at end_id and leaves it out of the output
                 self._finish(seq, Update([], [], [], True, "end_id"))

@@ -27,8 +27,12 @@ HONOURED = frozenset({
     "runtime_top_p_min", "runtime_top_p_decay", "runtime_top_p_reset_ids", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "min_length", "random_seed", "return_log_probs",
     "return_context_logits", "return_generation_logits", "exclude_input_in_output", "streaming",
-    "stop", "beam_width", "num_return_sequences", "return_perf_metrics",
+    "stop", "beam_width", "num_return_sequences", "return_perf_metrics", "return_num_input_tokens",
+    "return_num_output_tokens",
 }) | BEAM_ONLY
+
+# Inputs renamed across backend versions: newer name → the name used here.
+ALIASES = {"min_tokens": "min_length", "seed": "random_seed"}
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ def is_stop(tensors: Mapping[str, np.ndarray]) -> bool:
 def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
           exclude_input: bool = False) -> list[GenerationRequest]:
     """Check one request's tensors and return one GenerationRequest per batch row."""
+    tensors = {ALIASES.get(name, name): value for name, value in tensors.items()}
     for name, value in tensors.items():
         if name not in HONOURED and _nonzero(value):
             raise RequestError(f"input {name!r} is not supported by forge's python target; "

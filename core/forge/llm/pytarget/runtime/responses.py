@@ -35,7 +35,11 @@ class RowResult:
     generation_logits: list[np.ndarray] = field(default_factory=list)
     batch_index: int = 0
     arrival_ns: int = 0
+    scheduled_ns: int = 0
     first_token_ns: int = 0
+    last_token_ns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 def _padded(rows: list[list], fill, dtype) -> np.ndarray:
@@ -56,6 +60,11 @@ def assemble(results: list[RowResult], specs: Mapping[str, OutputSpec], pad_id: 
         "batch_index": np.array([[r.batch_index] for r in results], dtype=np.int64),
         "arrival_time_ns": np.array([[r.arrival_ns] for r in results], dtype=np.int64),
         "first_token_time_ns": np.array([[r.first_token_ns] for r in results], dtype=np.int64),
+        "first_scheduled_time_ns": np.array([[r.scheduled_ns] for r in results], dtype=np.int64),
+        "last_token_time_ns": np.array([[r.last_token_ns] for r in results], dtype=np.int64),
+        "num_input_tokens": np.array([[r.input_tokens] for r in results], dtype=np.int64),
+        "num_output_tokens": np.array([[r.output_tokens] for r in results], dtype=np.int64),
+        "sequence_index": np.zeros((batch, 1), dtype=np.int64),
     }
     if any(r.want_logprobs for r in results):
         tensors["output_log_probs"] = _padded([r.logprobs if r.want_logprobs else [] for r in results],

@@ -1,0 +1,88 @@
+"""Fixtures for serving tests: a tiny GPT-2 built with --target python once per session, one shared server.
+
+Three repositories are built through the real CLI (``forge build --family gpt --target python``):
+the newest backend profile, the same with ``--decoupled`` (streaming), and ``--backend-version
+v0.5.0`` (UINT32 lengths). They are merged into one model repository (different name prefixes)
+and served by one real tritonserver for the whole session, which keeps CI time low.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import make_gpt2  # noqa: E402
+
+MAX_INPUT_LEN, MAX_SEQ_LEN = 64, 128
+BUILDS = {  # name prefix → extra build arguments
+    "": [],
+    "s_": ["--decoupled"],
+    "v5_": ["--backend-version", "v0.5.0"],
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def serve_environment(tmp_path_factory):
+    """An isolated forge cache and one CPU thread per python model for the whole session."""
+    saved = {k: os.environ.get(k) for k in ("FORGE_CACHE_DIR", "FORGE_PYTARGET_THREADS", "TOKENIZERS_PARALLELISM")}
+    os.environ["FORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("forge-cache"))
+    os.environ["FORGE_PYTARGET_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    """A random-weight GPT-2 (2 layers, hidden 64) with a byte-level BPE tokenizer."""
+    return make_gpt2(tmp_path_factory.mktemp("models") / "gpt2-tiny")
+
+
+def build(model: Path, out: Path, *extra: str) -> Path:
+    from forge.cli import main
+
+    argv = ["build", "--family", "gpt", "--model", str(model), "--target", "python", "--dtype", "float32",
+            "--out", str(out), "--max-input-len", str(MAX_INPUT_LEN), "--max-seq-len", str(MAX_SEQ_LEN),
+            "--max-batch-size", "8", *extra]
+    assert main(argv) == 0, f"forge {' '.join(argv)} failed"
+    return out
+
+
+@pytest.fixture(scope="session")
+def repos(tiny_gpt2, tmp_path_factory) -> dict[str, Path]:
+    """The three built repositories, by name prefix."""
+    root = tmp_path_factory.mktemp("repos")
+    return {prefix: build(tiny_gpt2, root / (prefix or "plain").rstrip("_"),
+                          *(["--name-prefix", prefix] if prefix else []), *extra)
+            for prefix, extra in BUILDS.items()}
+
+
+@pytest.fixture(scope="session")
+def merged_repo(repos, tmp_path_factory) -> Path:
+    """Every model of the three builds in one repository (their names do not clash)."""
+    out = tmp_path_factory.mktemp("merged") / "repo"
+    out.mkdir()
+    for repo in repos.values():
+        for model_dir in repo.iterdir():
+            if model_dir.is_dir():
+                shutil.copytree(model_dir, out / model_dir.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(merged_repo, tmp_path_factory):
+    """One real tritonserver serving the merged repository for the session."""
+    from forge.serving.server import TritonServer
+
+    with TritonServer(merged_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as s:
+        yield s

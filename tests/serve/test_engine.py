@@ -1,0 +1,236 @@
+"""The continuous-batching engine against transformers' own generate (no Triton)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from forge.llm.pytarget.runtime.engine import Engine, Sequence, load_model  # noqa: E402
+from forge.llm.pytarget.runtime.request import GenerationRequest, Limits, SamplingParams  # noqa: E402
+
+VOCAB = 200
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _randomize(model, seed):
+    """Larger weights than the default init, so greedy continuations vary instead of repeating one token."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _llama(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    _randomize(LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=False)), 1).save_pretrained(path)
+    return path
+
+
+def _gpt2(path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(2)
+    _randomize(GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=VOCAB,
+                                          bos_token_id=0, eos_token_id=0)), 2).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    (_gpt2 if request.param == "gpt2" else _llama)(path)
+    return load_model(path, torch.device("cpu"), torch.float32)
+
+
+def hf_greedy(model, prompt, n):
+    """transformers' greedy continuation of exactly ``n`` tokens (no end-of-sequence stop)."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+class Collector:
+    def __init__(self):
+        self.updates = {}
+
+    def __call__(self, seq, update):
+        self.updates.setdefault(id(seq), []).append(update)
+
+    def tokens(self, seq):
+        return [t for u in self.updates[id(seq)] for t in u.tokens]
+
+    def reason(self, seq):
+        return self.updates[id(seq)][-1].reason
+
+
+def run(model, requests, max_rows=8, join_after=None):
+    """Generate ``requests``; with ``join_after`` = (k, steps) the last k join after that many steps."""
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=max_rows)
+    collect = Collector()
+    seqs = [Sequence(r, collect) for r in requests]
+    if join_after:
+        k, steps = join_after
+        engine.submit(seqs[:-k])
+        for _ in range(steps):
+            engine.step()
+        engine.submit(seqs[-k:])
+    else:
+        engine.submit(seqs)
+    engine.run_until_idle()
+    return collect, seqs
+
+
+PROMPTS = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
+LENGTHS = [12, 5, 20, 9, 15]
+
+
+def test_mixed_lengths_joining_mid_flight_equal_transformers_generate(model):
+    """Continuous batching: different prompt/output lengths, 3 slots, late joiners; greedy = HF generate."""
+    collect, seqs = run(model, [GenerationRequest(p, n) for p, n in zip(PROMPTS, LENGTHS)],
+                        max_rows=3, join_after=(2, 4))
+    for seq, prompt, n in zip(seqs, PROMPTS, LENGTHS):
+        assert collect.tokens(seq) == hf_greedy(model, prompt, n)
+        assert collect.reason(seq) == "length"
+
+
+def test_end_id_stops_and_is_left_out_of_the_output(model):
+    reference = hf_greedy(model, PROMPTS[0], 12)
+    stop_at = next(i for i, t in enumerate(reference) if i and t not in reference[:i])
+    end = reference[stop_at]
+    collect, (seq,) = run(model, [GenerationRequest(PROMPTS[0], 12, end_id=end)])
+    assert collect.tokens(seq) == reference[:stop_at] and collect.reason(seq) == "end_id"
+
+
+def test_min_length_holds_back_the_end_id(model):
+    reference = hf_greedy(model, PROMPTS[0], 12)
+    end = reference[0]
+    collect, (seq,) = run(model, [GenerationRequest(PROMPTS[0], 6, end_id=end,
+                                                    sampling=SamplingParams(min_length=4))])
+    assert end not in collect.tokens(seq)[:4] and len(collect.tokens(seq)) >= 4
+
+
+def test_stop_words_end_generation_and_stay_in_the_output(model):
+    reference = hf_greedy(model, PROMPTS[3], 8)
+    word = reference[2:4]
+    end = next(i for i in range(2, 8) if reference[i - 1: i + 1] == word) + 1
+    collect, (seq,) = run(model, [GenerationRequest(PROMPTS[3], 8, stop_words=[[123, 124], word])])
+    assert collect.tokens(seq) == reference[:end] and collect.reason(seq) == "stop_words"
+
+
+def test_bad_words_are_never_generated(model):
+    reference = hf_greedy(model, PROMPTS[2], 6)
+    collect, (seq,) = run(model, [GenerationRequest(PROMPTS[2], 6, bad_words=[[reference[0]]])])
+    assert reference[0] not in collect.tokens(seq)
+
+
+def test_seeds_reproduce_tokens_whatever_is_batched_alongside(model):
+    sampled = SamplingParams(top_k=20, temperature=1.5, seed=7)
+    alone, (seq,) = run(model, [GenerationRequest(PROMPTS[0], 10, sampling=sampled)])
+    mixed, seqs = run(model, [GenerationRequest(PROMPTS[3], 10, sampling=SamplingParams(top_p=0.9, seed=1)),
+                              GenerationRequest(PROMPTS[0], 10, sampling=SamplingParams(top_k=20, temperature=1.5,
+                                                                                       seed=7))])
+    assert alone.tokens(seq) == mixed.tokens(seqs[1])
+    other, (seq2,) = run(model, [GenerationRequest(PROMPTS[0], 10, sampling=SamplingParams(top_k=20, temperature=1.5,
+                                                                                          seed=8))])
+    assert other.tokens(seq2) != alone.tokens(seq)
+    assert alone.tokens(seq) != hf_greedy(model, PROMPTS[0], 10)
+
+
+def test_top_k_one_is_greedy_and_penalties_change_the_output(model):
+    greedy = hf_greedy(model, PROMPTS[1], 12)
+    collect, (a, b) = run(model, [GenerationRequest(PROMPTS[1], 12, sampling=SamplingParams(top_k=1, seed=3)),
+                                  GenerationRequest(PROMPTS[1], 12, sampling=SamplingParams(repetition_penalty=5.0,
+                                                                                            presence_penalty=3.0))])
+    assert collect.tokens(a) == greedy
+    assert collect.tokens(b) != greedy and 9 not in collect.tokens(b)[:3]
+
+
+def test_log_probs_and_logits_match_transformers(model):
+    req = GenerationRequest(PROMPTS[0], 4, return_log_probs=True, return_context_logits=True,
+                            return_generation_logits=True)
+    collect, (seq,) = run(model, [req])
+    tokens = collect.tokens(seq)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPTS[0] + tokens])).logits[0]
+    n = len(PROMPTS[0])
+    assert torch.allclose(torch.from_numpy(seq.context_logits), logits[:n], atol=1e-4)
+    generation = torch.stack([torch.from_numpy(g) for u in collect.updates[id(seq)] for g in u.generation_logits])
+    assert torch.allclose(generation, logits[n - 1: n - 1 + len(tokens)], atol=1e-4)
+    expected = torch.log_softmax(logits[n - 1: n - 1 + len(tokens)], -1).gather(1, torch.tensor(tokens)[:, None])
+    assert seq.logprobs == pytest.approx(expected.view(-1).tolist(), abs=1e-4)
+
+
+def test_cancelled_sequences_stop_and_the_others_finish(model):
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=4, cancel_check_ms=0)
+    collect = Collector()
+    keep, drop = (Sequence(GenerationRequest(p, 20), collect) for p in PROMPTS[:2])
+    engine.submit([keep, drop])
+    for _ in range(3):
+        engine.step()
+    drop.cancel()
+    engine.run_until_idle()
+    assert collect.reason(drop) == "cancelled" and len(collect.tokens(drop)) < 20
+    assert collect.tokens(keep) == hf_greedy(model, PROMPTS[0], 20)
+
+
+def test_is_cancelled_callback_is_polled(model):
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=4, cancel_check_ms=0)
+    collect = Collector()
+    flag = {"cancel": False}
+    seq = Sequence(GenerationRequest(PROMPTS[0], 30), collect, is_cancelled=lambda: flag["cancel"])
+    engine.submit([seq])
+    engine.step()
+    flag["cancel"] = True
+    engine.run_until_idle()
+    assert collect.reason(seq) == "cancelled"
+
+
+def test_a_failing_owner_does_not_stop_the_batch(model):
+    collect = Collector()
+
+    def broken(seq, update):
+        raise RuntimeError("client went away")
+
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=4, log=lambda m: None)
+    good, bad = Sequence(GenerationRequest(PROMPTS[0], 8), collect), Sequence(GenerationRequest(PROMPTS[1], 8), broken)
+    engine.submit([good, bad])
+    engine.run_until_idle()
+    assert collect.tokens(good) == hf_greedy(model, PROMPTS[0], 8)
+
+
+def test_engine_thread_serves_requests_submitted_while_running(model):
+    import threading
+
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2).start()
+    try:
+        done = threading.Event()
+        results = {}
+
+        def finish(seq, update):
+            if update.finished:
+                results[id(seq)] = list(seq.output)
+                if len(results) == 3:
+                    done.set()
+
+        seqs = [Sequence(GenerationRequest(p, n), finish) for p, n in zip(PROMPTS[:3], (6, 9, 4))]
+        for seq in seqs:
+            engine.submit([seq])
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert [results[id(s)] for s in seqs] == [hf_greedy(model, p, n) for p, n in zip(PROMPTS[:3], (6, 9, 4))]

@@ -1,0 +1,123 @@
+"""The python target's runtime without Triton: request checks, sampling, continuous batching, responses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from forge.llm.pytarget.runtime import request as rq
+from forge.llm.pytarget.runtime.responses import OutputSpec, RowResult, assemble
+
+LIMITS = rq.Limits(vocab_size=100, max_input_len=16, max_seq_len=32)
+
+
+def tensors(ids=(1, 2, 3), out=5, **extra):
+    t = {"input_ids": np.array([list(ids)], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+         "request_output_len": np.array([[out]], np.int32)}
+    t.update({k: np.asarray(v) for k, v in extra.items()})
+    return t
+
+
+def parse(t, decoupled=False):
+    return rq.parse(t, LIMITS, decoupled=decoupled)
+
+
+# -- request checks -------------------------------------------------------------------------------
+
+def test_defaults_are_tensorrt_llm_defaults():
+    (req,) = parse(tensors())
+    assert req.prompt == [1, 2, 3] and req.max_new_tokens == 5
+    assert req.sampling.greedy and req.end_id is None and not req.exclude_input
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(out=0), "request_output_len must be at least 1"),  # max tokens ≤ 0
+    (dict(out=-3), "request_output_len must be at least 1"),
+    (dict(out=30), "exceeds this model's max_seq_len 32"),  # beyond the model's limit
+    (dict(ids=tuple(range(1, 18)), out=1), "more than this model's max_input_len 16"),  # prompt too long
+    (dict(ids=(1, 2, 300)), "outside the vocabulary"),  # token id out of range
+    (dict(beam_width=np.array([[2]])), "beam_width 2 is not supported"),
+    (dict(num_return_sequences=np.array([[3]])), "num_return_sequences 3 is not supported"),
+    (dict(runtime_top_p=np.array([[1.5]], np.float32)), "runtime_top_p must be in [0, 1]"),
+    (dict(runtime_top_k=np.array([[-1]])), "runtime_top_k must be ≥ 0"),
+    (dict(temperature=np.array([[-0.5]], np.float32)), "temperature must be ≥ 0"),
+    (dict(repetition_penalty=np.array([[0.0]], np.float32)), "repetition_penalty must be > 0"),
+    (dict(streaming=np.array([[True]])), "streaming needs a decoupled model"),
+    (dict(embedding_bias=np.ones((1, 7), np.float32)), "embedding_bias has 7 values"),
+    (dict(prompt_embedding_table=np.ones((1, 2, 4), np.float16)), "'prompt_embedding_table' is not supported"),
+    (dict(lora_task_id=np.array([[4]], np.uint64)), "'lora_task_id' is not supported"),
+    (dict(stop_words_list=np.array([[[5, 6], [3, -1]]], np.int32)), "invalid offset 3"),
+])
+def test_bad_requests_get_one_clear_error(extra, message):
+    """Bad requests: max tokens ≤ 0 or beyond the limit, prompt too long, out-of-vocab ids, unsupported inputs."""
+    ids = extra.pop("ids", (1, 2, 3))
+    out = extra.pop("out", 5)
+    with pytest.raises(rq.RequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse(tensors(ids, out, **extra))
+
+
+def test_empty_prompt_is_refused():
+    """Bad request: empty prompt (input_lengths 0)."""
+    t = tensors()
+    t["input_lengths"] = np.array([[0]], np.int32)
+    with pytest.raises(rq.RequestError, match="the prompt is empty"):
+        parse(t)
+
+
+def test_input_lengths_beyond_input_ids_is_refused():
+    """Bad request: input_lengths larger than the tokens sent (wrong shapes)."""
+    t = tensors()
+    t["input_lengths"] = np.array([[9]], np.int32)
+    with pytest.raises(rq.RequestError, match="exceeds the 3 tokens"):
+        parse(t)
+
+
+def test_inputs_it_cannot_honour_are_accepted_when_empty_or_zero():
+    t = tensors(prompt_embedding_table=np.zeros((1, 0, 4), np.float16), lora_task_id=np.array([[0]], np.uint64),
+                guided_decoding_guide=np.array([[b""]], object))
+    assert len(parse(t)) == 1
+
+
+def test_word_lists_and_per_request_parameters():
+    t = tensors(stop_words_list=np.array([[[7, 8, 9, 0], [2, 3, -1, -1]]], np.int32),
+                bad_words_list=np.array([[[4, 0], [1, -1]]], np.int32),
+                runtime_top_k=np.array([[5]], np.uint32), runtime_top_p=np.array([[0.9]], np.float32),
+                temperature=np.array([[0.7]], np.float32), random_seed=np.array([[2**63 + 5]], np.uint64),
+                end_id=np.array([[50]], np.int32), min_tokens=np.array([[3]], np.int32),
+                exclude_input_in_output=np.array([[True]]), embedding_bias=np.zeros((1, 100), np.float32))
+    (req,) = parse(t)
+    assert req.stop_words == [[7, 8], [9]] and req.bad_words == [[4]]
+    s = req.sampling
+    assert (s.top_k, round(s.top_p, 3), round(s.temperature, 3), s.seed, s.min_length) == (5, 0.9, 0.7, 2**63 + 5, 3)
+    assert not s.greedy and req.end_id == 50 and req.exclude_input and req.embedding_bias.shape == (100,)
+
+
+def test_batched_request_gives_one_row_each():
+    t = {"input_ids": np.array([[1, 2, 3], [4, 5, 0]], np.int32), "input_lengths": np.array([[3], [2]], np.int32),
+         "request_output_len": np.array([[4], [6]], np.uint32)}
+    rows = parse(t)
+    assert [r.prompt for r in rows] == [[1, 2, 3], [4, 5]]
+    assert [r.max_new_tokens for r in rows] == [4, 6] and [r.batch_index for r in rows] == [0, 1]
+
+
+def test_stop_requests_are_recognised():
+    assert rq.is_stop({"stop": np.array([[True]])}) and not rq.is_stop({"stop": np.array([[False]])})
+
+
+# -- responses --------------------------------------------------------------------------------------
+
+def test_responses_have_the_backend_shapes_and_configured_dtypes():
+    specs = {"output_ids": OutputSpec(np.dtype(np.int32), 2), "sequence_length": OutputSpec(np.dtype(np.int32), 1),
+             "cum_log_probs": OutputSpec(np.dtype(np.float32), 1),
+             "output_log_probs": OutputSpec(np.dtype(np.float32), 2),
+             "generation_logits": OutputSpec(np.dtype(np.float32), 3),
+             "kv_cache_reused_blocks": OutputSpec(np.dtype(np.int32), 1)}
+    rows = [RowResult([1, 2, 3, 9], [-0.5], -0.5, True, batch_index=0),
+            RowResult([4, 9, 8], [-1.0, -2.0], -3.0, True, batch_index=1)]
+    out = assemble(rows, specs, pad_id=7)
+    assert out["output_ids"].dtype == np.int32 and out["output_ids"].tolist() == [[[1, 2, 3, 9]], [[4, 9, 8, 7]]]
+    assert out["sequence_length"].tolist() == [[4], [3]]
+    assert out["cum_log_probs"].tolist() == [[-0.5], [-3.0]]
+    assert out["output_log_probs"].tolist() == [[[-0.5, 0.0]], [[-1.0, -2.0]]]
+    assert out["generation_logits"].shape == (2, 1, 1, 1)
+    assert out["kv_cache_reused_blocks"].tolist() == [[0], [0]]
