@@ -9,6 +9,7 @@ import pytest
 import forge_gpt
 import forge_llama
 from forge.testing import use_plugins
+from gpt_models import make_gpt2
 
 
 @pytest.fixture(autouse=True)
@@ -24,43 +25,6 @@ def decoder_plugins():
         yield
 
 
-def randomize(model, seed: int = 0, std: float = 0.15) -> None:
-    """Weights large enough that a wrong split, bias or transpose moves the logits visibly."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "ln" in name or "norm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
-            else:
-                p.copy_(std * noise)
-
-
-def make_gpt2(path: Path, *, n_embd=48, n_layer=3, n_head=4, vocab_size=101, n_positions=32, seed=0) -> Path:
-    """A GPT-2 checkpoint with odd vocab (exercises lm_head padding) and tied embeddings."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, vocab_size=vocab_size,
-                                       n_positions=n_positions, bos_token_id=0, eos_token_id=0))
-    randomize(model, seed)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> Path:
     return make_gpt2(tmp_path_factory.mktemp("models") / "gpt2-tiny")
-
-
-def hf_logits(model_dir: Path, ids) -> "numpy.ndarray":  # noqa: F821
-    """transformers' float32 logits for one sequence."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        return model(torch.tensor([list(ids)])).logits[0].numpy()

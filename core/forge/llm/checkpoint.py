@@ -56,22 +56,39 @@ def from_float32(a: np.ndarray, tag: str) -> np.ndarray:
     return a.astype(_NUMPY[tag])
 
 
-def convert(a: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """A contiguous copy (or view) of ``a`` converted from dtype tag ``src`` to ``dst``."""
-    if src == dst:
-        return np.ascontiguousarray(a)
-    if src != "BF16" and dst != "BF16":
-        with np.errstate(over="ignore"):  # overflow shows up as Inf and is reported by the caller
-            return np.ascontiguousarray(a, dtype=_NUMPY[dst])
-    return np.ascontiguousarray(from_float32(to_float32(a, src), dst))
+class Scratch:
+    """A reusable buffer: chunk-sized temporaries without a fresh (page-faulting) allocation per chunk."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+
+    def take(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if self._buf.size < nbytes:
+            self._buf = np.empty(nbytes, dtype=np.uint8)
+        return self._buf[:nbytes].view(dtype).reshape(shape)
 
 
-def nonfinite(a: np.ndarray, tag: str) -> bool:
+def convert(a: np.ndarray, src: str, dst: str, out: Scratch | None = None) -> np.ndarray:
+    """``a`` converted from dtype tag ``src`` to ``dst``, C-contiguous (a view when nothing changes)."""
+    if src == dst and a.flags.c_contiguous:
+        return a
+    if src == "BF16" or dst == "BF16":
+        return np.ascontiguousarray(from_float32(to_float32(a, src), dst))
+    target = out.take(a.shape, _NUMPY[dst]) if out is not None else np.empty(a.shape, dtype=_NUMPY[dst])
+    with np.errstate(over="ignore"):  # overflow shows up as Inf and is reported by the caller
+        np.copyto(target, a, casting="unsafe")
+    return target
+
+
+def nonfinite(a: np.ndarray, tag: str, scratch: Scratch | None = None) -> bool:
     """True when ``a`` holds a NaN or ±Inf (tested on the bit pattern, any dtype tag)."""
     if a.size == 0:
         return False
     view, mask, inf = _BITS[tag]
-    return bool(np.bitwise_and(a.view(view), view(mask)).max() >= inf)
+    bits = a.view(view)
+    masked = scratch.take(a.shape, view) if scratch is not None else None
+    return bool(np.bitwise_and(bits, view(mask), out=masked).max() >= inf)
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -432,8 +449,10 @@ def _blocks(piece: Piece, cols_hint: int) -> Iterator[tuple[int, np.ndarray | No
         yield s, block, block.shape[0]
 
 
-def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str) -> int:
+def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
+              scratch: tuple[Scratch, Scratch] | None = None) -> int:
     """Convert and write one tensor to every rank that holds it; returns the bytes written."""
+    converted, masked = scratch or (Scratch(), Scratch())
     written = 0
     size = np.dtype(_NUMPY[tag]).itemsize
     for rank, planned in job.per_rank.items():
@@ -445,8 +464,8 @@ def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str)
                 if block is None:
                     out = np.zeros((rows, *planned.shape[1:]), dtype=_NUMPY[tag])
                 else:
-                    out = convert(block, piece.ref.tag, tag)
-                    if nonfinite(out, tag):
+                    out = convert(block, piece.ref.tag, tag, converted)
+                    if nonfinite(out, tag, masked):
                         if nonfinite(block, piece.ref.tag):
                             raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
                                              "the checkpoint is corrupt or was saved after a diverged step")
@@ -549,8 +568,9 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
         writers = {r: RankWriter(out / f"rank{r}.safetensors", layouts[r], tag) for r in layouts}
         try:
             total = 0
+            scratch = (Scratch(), Scratch())
             for job in jobs:
-                total += write_job(job, writers, tag, where)
+                total += write_job(job, writers, tag, where, scratch)
         finally:
             for w in writers.values():
                 w.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import hf_logits, make_gpt2
+from gpt_models import hf_logits, make_gpt2
 
 from forge.cli import main
 from forge.llm.checkpoint import SafetensorsFile

@@ -1,0 +1,188 @@
+"""llama export: Llama/Mistral (GQA, MQA) → TensorRT-LLM unified checkpoint (parity, KV duplication, refusals)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from llama_models import hf_logits, make_llama
+
+from forge.cli import main
+from forge.llm.reference import ReferenceModel, load_rank, max_abs_diff
+
+IDS = [3, 17, 42, 99, 5, 8, 64, 100, 0, 31, 77, 12]
+
+
+def export(model: Path, out: Path, *args) -> int:
+    return main(["export", "--family", "llama", "--model", str(model), "--out", str(out), *map(str, args)])
+
+
+def close(got, expected, rel=1e-4) -> bool:
+    return max_abs_diff(got, expected) < rel * max(1.0, np.abs(expected).max())
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gqa_rank_files_reproduce_transformers_logits(tiny_llama, tmp_path, tp, pp):
+    """8 heads / 2 KV heads: at tp 4 each KV head is duplicated on two ranks; logits match HF."""
+    out = tmp_path / "ckpt"
+    assert export(tiny_llama, out, "--tp", tp, "--pp", pp, "--dtype", "float32") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architecture"] == "LlamaForCausalLM" and config["num_key_value_heads"] == 2
+    assert config["position_embedding_type"] == "rope_gpt_neox"
+    assert close(ReferenceModel(out).logits(IDS), hf_logits(tiny_llama, IDS))
+
+
+def test_kv_heads_duplicated_when_fewer_than_tp(tiny_llama, tmp_path):
+    """tp 4 over 2 KV heads: ranks 0,1 hold KV head 0 and ranks 2,3 KV head 1; Q heads split evenly."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "ckpt"
+    assert export(tiny_llama, out, "--tp", 4, "--dtype", "float32") == 0
+    hf = load_file(tiny_llama / "model.safetensors")
+    q, k, v = (hf[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
+    d = 8
+    for r in range(4):
+        qkv = load_rank(out / f"rank{r}.safetensors")["transformer.layers.1.attention.qkv.weight"]
+        assert qkv.shape == (2 * d + 2 * d, 64)
+        head = r // 2
+        np.testing.assert_array_equal(qkv[: 2 * d], q[r * 2 * d:(r + 1) * 2 * d])
+        np.testing.assert_array_equal(qkv[2 * d: 3 * d], k[head * d:(head + 1) * d])
+        np.testing.assert_array_equal(qkv[3 * d:], v[head * d:(head + 1) * d])
+
+
+@pytest.mark.parametrize("variant", ["mqa", "mistral", "biases", "tied", "head_dim"])
+def test_variants_reproduce_transformers_logits(tmp_path, variant):
+    """MQA (1 KV head), Mistral, attention/MLP biases, tied embeddings, head_dim ≠ hidden/heads at tp 2."""
+    kwargs = {"mqa": dict(kv_heads=1), "mistral": dict(arch="mistral"),
+              "biases": dict(attention_bias=True, mlp_bias=True),
+              "tied": dict(tie_word_embeddings=True), "head_dim": dict(head_dim=16)}[variant]
+    model = make_llama(tmp_path / "m", seed=3, **kwargs)
+    out = tmp_path / "ckpt"
+    assert export(model, out, "--tp", 2, "--pp", 2, "--dtype", "float32") == 0
+    assert close(ReferenceModel(out).logits(IDS), hf_logits(model, IDS))
+    names = set(load_rank(out / "rank0.safetensors"))
+    assert ("transformer.layers.0.attention.qkv.bias" in names) == (variant == "biases")
+    assert ("transformer.layers.0.mlp.gate.bias" in names) == (variant == "biases")
+
+
+def test_half_precision_from_bfloat16_source(tmp_path):
+    """A bfloat16 checkpoint exports to float16 and bfloat16 with logits close to float32."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = make_llama(tmp_path / "m")
+    tensors = load_file(model / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, model / "model.safetensors",
+              metadata={"format": "pt"})
+    expected = hf_logits(model, IDS)
+    for dtype, rel in (("float16", 1e-2), ("bfloat16", 5e-2), ("float32", 1e-4)):
+        out = tmp_path / dtype
+        assert export(model, out, "--tp", 2, "--dtype", dtype) == 0
+        assert close(ReferenceModel(out).logits(IDS), expected, rel), dtype
+
+
+def test_rope_scaling_is_carried_into_the_config(tmp_path):
+    """transformers 5 rope_parameters (llama3 scaling, theta) become TensorRT-LLM rotary_base/rotary_scaling."""
+    model = make_llama(tmp_path / "m")
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64}
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "ckpt"
+    assert export(model, out) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert written["rotary_base"] == 500000.0
+    assert written["rotary_scaling"]["type"] == "llama3" and written["rotary_scaling"]["factor"] == 8.0
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+
+def refused(capsys, out: Path, code: int, *fragments: str) -> None:
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2, line
+    assert line.startswith("forge: error:")
+    for fragment in fragments:
+        assert fragment in line, line
+    assert not out.exists()
+
+
+def test_refuses_tp_not_multiple_of_fewer_kv_heads(tmp_path, capsys):
+    """Bad input: 12 heads, 4 KV heads, tp 6 — KV heads can only be duplicated evenly."""
+    model = make_llama(tmp_path / "m", hidden=96, heads=12, kv_heads=4)
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--tp", 6), "--tp 6 is not a multiple of the 4 key/value heads")
+
+
+def test_refuses_kv_heads_not_divisible_by_tp(tmp_path, capsys):
+    """Bad input: 12 heads, 6 KV heads, tp 4 — 6 KV heads cannot be split over 4 ranks."""
+    model = make_llama(tmp_path / "m", hidden=96, heads=12, kv_heads=6)
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--tp", 4), "6 key/value heads cannot be split over --tp 4")
+
+
+def test_refuses_intermediate_size_not_divisible(tmp_path, capsys):
+    """Bad input: intermediate_size 100 cannot be split over tp 8 (heads can)."""
+    model = make_llama(tmp_path / "m", inter=100, heads=8, kv_heads=8)
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--tp", 8), "intermediate_size 100", "cannot be split over --tp 8")
+
+
+def test_refuses_mistral_under_gpt_family(tiny_llama, tmp_path, capsys):
+    """Bad input: a Llama checkpoint given to --family gpt names the family's supported architectures."""
+    out = tmp_path / "out"
+    code = main(["export", "--family", "gpt", "--model", str(tiny_llama), "--out", str(out)])
+    refused(capsys, out, code, "'LlamaForCausalLM' is not supported by family 'gpt'", "GPT2LMHeadModel")
+
+
+def test_refuses_missing_q_proj(tiny_llama, tmp_path, capsys):
+    """Bad input: one layer's q_proj is absent; the message names it."""
+    from safetensors.numpy import load_file, save_file
+
+    model = shutil.copytree(tiny_llama, tmp_path / "bad")
+    tensors = load_file(model / "model.safetensors")
+    del tensors["model.layers.2.self_attn.q_proj.weight"]
+    save_file(tensors, model / "model.safetensors")
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--tp", 2), "lacks 1 tensor(s)", "model.layers.2.self_attn.q_proj.weight")
+
+
+def test_refuses_pickle_weights_without_allow_pickle(tiny_llama, tmp_path, capsys):
+    """Bad input: pickle-only weights; with --allow-pickle they convert like safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled"
+    model.mkdir()
+    shutil.copy(tiny_llama / "config.json", model)
+    torch.save(load_file(tiny_llama / "model.safetensors"), model / "pytorch_model.bin")
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out), "pickle")
+    assert export(model, out, "--allow-pickle", "--dtype", "float32") == 0
+    assert close(ReferenceModel(out).logits(IDS), hf_logits(tiny_llama, IDS))
+
+
+@pytest.mark.heavy
+def test_smollm2_at_tp3_reproduces_transformers(tmp_path):
+    """The real SmolLM2-135M (9 heads, 3 KV heads, tied embeddings) at tp 3: float32 logits match HF."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from forge.llm import smollm2
+
+    torch.set_num_threads(2)
+    model = smollm2.hf_dir()  # materialized once per user (~40 s), then cached
+
+    ids = AutoTokenizer.from_pretrained(model)("The capital of France is")["input_ids"]
+    out = tmp_path / "ckpt"
+    assert export(model, out, "--tp", 3, "--dtype", "float32") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (9, 3, 49152)
+    expected = hf_logits(model, ids)
+    got = ReferenceModel(out).logits(ids)
+    assert close(got, expected, 1e-5)
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
