@@ -174,8 +174,12 @@ class OpenClipSource:
                                  "(e.g. ViT-B-32), or pass a directory with open_clip_config.json")
             config_file = open_clip_dir() / "model_configs" / f"{name}.json"
             if not config_file.is_file():
+                import difflib
+
                 known = sorted(p.stem for p in config_file.parent.glob("*.json"))
-                raise UsageError(f"open_clip has no model config {name!r}; known: {', '.join(known[:12])}, …")
+                close = difflib.get_close_matches(str(name), known, n=6, cutoff=0.4) or known[:6]
+                raise UsageError(f"open_clip has no model config {name!r}; closest: {', '.join(close)} "
+                                 f"({len(known)} configs in {config_file.parent})")
             self.model_name, self.weights = str(name), path
             self.model_cfg, preprocess = read_json(config_file, "the open_clip model config"), {}
         else:
