@@ -176,3 +176,31 @@ def test_ensemble_and_bls_stream_without_losing_text(tokenizer_dirs, tmp_path):
 
         whole = _stream(client, grpc, "tensorrt_llm_bls", request(False))
         assert [p.decode("utf-8") for p in whole] == [full]
+
+
+def test_python_target_repository_generates_and_streams(tiny_gpt2, tmp_path):
+    """forge build --target python --decoupled -o bls=true: real generation behind forge's text models."""
+    import tritonclient.grpc as grpc
+
+    from forge.cli import main
+    from forge.serving.server import TritonServer
+
+    out = tmp_path / "repo"
+    assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--target", "python",
+                 "--dtype", "float32", "--max-input-len", "64", "--max-seq-len", "128", "--decoupled",
+                 "-o", "bls=true"]) == 0
+
+    def request(stream: bool):
+        return _grpc_inputs(grpc, {
+            "text_input": (np.array([[b"hello world"]], dtype=object), "BYTES"),
+            "max_tokens": (np.array([[8]], dtype=np.int32), "INT32"),
+            "stream": (np.array([[stream]]), "BOOL")})
+
+    with TritonServer(out) as server:
+        client = grpc.InferenceServerClient(server.grpc_url)
+        for model in ("ensemble", "tensorrt_llm_bls"):
+            whole = _stream(client, grpc, model, request(False))
+            assert len(whole) == 1 and whole[0].startswith(b"hello world")
+            pieces = _stream(client, grpc, model, request(True))
+            assert 1 <= len(pieces) <= 8  # one piece per generated token (fewer if the end id comes)
+            assert b"hello world" + b"".join(pieces) == whole[0]
