@@ -306,7 +306,10 @@ def test_engine_dir_without_engines(hf_dir, tmp_path):
 
 def test_python_target_without_the_python_target_module(hf_dir, tmp_path, monkeypatch):
     """--target python when forge.llm.pytarget cannot be imported gives one clear error."""
+    import forge.llm
+
     monkeypatch.setitem(sys.modules, "forge.llm.pytarget", None)
+    monkeypatch.delattr(forge.llm, "pytarget", raising=False)
     ctx = helpers.context(hf_dir, tmp_path / "repo", target="python")
     artifact = helpers.engine_artifact(tmp_path)
     artifact.kind = "trtllm-checkpoint"
