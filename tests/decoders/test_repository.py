@@ -255,6 +255,7 @@ def test_tensor_parallel_engine(hf_dir, tmp_path):
     ({"instances": 0}, "at least 1"),
     ({"max_queue_size": -1}, "must not be negative"),
     ({"logits_datatype": "TYPE_INT8"}, "TYPE_FP32, TYPE_FP16 or TYPE_BF16"),
+    ({"max_beam_width": 4}, "exceeds the engine's beam width"),
 ])
 def test_bad_options_are_usage_errors(options, message, hf_dir, tmp_path):
     """Bad input: every -o value the Triton side cannot use fails before anything is written."""

@@ -3,7 +3,7 @@
 Every tensor, parameter and dtype comes from the backend-version profile (:mod:`forge.llm.profiles`),
 so a repository built with ``--backend-version v0.5.0`` looks to clients exactly like one made from
 that release's templates, and the newest release is the default. Tokenizer files are copied into
-each python model's ``1/tokenizer`` (hard links), so the repository is self-contained.
+each python model's ``1/tokenizer``, so the repository is self-contained.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def check_options(spec) -> Profile:
     for name in ("max_queue_delay_microseconds", "max_queue_size"):
         if name in options and int(options[name]) < 0:
             raise UsageError(f"-o {name} must not be negative, got {options[name]}")
+    _check_beam_width(spec)
     if _bool(options.get("bls", False)) and not profile.has_model(BLS):
         first = next(p.version for p in profiles.PROFILES.values() if p.has_model(BLS))
         raise UsageError(f"-o bls=true needs tensorrtllm_backend {first} or newer; "
@@ -123,6 +124,14 @@ def _check_parameter(p: Parameter, value: Any, profile: Profile) -> None:
         raise UsageError(f"-o kv_cache_free_gpu_mem_fraction must be in (0, 1], got {value}")
 
 
+def _check_beam_width(spec) -> None:
+    value = spec.options.get("max_beam_width")
+    if value is not None and not 1 <= int(value) <= spec.limits.max_beam_width:
+        raise UsageError(f"-o max_beam_width={value} exceeds the engine's beam width "
+                         f"(--max-beam-width {spec.limits.max_beam_width})",
+                         hint="raise --max-beam-width so the engine is built for it")
+
+
 def _triton_dtype(name: str, value: Any) -> str:
     text = str(value).strip()
     key = _DTYPES.get(text.lower(), text.upper().removeprefix("TYPE_"))
@@ -142,7 +151,8 @@ def _parameter_value(p: Parameter, options: Mapping[str, Any]) -> str | None:
 
 # -- tensors ------------------------------------------------------------------------------------
 
-def _engine_config(meta: Mapping[str, Any] | None, engine_dir: Path | None) -> Mapping[str, Any]:
+def _engine_config(engine_dir: Path | None) -> Mapping[str, Any]:
+    """The ``pretrained_config`` of a built engine (empty when there is none to read)."""
     if engine_dir is not None and (engine_dir / "config.json").is_file():
         try:
             return json.loads((engine_dir / "config.json").read_text()).get("pretrained_config", {})
@@ -160,7 +170,7 @@ def resolve_dtype(dtype: str, spec, meta: Mapping[str, Any] | None = None,
     if option in spec.options:
         return _triton_dtype(option, spec.options[option])
     if dtype == profiles.LOGITS:
-        logits = _engine_config(meta, engine_dir).get("logits_dtype") or (meta or {}).get("logits_dtype")
+        logits = _engine_config(engine_dir).get("logits_dtype") or (meta or {}).get("logits_dtype")
         return _DTYPES.get(str(logits), "FP32")
     return _DTYPES.get(spec.dtype, "FP16")
 
@@ -242,7 +252,8 @@ def _tokenizer_defaults(source: Path, spec) -> dict[str, Any]:
     try:
         tokenizer = forge_text.load_tokenizer(str(source), trust_remote_code=spec.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - any loader failure means the same thing to the user
-        raise UsageError(f"cannot load the tokenizer in {source}: {type(exc).__name__}: {exc}",
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise UsageError(f"cannot load the tokenizer in {source}: {type(exc).__name__}: {reason}",
                          hint="check the tokenizer files (or pass --trust-remote-code if it needs custom code)")
     eos: list[int] = []
     generation = source / "generation_config.json"
