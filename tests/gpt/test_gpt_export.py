@@ -251,6 +251,30 @@ def test_refuses_integer_weights(tiny_gpt2, tmp_path, capsys):
     refused(capsys, out, export(model, out), "has dtype I8", "floating-point")
 
 
+def test_refuses_attention_variants_tensorrt_llm_lacks(tiny_gpt2, tmp_path, capsys):
+    """Bad input: scale_attn_by_inverse_layer_idx=true changes attention in a way GPTForCausalLM cannot."""
+    model = shutil.copytree(tiny_gpt2, tmp_path / "variant")
+    config = json.loads((model / "config.json").read_text())
+    config["scale_attn_by_inverse_layer_idx"] = True
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out), "scale_attn_by_inverse_layer_idx=true", "TensorRT-LLM cannot build")
+
+
+def test_parity_option_records_the_comparison(tiny_gpt2, tmp_path, capsys):
+    """-o parity=true compares the export with transformers and writes the numbers into the manifest."""
+    out = tmp_path / "ckpt"
+    assert export(tiny_gpt2, out, "--tp", 2, "--dtype", "float16", "-o", "parity=true") == 0
+    manifest = json.loads((out / "forge-manifest.json").read_text())
+    parity = manifest["components"][0]["stages"][0]["notes"]["parity"]
+    assert parity["relative"] < parity["tolerance"] == pytest.approx(1e-2)
+    assert parity["argmax_agreement"] == 1.0
+    code = export(tiny_gpt2, tmp_path / "strict", "--dtype", "float16", "-o", "parity=true",
+                  "--parity-tolerance", "1e-9")
+    assert code == 1
+    assert "differ from transformers" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_plugin_modules_import_without_torch():
     """`forge plugins` stays fast: the plugin packages do not import torch or transformers."""
     import subprocess

@@ -46,7 +46,9 @@ class DecoderAdapter:
     architectures: ClassVar[tuple[str, ...]]  # Hugging Face ``architectures[0]`` values accepted
     trtllm_architecture: ClassVar[str]  # ``architecture`` written to the TensorRT-LLM config.json
     modelopt_decoder: ClassVar[str]  # nvidia-modelopt's ``decoder_type`` for this family
-    parity_tolerance: ClassVar[float] = 1e-3  # max |Δlogit| of a float32 export vs. transformers
+    #: ``-o parity=true``: max |Δlogit| / max(1, max |logit|) of a float32 export vs. transformers
+    #: (scaled up for float16 / bfloat16 exports; ``--parity-tolerance`` overrides it)
+    parity_tolerance: ClassVar[float] = 1e-4
 
     #: normalized name → Hugging Face config keys tried in order (dots reach into nested dicts)
     config_fields: ClassVar[Mapping[str, tuple[str, ...]]]
@@ -56,6 +58,8 @@ class DecoderAdapter:
     trtllm_fields: ClassVar[Mapping[str, str]] = {}
     #: TensorRT-LLM config.json constants of the family (position embedding type, variant, …)
     trtllm_constants: ClassVar[Mapping[str, Any]] = {}
+    #: Hugging Face config key → (value TensorRT-LLM's model cannot reproduce, why) — refused on export
+    unsupported: ClassVar[Mapping[str, tuple[Any, str]]] = {}
 
     #: prefixes tried in order in front of every source name (checkpoints saved with and without a base)
     weight_prefixes: ClassVar[tuple[str, ...]] = ("",)

@@ -57,28 +57,53 @@ def from_float32(a: np.ndarray, tag: str) -> np.ndarray:
 
 
 class Scratch:
-    """A reusable buffer: chunk-sized temporaries without a fresh (page-faulting) allocation per chunk."""
+    """Reusable named buffers: chunk-sized temporaries without a fresh (page-faulting) allocation per chunk."""
 
     def __init__(self) -> None:
-        self._buf = np.empty(0, dtype=np.uint8)
+        self._bufs: dict[str, np.ndarray] = {}
 
-    def take(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    def take(self, key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if self._buf.size < nbytes:
-            self._buf = np.empty(nbytes, dtype=np.uint8)
-        return self._buf[:nbytes].view(dtype).reshape(shape)
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < nbytes:
+            buf = self._bufs[key] = np.empty(nbytes, dtype=np.uint8)
+        return buf[:nbytes].view(dtype).reshape(shape)
 
 
-def convert(a: np.ndarray, src: str, dst: str, out: Scratch | None = None) -> np.ndarray:
-    """``a`` converted from dtype tag ``src`` to ``dst``, C-contiguous (a view when nothing changes)."""
+def convert(a: np.ndarray, src: str, dst: str, scratch: Scratch | None = None) -> np.ndarray:
+    """``a`` converted from dtype tag ``src`` to ``dst``, C-contiguous (a view when nothing changes).
+
+    Non-finite inputs may come out as any non-finite value; callers refuse them anyway.
+    """
     if src == dst and a.flags.c_contiguous:
         return a
-    if src == "BF16" or dst == "BF16":
-        return np.ascontiguousarray(from_float32(to_float32(a, src), dst))
-    target = out.take(a.shape, _NUMPY[dst]) if out is not None else np.empty(a.shape, dtype=_NUMPY[dst])
+    s = scratch or Scratch()
+    out = s.take("out", a.shape, _NUMPY[dst])
+    if src == "BF16":  # widen the raw bits: bfloat16 is the top half of a float32
+        wide = s.take("mid", a.shape, np.uint32)
+        np.copyto(wide, a, casting="unsafe")
+        np.left_shift(wide, 16, out=wide)
+        a, src = wide.view(np.float32), "F32"
+        if dst == "F32":
+            return a
+    if dst == "BF16":  # round to nearest even on the float32 bits
+        if src == "F32":
+            bits = np.ascontiguousarray(a).view(np.uint32)
+        else:
+            bits = s.take("mid", a.shape, np.float32)
+            np.copyto(bits, a, casting="unsafe")
+            bits = bits.view(np.uint32)
+        tmp = s.take("tmp", a.shape, np.uint32)
+        np.right_shift(bits, 16, out=tmp)
+        np.bitwise_and(tmp, 1, out=tmp)
+        np.add(tmp, 0x7FFF, out=tmp)
+        np.add(tmp, bits, out=tmp)
+        np.right_shift(tmp, 16, out=tmp)
+        np.copyto(out, tmp, casting="unsafe")
+        return out
     with np.errstate(over="ignore"):  # overflow shows up as Inf and is reported by the caller
-        np.copyto(target, a, casting="unsafe")
-    return target
+        np.copyto(out, a, casting="unsafe")
+    return out
 
 
 def nonfinite(a: np.ndarray, tag: str, scratch: Scratch | None = None) -> bool:
@@ -86,9 +111,8 @@ def nonfinite(a: np.ndarray, tag: str, scratch: Scratch | None = None) -> bool:
     if a.size == 0:
         return False
     view, mask, inf = _BITS[tag]
-    bits = a.view(view)
-    masked = scratch.take(a.shape, view) if scratch is not None else None
-    return bool(np.bitwise_and(bits, view(mask), out=masked).max() >= inf)
+    masked = scratch.take("mask", a.shape, view) if scratch is not None else None
+    return bool(np.bitwise_and(a.view(view), view(mask), out=masked).max() >= inf)
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -108,9 +132,16 @@ class TensorRef:
         """A zero-copy (memory-mapped) numpy view of the tensor."""
         return self.file.array(self)
 
-    def release(self) -> None:
-        """Drop the tensor's mapped pages from this process's memory (the page cache keeps them)."""
-        self.file.release(self)
+    def release(self, rows: tuple[int, int] | None = None) -> None:
+        """Drop the mapped pages of the tensor (or of rows ``rows``) from this process's memory.
+
+        The page cache keeps them, so a later read is a cheap refault, not disk I/O.
+        """
+        if rows is None:
+            self.file.release(self.begin, self.end)
+            return
+        row_bytes = (self.end - self.begin) // max(1, self.shape[0]) if self.shape else 0
+        self.file.release(self.begin + rows[0] * row_bytes, self.begin + rows[1] * row_bytes)
 
 
 class SafetensorsFile:
@@ -135,10 +166,10 @@ class SafetensorsFile:
         count = int(np.prod(ref.shape, dtype=np.int64))
         return np.frombuffer(self._mm, dtype=_READABLE[ref.tag], count=count, offset=ref.begin).reshape(ref.shape)
 
-    def release(self, ref: TensorRef) -> None:
-        start = ref.begin - ref.begin % _PAGE
-        if ref.end > start and hasattr(self._mm, "madvise"):
-            self._mm.madvise(mmap.MADV_DONTNEED, start, ref.end - start)
+    def release(self, begin: int, end: int) -> None:
+        start = begin - begin % _PAGE
+        if end > start and hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         try:
@@ -170,7 +201,7 @@ class TorchFile:
         t = self._tensors[ref.name].contiguous()
         return (t.view(torch.int16).numpy().view(np.uint16) if ref.tag == "BF16" else t.numpy())
 
-    def release(self, ref: TensorRef) -> None:
+    def release(self, begin: int, end: int) -> None:
         pass
 
     def close(self) -> None:
@@ -209,8 +240,13 @@ _REQUIRED = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_siz
              "intermediate_size", "max_position_embeddings")
 
 
-def check_config(adapter: DecoderAdapter, norm: Mapping[str, Any], where: str) -> None:
-    """Refuse configs that lack a size TensorRT-LLM needs or whose head counts do not fit together."""
+def check_config(adapter: DecoderAdapter, norm: Mapping[str, Any], where: str,
+                 hf_config: Mapping[str, Any] | None = None) -> None:
+    """Refuse configs that lack a size TensorRT-LLM needs, use a feature it lacks, or whose heads do not fit."""
+    for key, (value, why) in adapter.unsupported.items():
+        if hf_config is not None and key in hf_config and hf_config[key] == value:
+            raise UsageError(f"{where}: config.json sets {key}={json.dumps(value)}, which TensorRT-LLM cannot "
+                             f"build: {why}")
     for name in _REQUIRED:
         value = norm.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -443,16 +479,19 @@ def _blocks(piece: Piece, cols_hint: int) -> Iterator[tuple[int, np.ndarray | No
     if piece.transpose:
         src = src.T
     for s in range(0, n, step):
-        block = src[piece.rows[0] + s: piece.rows[0] + min(n, s + step)]
+        rows = (piece.rows[0] + s, piece.rows[0] + min(n, s + step))
+        block = src[rows[0]:rows[1]]
         if piece.cols is not None:
             block = block[:, piece.cols[0]:piece.cols[1]]
         yield s, block, block.shape[0]
+        if not piece.transpose:  # rows of a transposed view are strided over the whole source
+            piece.ref.release(rows)  # keeps a huge embedding from becoming resident as a whole
 
 
 def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
-              scratch: tuple[Scratch, Scratch] | None = None) -> int:
+              scratch: Scratch | None = None) -> int:
     """Convert and write one tensor to every rank that holds it; returns the bytes written."""
-    converted, masked = scratch or (Scratch(), Scratch())
+    scratch = scratch or Scratch()
     written = 0
     size = np.dtype(_NUMPY[tag]).itemsize
     for rank, planned in job.per_rank.items():
@@ -464,8 +503,8 @@ def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
                 if block is None:
                     out = np.zeros((rows, *planned.shape[1:]), dtype=_NUMPY[tag])
                 else:
-                    out = convert(block, piece.ref.tag, tag, converted)
-                    if nonfinite(out, tag, masked):
+                    out = convert(block, piece.ref.tag, tag, scratch)
+                    if nonfinite(out, tag, scratch):
                         if nonfinite(block, piece.ref.tag):
                             raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
                                              "the checkpoint is corrupt or was saved after a diverged step")
@@ -531,7 +570,9 @@ def checkpoint_meta(adapter: DecoderAdapter, norm: Mapping[str, Any], hf_archite
         "max_position_embeddings": norm["max_position_embeddings"],
         "hidden_act": norm["hidden_act"],
         "pp_layers": [list(stage_layers(norm["num_layers"], pp, s)) for s in range(pp)],
-        "source": str(source),
+        # Mistral-style sliding-window attention is a runtime setting of TensorRT-LLM (max_attention_window)
+        "sliding_window": norm.get("sliding_window"),
+        "source": str(Path(source).resolve()),
         "quant": {},
     }
 
@@ -552,7 +593,7 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
         raise UsageError(f"{where}: architecture {architecture or '(none in config.json)'!r} is not supported by "
                          f"family {adapter.family!r}; supported: {', '.join(adapter.architectures)}")
     norm = adapter.normalize(config)
-    check_config(adapter, norm, where)
+    check_config(adapter, norm, where, config)
     check_parallelism(norm, tp, pp, where)
     tag = DTYPE_TAGS[dtype]
     with SourceIndex(weight_files, weight_format) as index:
@@ -568,7 +609,7 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
         writers = {r: RankWriter(out / f"rank{r}.safetensors", layouts[r], tag) for r in layouts}
         try:
             total = 0
-            scratch = (Scratch(), Scratch())
+            scratch = Scratch()
             for job in jobs:
                 total += write_job(job, writers, tag, where, scratch)
         finally:
@@ -602,4 +643,42 @@ def export(adapter: DecoderAdapter, source: Path, ctx, *, hf_config: Mapping[str
                         "dtype": spec.dtype, "tp": spec.tp, "pp": spec.pp,
                         "tied_lm_head": bool(norm.get("tie_word_embeddings")),
                         "vocab_padded_to": meta["vocab_size_padded"]})
+    if ctx.option("parity", False) and not ctx.dry_run:
+        check_parity(adapter, source, out, spec.dtype, ctx)
     return Artifact(ARTIFACT_KIND, out, meta)
+
+
+#: Relative logit tolerance of an export, per dtype, as a multiple of the adapter's float32 tolerance.
+PARITY_SCALE = {"float32": 1.0, "float16": 100.0, "bfloat16": 500.0}
+PARITY_TOKENS = 16
+
+
+def check_parity(adapter: DecoderAdapter, source: Path, checkpoint_dir: Path, dtype: str, ctx) -> dict[str, Any]:
+    """``-o parity=true``: compare the rank files' logits (numpy reference) with transformers'.
+
+    Loads the whole model twice (transformers and the reference), so it is meant for small models.
+    """
+    import torch
+    import transformers
+
+    from .reference import ReferenceModel, max_abs_diff
+
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    ids = [(7 * i + 3) % config["vocab_size"] for i in range(PARITY_TOKENS)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                              trust_remote_code=ctx.spec.trust_remote_code)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().numpy()
+    del model
+    got = ReferenceModel(checkpoint_dir).logits(ids)
+    scale = max(1.0, float(np.abs(expected).max()))
+    relative = max_abs_diff(got, expected) / scale
+    tolerance = ctx.option("parity_tolerance") or adapter.parity_tolerance * PARITY_SCALE[dtype]
+    result = {"tokens": len(ids), "max_abs_diff": round(relative * scale, 6), "relative": relative,
+              "tolerance": tolerance, "argmax_agreement": float((got.argmax(-1) == expected.argmax(-1)).mean())}
+    ctx.note("parity", result)
+    if relative > tolerance:
+        raise ForgeError(f"exported checkpoint's logits differ from transformers by {relative:.3g} (relative to "
+                         f"max |logit| {scale:.3g}), above the tolerance {tolerance:g}",
+                         hint="this is a converter bug for this checkpoint; please report it with --debug output")
+    return result

@@ -34,6 +34,11 @@ class GPTAdapter(DecoderAdapter):
         "tie_word_embeddings": True,
     }
     trtllm_constants = {"gpt_variant": "gpt2", "bias": True, "position_embedding_type": "learned_absolute"}
+    unsupported = {
+        "scale_attn_by_inverse_layer_idx": (True, "TensorRT-LLM's GPT attention has no per-layer 1/(layer+1) scale"),
+        "scale_attn_weights": (False, "TensorRT-LLM's GPT attention always scales scores by 1/sqrt(head_size)"),
+        "add_cross_attention": (True, "cross-attention layers belong to encoder-decoder models"),
+    }
 
     # Hub GPT-2 files name tensors without the "transformer." base; transformers saves them with it.
     weight_prefixes = ("transformer.", "")

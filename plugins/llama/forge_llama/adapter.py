@@ -32,6 +32,7 @@ class LlamaAdapter(DecoderAdapter):
         "attn_bias": ("attention_bias",),
         "mlp_bias": ("mlp_bias",),
         "tie_word_embeddings": ("tie_word_embeddings",),
+        "sliding_window": ("sliding_window",),
     }
     config_defaults = {
         "num_kv_heads": lambda c: c["num_heads"],
