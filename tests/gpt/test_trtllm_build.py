@@ -97,6 +97,15 @@ def test_options_dtype_and_quant_shape_the_command(tmp_path):
     assert argv[-2:] == ["--log_level", "verbose"]
 
 
+def test_limits_stay_within_the_position_table(tmp_path):
+    """A 32-position model: max_seq_len is cut to 32 and max_input_len to 31 (learned positions end there)."""
+    meta = {**META, "max_position_embeddings": 32}
+    argv = engine.build_command(Path("/c"), Path("e"), meta, spec_for(tmp_path), {})
+    assert (flag(argv, "--max_input_len"), flag(argv, "--max_seq_len")) == ("31", "32")
+    old = engine.build_command(Path("/c"), Path("e"), meta, spec_for(tmp_path, backend_version="v0.9.0"), {})
+    assert flag(old, "--max_output_len") == "1"
+
+
 def test_unreadable_backend_version(tmp_path):
     """Bad input: --backend-version that is not a version."""
     with pytest.raises(UsageError, match="write it like v0.13.0"):
@@ -128,7 +137,9 @@ def test_engine_artifact_from_trtllm_build(exported, tiny_gpt2, tmp_path, monkey
     assert sorted(p.name for p in built.path.iterdir()) == ["config.json", "rank0.engine", "rank1.engine"]
     for key in ("architecture", "dtype", "tp", "pp", "world_size", "vocab_size", "num_kv_heads", "quant"):
         assert built.meta[key] == exported.meta[key]
-    assert built.meta["engine"]["max_seq_len"] == 300 and built.meta["engine"]["trtllm_version"] == "0.0.fake"
+    assert built.meta["engine"]["max_seq_len"] == 32 and built.meta["engine"]["max_input_len"] == 31  # 32 positions
+    assert built.meta["engine"]["trtllm_version"] == "0.0.fake"
+    assert "32 positions" in ctx.record.notes["limits"]
     argv = json.loads((ctx.workdir / "argv.json").read_text())
     assert argv[1:] == ctx.record.commands[0][1:]  # the recorded command is the one that ran
     assert flag(argv, "--checkpoint_dir") == str(exported.path) and flag(argv, "--workers") == "2"
@@ -163,7 +174,7 @@ def test_missing_trtllm_build_through_the_cli(tiny_gpt2, tmp_path, monkeypatch, 
     assert code == 3, line
     assert line.startswith("forge: error: trtllm-build is not installed")
     assert "--target python" in line
-    assert "trtllm-build --checkpoint_dir" in line and "--max_output_len 1024" in line
+    assert "trtllm-build --checkpoint_dir" in line and "--max_output_len 1" in line  # 32-position model
     assert not out.exists()
 
 
@@ -175,5 +186,5 @@ def test_dry_run_build_prints_the_plan(tiny_gpt2, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     assert "export" in printed and "quantize" in printed and "compile" in printed
-    assert "$ trtllm-build --checkpoint_dir" in printed and "--max_seq_len 2048" in printed
+    assert "$ trtllm-build --checkpoint_dir" in printed and "--max_seq_len 32" in printed
     assert not out.exists()

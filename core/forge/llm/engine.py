@@ -41,19 +41,31 @@ def _switch(value: bool) -> str:
     return "enable" if value else "disable"
 
 
+def sequence_limits(spec, meta: Mapping[str, Any]) -> tuple[int, int]:
+    """(max_input_len, max_seq_len) of the build, within the model's position table."""
+    lim = spec.limits
+    seq, inp = lim.max_seq_len, lim.max_input_len
+    positions = meta.get("max_position_embeddings")
+    if isinstance(positions, int) and 1 < positions < seq:  # no position beyond the model's table
+        seq = positions
+        inp = min(inp, seq - 1)
+    return inp, seq
+
+
 def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any], spec,
                   options: Mapping[str, Any]) -> list[str]:
     """The ``trtllm-build`` argv for a checkpoint, the build limits and the backend version."""
     version = parse_version(spec.backend_version)
     lim = spec.limits
+    max_input_len, max_seq_len = sequence_limits(spec, meta)
     dtype = meta["dtype"]
     quant = meta.get("quant") or {}
     argv = ["trtllm-build", "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(output_dir),
-            "--max_batch_size", str(lim.max_batch_size), "--max_input_len", str(lim.max_input_len)]
+            "--max_batch_size", str(lim.max_batch_size), "--max_input_len", str(max_input_len)]
     if version >= _SEQ_LEN:
-        argv += ["--max_seq_len", str(lim.max_seq_len)]
+        argv += ["--max_seq_len", str(max_seq_len)]
     else:  # older builds bound the generated tokens instead of the whole sequence
-        argv += ["--max_output_len", str(lim.max_seq_len - lim.max_input_len)]
+        argv += ["--max_output_len", str(max_seq_len - max_input_len)]
     argv += ["--max_beam_width", str(lim.max_beam_width)]
     if lim.max_num_tokens:
         argv += ["--max_num_tokens", str(lim.max_num_tokens)]
@@ -89,6 +101,11 @@ def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stag
     # meaningful after the driver moves the work directory into its cache.
     argv = build_command(artifact.path, Path("engine"), meta, spec, spec.options)
     version = parse_version(spec.backend_version)
+    max_input_len, max_seq_len = sequence_limits(spec, meta)
+    if (max_input_len, max_seq_len) != (spec.limits.max_input_len, spec.limits.max_seq_len):
+        ctx.note("limits", f"max_seq_len {spec.limits.max_seq_len} → {max_seq_len} and max_input_len "
+                           f"{spec.limits.max_input_len} → {max_input_len}: the model has "
+                           f"{meta['max_position_embeddings']} positions")
     if version < _TRTLLM_BUILD:
         ctx.note("compatibility", f"TensorRT-LLM {spec.backend_version} predates trtllm-build and the unified "
                                   "checkpoint (0.8); the recorded command uses the oldest trtllm-build flags")
@@ -109,8 +126,8 @@ def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stag
     lim = spec.limits
     meta["engine"] = {
         "backend_version": spec.backend_version,
-        "max_batch_size": lim.max_batch_size, "max_input_len": lim.max_input_len,
-        "max_seq_len": lim.max_seq_len, "max_num_tokens": lim.max_num_tokens,
+        "max_batch_size": lim.max_batch_size, "max_input_len": max_input_len,
+        "max_seq_len": max_seq_len, "max_num_tokens": lim.max_num_tokens,
         "max_beam_width": lim.max_beam_width, "paged_kv_cache": True, "remove_input_padding": True,
         "trtllm_version": built.get("version"),
     }
