@@ -204,3 +204,33 @@ def test_python_target_repository_generates_and_streams(tiny_gpt2, tmp_path):
             pieces = _stream(client, grpc, model, request(True))
             assert 1 <= len(pieces) <= 8  # one piece per generated token (fewer if the end id comes)
             assert b"hello world" + b"".join(pieces) == whole[0]
+
+
+def test_older_profiles_load_and_answer(tokenizer_dirs, tmp_path):
+    """v0.5.0 (UINT32 ids, [-1] text) and v0.13.0 ensembles load on tritonserver and return the text."""
+    import tritonclient.http as http
+
+    from forge.serving.server import TritonServer
+
+    source = tokenizer_dirs["byte_level"]
+    out = tmp_path / "repo"
+    for version, prefix in (("v0.5.0", "old_"), ("v0.13.0", "mid_")):
+        models, edges, ctx, _ = helpers.emit(source, out, tmp_path / version, version=version, prefix=prefix)
+        models[f"{prefix}tensorrt_llm"] = engine_double.generating_model(
+            f"{prefix}tensorrt_llm", profiles.resolve(version), ctx.spec, source, CONTINUATION, decoupled=False)
+        assert helpers.write(models, edges, out) == []
+    tokenizer = _tokenizer(source)
+    answer = tokenizer.encode(CONTINUATION, add_special_tokens=False)
+    full = tokenizer.decode(tokenizer.encode(PROMPT, add_special_tokens=True) + answer, skip_special_tokens=True)
+    with TritonServer(out) as server:
+        client = http.InferenceServerClient(server.http_url)
+        old = client.infer("old_ensemble", [
+            _bytes_input(http, "text_input", np.array([[PROMPT.encode()]], dtype=object)),
+            _input(http, "max_tokens", np.array([[len(answer)]], dtype=np.uint32), "UINT32"),
+            _bytes_input(http, "bad_words", np.array([[b""]], dtype=object)),
+            _bytes_input(http, "stop_words", np.array([[b""]], dtype=object))])
+        assert old.as_numpy("text_output").reshape(-1)[0].decode() == full
+        mid = client.infer("mid_ensemble", [
+            _bytes_input(http, "text_input", np.array([[PROMPT.encode()]], dtype=object)),
+            _input(http, "max_tokens", np.array([[len(answer)]], dtype=np.int32), "INT32")])
+        assert mid.as_numpy("text_output").reshape(-1)[0].decode() == full
