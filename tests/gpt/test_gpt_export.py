@@ -294,3 +294,12 @@ def test_uneven_pipeline_split_puts_extra_layer_first(tmp_path):
               for r in (0, 1)]
     assert layers == [["transformer.layers.0.input_layernorm.weight", "transformer.layers.1.input_layernorm.weight"],
                       ["transformer.layers.0.input_layernorm.weight"]]
+
+
+def test_uneven_pipeline_split_refused_for_old_backends(tmp_path, capsys):
+    """Bad input: 3 layers over pp 2 with --backend-version v0.10.0, which would silently drop a layer."""
+    model = make_gpt2(tmp_path / "m", n_layer=3)
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--pp", 2, "--backend-version", "v0.10.0"),
+            "3 layers cannot be split evenly over --pp 2", "before 0.11")
+    assert export(model, out, "--pp", 2, "--backend-version", "v0.13.0") == 0

@@ -257,8 +257,11 @@ def check_config(adapter: DecoderAdapter, norm: Mapping[str, Any], where: str,
                          f"{norm['num_kv_heads']} key/value heads")
 
 
-def check_parallelism(norm: Mapping[str, Any], tp: int, pp: int, where: str) -> None:
-    """Refuse tensor/pipeline splits that TensorRT-LLM cannot build, with the reason."""
+def check_parallelism(norm: Mapping[str, Any], tp: int, pp: int, where: str, uneven_pp: bool = True) -> None:
+    """Refuse tensor/pipeline splits that TensorRT-LLM cannot build, with the reason.
+
+    ``uneven_pp=False`` (TensorRT-LLM before 0.11) also refuses layer counts that pp does not divide.
+    """
     heads, kv, layers = norm["num_heads"], norm["num_kv_heads"], norm["num_layers"]
     if heads % tp:
         raise UsageError(f"{where}: {heads} attention heads cannot be split over --tp {tp}; "
@@ -271,6 +274,9 @@ def check_parallelism(norm: Mapping[str, Any], tp: int, pp: int, where: str) -> 
                          f"choose a tp that divides {kv}")
     if pp > layers:
         raise UsageError(f"{where}: --pp {pp} asks for more pipeline stages than the model's {layers} layers")
+    if layers % pp and not uneven_pp:
+        raise UsageError(f"{where}: {layers} layers cannot be split evenly over --pp {pp}, and TensorRT-LLM "
+                         "before 0.11 drops the remainder", hint="choose a pp that divides the layer count")
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -580,7 +586,8 @@ def checkpoint_meta(adapter: DecoderAdapter, norm: Mapping[str, Any], hf_archite
 def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weight_files: Sequence[Path],
                        out: Path, *, dtype: str, tp: int, pp: int, weight_format: str = "safetensors",
                        prefixes: Sequence[str] | None = None, where: str = "checkpoint",
-                       log: Callable[[str], None] = lambda m: None, write: bool = True) -> dict[str, Any]:
+                       log: Callable[[str], None] = lambda m: None, write: bool = True,
+                       uneven_pp: bool = True) -> dict[str, Any]:
     """Convert a checkpoint (config dict + weight files) into ``out``; return the normalized config.
 
     With ``write=False`` only the checks run (config, parallelism, every tensor's name, dtype and
@@ -594,7 +601,7 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
                          f"family {adapter.family!r}; supported: {', '.join(adapter.architectures)}")
     norm = adapter.normalize(config)
     check_config(adapter, norm, where, config)
-    check_parallelism(norm, tp, pp, where)
+    check_parallelism(norm, tp, pp, where, uneven_pp)
     tag = DTYPE_TAGS[dtype]
     with SourceIndex(weight_files, weight_format) as index:
         jobs = plan(adapter, norm, tp, pp, index, prefixes, where)
@@ -628,6 +635,8 @@ def export(adapter: DecoderAdapter, source: Path, ctx, *, hf_config: Mapping[str
     """
     from forge.hf import inspect_checkpoint
 
+    from .engine import UNEVEN_PP, parse_version
+
     spec = ctx.spec
     source = Path(source)
     checkpoint = inspect_checkpoint(source, allow_pickle=spec.allow_pickle,
@@ -636,7 +645,8 @@ def export(adapter: DecoderAdapter, source: Path, ctx, *, hf_config: Mapping[str
     out = ctx.workdir / "checkpoint"
     norm = convert_checkpoint(adapter, config, checkpoint.weight_files, out, dtype=spec.dtype, tp=spec.tp,
                               pp=spec.pp, weight_format=checkpoint.weight_format, prefixes=prefixes,
-                              where=str(source), log=ctx.log, write=not ctx.dry_run)
+                              where=str(source), log=ctx.log, write=not ctx.dry_run,
+                              uneven_pp=parse_version(spec.backend_version) >= UNEVEN_PP)
     architecture = (config.get("architectures") or [""])[0]
     meta = checkpoint_meta(adapter, norm, architecture, spec.dtype, spec.tp, spec.pp, source)
     ctx.note("export", {"format": "tensorrt-llm unified checkpoint", "architecture": meta["architecture"],

@@ -25,6 +25,7 @@ _PAGED_CONTEXT_FMHA = (0, 9)  # --use_paged_context_fmha
 _MULTIPLE_PROFILES = (0, 11)  # --multiple_profiles
 _KV_CACHE_TYPE = (1, 0)  # --kv_cache_type paged supersedes --paged_kv_cache enable
 _TRTLLM_BUILD = (0, 8)  # trtllm-build and the unified checkpoint first shipped here
+UNEVEN_PP = (0, 11)  # pipeline stages with unequal layer counts (earlier releases drop the remainder)
 
 
 def parse_version(text: str | None) -> tuple[int, int, int]:
