@@ -54,12 +54,14 @@ class _Request:
         self.results: dict[int, RowResult] = {}
         self.started: set = set()  # streaming rows that sent their first response
         self.done = False
+        self.stopped = False  # a TensorRT-LLM ``stop`` request ended it: answer with what was generated
         self.lock = threading.Lock()
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
 
-    def cancel(self) -> None:
+    def cancel(self, stopped: bool = False) -> None:
+        self.stopped = self.stopped or stopped
         for seq in self.sequences:
             seq.cancel()
 
@@ -90,7 +92,8 @@ class _Request:
         with self.lock:
             if self.done:
                 return
-            if update.error or update.reason == "cancelled":
+            if update.error or (update.reason == "cancelled" and not self.stopped):
+                # A client that cancelled is gone; the error only reaches callers of a failed step.
                 self.cancel()
                 self._send(None, True, update.error or "the request was cancelled")
                 return
@@ -205,7 +208,7 @@ class TritonPythonModel:
         with self.lock:
             victims = [r for r in self.requests.values() if r.request_id == request_id]
         for victim in victims:
-            victim.cancel()
+            victim.cancel(stopped=True)
         sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
 
     def execute(self, requests):

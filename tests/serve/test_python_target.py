@@ -1,0 +1,361 @@
+"""A tiny GPT-2 built with ``--target python`` and served by the real tritonserver, asked like TRT-LLM.
+
+One server (see conftest) holds three builds: ``ensemble``/``tensorrt_llm`` (newest profile),
+``s_ensemble``/``s_tensorrt_llm`` (``--decoupled``: streaming) and ``v5_…`` (``--backend-version v0.5.0``).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import MAX_SEQ_LEN
+
+pytestmark = pytest.mark.heavy
+
+PROMPT = "What is machine learning?"
+CURL_BODY = '{"text_input": "What is machine learning?", "max_tokens": 20, "bad_words": "", "stop_words": ""}'
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_gpt2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_gpt2))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_gpt2):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_gpt2), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare exactly n tokens
+    return model
+
+
+def hf_greedy(model, ids, n):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def post(url: str, body: str | bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body.encode() if isinstance(body, str) else body, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def generate(server, model: str, **body) -> tuple[int, dict]:
+    return post(f"http://{server.http_url}/v2/models/{model}/generate", json.dumps(body))
+
+
+def grpc_inputs(tensors: dict[str, np.ndarray]):
+    import tritonclient.grpc as grpc
+    from tritonclient.utils import np_to_triton_dtype
+
+    result = []
+    for name, array in tensors.items():
+        tensor = grpc.InferInput(name, list(array.shape),
+                                 "BYTES" if array.dtype == object else np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        result.append(tensor)
+    return result
+
+
+def llm_tensors(ids, n, **extra):
+    tensors = {"input_ids": np.array([ids], np.int32), "input_lengths": np.array([[len(ids)]], np.int32),
+               "request_output_len": np.array([[n]], np.int32)}
+    tensors.update(extra)
+    return tensors
+
+
+def infer(server, model, tensors, request_id=""):
+    import tritonclient.grpc as grpc
+
+    client = grpc.InferenceServerClient(server.grpc_url)
+    try:
+        return client.infer(model, grpc_inputs(tensors), request_id=request_id)
+    finally:
+        client.close()
+
+
+def stream(server, model, tensors, *, cancel_after: int | None = None, timeout=60.0, request_id=""):
+    """Responses of one streamed request; with ``cancel_after`` the stream is cancelled after that many."""
+    import tritonclient.grpc as grpc
+
+    client = grpc.InferenceServerClient(server.grpc_url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    responses = []
+    try:
+        client.async_stream_infer(model, grpc_inputs(tensors), request_id=request_id,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = events.get(timeout=timeout)
+            assert error is None, error
+            response = result.get_response()
+            if response.outputs:
+                responses.append(result)
+            if cancel_after is not None and len(responses) >= cancel_after:
+                client.stop_stream(cancel_requests=True)
+                return responses
+            if response.parameters["triton_final_response"].bool_param:
+                return responses
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def metric(server, name: str, **labels) -> float:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# -- the seed documents' client ------------------------------------------------------------------
+
+def test_curl_from_the_seed_documents_works_verbatim(server):
+    url = f"http://{server.http_url}/v2/models/ensemble/generate"
+    if shutil.which("curl"):
+        done = subprocess.run(["curl", "-s", "-X", "POST", url, "-d", CURL_BODY], capture_output=True, text=True,
+                              timeout=120)
+        body = json.loads(done.stdout)
+    else:
+        status, body = post(url, CURL_BODY)
+        assert status == 200
+    assert body["model_name"] == "ensemble"
+    assert body["text_output"].startswith(PROMPT) and len(body["text_output"]) > len(PROMPT)
+
+
+def test_greedy_output_equals_transformers_generate(server, tokenizer, hf_model):
+    ids = tokenizer.encode("The capital of France is")
+    result = infer(server, "tensorrt_llm", llm_tensors(ids, 24))
+    out = result.as_numpy("output_ids")[0, 0].tolist()
+    assert out == ids + hf_greedy(hf_model, ids, 24)
+    assert result.as_numpy("sequence_length").tolist() == [[len(ids) + 24]]
+
+
+def test_ensemble_text_equals_transformers_generate(server, tokenizer, hf_model):
+    ids = tokenizer.encode(PROMPT)
+    expected = hf_greedy(hf_model, ids, 12)
+    eos = tokenizer.eos_token_id
+    if eos in expected:  # the ensemble passes the tokenizer's end id, which ends generation
+        expected = expected[: expected.index(eos)]
+    status, body = generate(server, "ensemble", text_input=PROMPT, max_tokens=12, bad_words="", stop_words="")
+    assert status == 200, body
+    assert body["text_output"] == tokenizer.decode(ids + expected, skip_special_tokens=True)
+
+
+def test_streaming_returns_the_same_tokens_as_non_streaming(server, tokenizer):
+    ids = tokenizer.encode("hello world, streaming text")
+    (single,) = stream(server, "s_tensorrt_llm", llm_tensors(ids, 16))  # decoupled: one response when not streaming
+    whole = single.as_numpy("output_ids")[0, 0].tolist()
+    responses = stream(server, "s_tensorrt_llm", llm_tensors(ids, 16, streaming=np.array([[True]])))
+    pieces = [r.as_numpy("output_ids")[0, 0].tolist() for r in responses]
+    assert len(pieces) == 16 and all(len(p) == 1 for p in pieces)  # one response per generated token
+    assert ids + [t for p in pieces for t in p] == whole
+    assert [r.as_numpy("sequence_length").tolist() for r in responses] == [[[1]]] * 16
+
+
+def test_streamed_ensemble_text_adds_up_to_the_non_streamed_text(server):
+    def ask(streaming: bool) -> list[bytes]:
+        tensors = {"text_input": np.array([[PROMPT.encode()]], object), "max_tokens": np.array([[10]], np.int32),
+                   "stream": np.array([[streaming]])}
+        return [r.as_numpy("text_output").reshape(-1)[0] for r in stream(server, "s_ensemble", tensors)]
+
+    pieces, (whole,) = ask(True), ask(False)
+    # one token at a time can split a character, so compare bytes
+    assert len(pieces) == 10 and whole.endswith(b"".join(pieces))
+
+
+def test_concurrent_requests_of_mixed_lengths(server, tokenizer, hf_model):
+    """Eight clients at once, different prompt and output lengths: each gets its own greedy answer."""
+    prompts = ["hello", "What is machine learning? " * 3, "a quick brown fox", "The capital of France is Paris.",
+               "stop words", "streaming text one token at a time", "hello world " * 5, "naive"]
+    lengths = [3, 17, 8, 25, 1, 12, 30, 6]
+    jobs = [(tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
+    results: dict[int, list[int]] = {}
+
+    def ask(index, ids, n):
+        results[index] = infer(server, "tensorrt_llm", llm_tensors(ids, n)).as_numpy("output_ids")[0, 0].tolist()
+
+    threads = [threading.Thread(target=ask, args=(i, ids, n)) for i, (ids, n) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, (ids, n) in enumerate(jobs):
+        assert results[i] == ids + hf_greedy(hf_model, ids, n), f"request {i}"
+
+
+def seed_input(merged_repo, model="tensorrt_llm") -> str:
+    """The seed input's name (``random_seed`` became ``seed`` in tensorrtllm_backend 1.0)."""
+    from forge import tritonconfig
+
+    names = {i.name for i in tritonconfig.read(merged_repo / model).input}
+    return "seed" if "seed" in names else "random_seed"
+
+
+def test_per_request_sampling_seeds_and_stop_words(server, tokenizer, merged_repo):
+    ids = tokenizer.encode("hello world")
+    seed = seed_input(merged_repo)
+    sampled = {"runtime_top_k": np.array([[40]], np.int32), "temperature": np.array([[1.3]], np.float32),
+               seed: np.array([[11]], np.uint64)}
+    first = infer(server, "tensorrt_llm", llm_tensors(ids, 12, **sampled)).as_numpy("output_ids")[0, 0].tolist()
+    again = infer(server, "tensorrt_llm", llm_tensors(ids, 12, **sampled)).as_numpy("output_ids")[0, 0].tolist()
+    assert first == again
+    sampled[seed] = np.array([[12]], np.uint64)
+    other = infer(server, "tensorrt_llm", llm_tensors(ids, 12, **sampled)).as_numpy("output_ids")[0, 0].tolist()
+    assert other != first
+
+    greedy = infer(server, "tensorrt_llm", llm_tensors(ids, 12)).as_numpy("output_ids")[0, 0].tolist()[len(ids):]
+    stop = np.array([[[greedy[4]], [1]]], np.int32)
+    stopped = infer(server, "tensorrt_llm", llm_tensors(ids, 12, stop_words_list=stop,
+                                                        exclude_input_in_output=np.array([[True]])))
+    assert stopped.as_numpy("output_ids")[0, 0].tolist() == greedy[: greedy.index(greedy[4]) + 1]
+
+
+def test_stop_words_and_end_id_through_the_ensemble(server, tokenizer):
+    status, body = generate(server, "ensemble", text_input="hello world", max_tokens=12)
+    assert status == 200, body
+    continuation = body["text_output"][len("hello world"):]
+    word = continuation.split()[0] if continuation.split() else continuation[:2]
+    status, stopped = generate(server, "ensemble", text_input="hello world", max_tokens=12, stop_words=word)
+    assert status == 200, stopped
+    assert stopped["text_output"].endswith(word) and len(stopped["text_output"]) <= len(body["text_output"])
+
+
+# -- cancellation --------------------------------------------------------------------------------
+
+def test_client_cancellation_stops_generation(server, tokenizer):
+    before = metric(server, "forge_decoder_finished_total", model="s_tensorrt_llm", reason="cancelled")
+    ids = tokenizer.encode("hello")
+    responses = stream(server, "s_tensorrt_llm", llm_tensors(ids, MAX_SEQ_LEN - len(ids),
+                                                             streaming=np.array([[True]])), cancel_after=2)
+    assert len(responses) == 2
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if metric(server, "forge_decoder_finished_total", model="s_tensorrt_llm", reason="cancelled") > before:
+            break
+        time.sleep(0.1)
+    assert metric(server, "forge_decoder_finished_total", model="s_tensorrt_llm", reason="cancelled") == before + 1
+    generated = metric(server, "forge_decoder_generated_tokens_total", model="s_tensorrt_llm")
+    time.sleep(0.5)
+    assert metric(server, "forge_decoder_generated_tokens_total", model="s_tensorrt_llm") == generated
+
+
+def test_stop_request_ends_a_running_request(server, tokenizer):
+    """TensorRT-LLM's ``stop`` input: a second request with the same id ends the first one early."""
+    import tritonclient.grpc as grpc
+
+    ids = tokenizer.encode("hello")
+    budget = MAX_SEQ_LEN - len(ids)
+    client = grpc.InferenceServerClient(server.grpc_url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer("s_tensorrt_llm", grpc_inputs(llm_tensors(ids, budget, streaming=np.array([[True]]))),
+                                  request_id="job-1", enable_empty_final_response=True)
+        tokens, stopped = 0, False
+        while True:
+            result, error = events.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            if response.outputs:
+                tokens += result.as_numpy("output_ids").shape[-1]
+                if not stopped:
+                    stream(server, "s_tensorrt_llm", llm_tensors(ids, 1, stop=np.array([[True]])), request_id="job-1")
+                    stopped = True
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    assert 1 <= tokens < budget
+
+
+# -- bad requests --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, message", [
+    (dict(text_input=PROMPT, max_tokens=0), "request_output_len must be at least 1"),  # max tokens ≤ 0
+    (dict(text_input=PROMPT, max_tokens=5000), "max_seq_len"),  # beyond the model's limit
+    (dict(text_input="hello " * 200, max_tokens=4), "max_input_len"),  # prompt longer than the context
+    (dict(text_input=PROMPT, max_tokens=4, top_p=3.0), "runtime_top_p must be in [0, 1]"),
+    (dict(text_input=PROMPT, max_tokens=4, beam_width=4), "beam"),
+])
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, body, message):
+    """Bad requests through the ensemble: max_tokens ≤ 0 / too large, prompt too long, bad sampling, beams."""
+    status, answer = generate(server, "ensemble", **body)
+    assert status == 400 and message in answer["error"]
+    status, ok = generate(server, "ensemble", text_input=PROMPT, max_tokens=3)
+    assert status == 200 and ok["text_output"].startswith(PROMPT)
+
+
+def test_empty_prompt_gets_an_error(server, tokenizer):
+    """Bad request: an empty prompt (input_lengths 0) sent to the tensorrt_llm model."""
+    from tritonclient.utils import InferenceServerException
+
+    tensors = llm_tensors([0], 4)
+    tensors["input_lengths"] = np.array([[0]], np.int32)
+    with pytest.raises(InferenceServerException, match="the prompt is empty"):
+        infer(server, "tensorrt_llm", tensors)
+
+
+@pytest.mark.parametrize("tensors, message", [
+    (dict(input_ids=np.array([[1, 2, 3]], np.int64)), "data-type is 'INT64'"),  # wrong dtype
+    (dict(input_ids=np.array([[[1, 2, 3]]], np.int32)), "shape"),  # wrong shape
+])
+def test_wrong_dtypes_and_shapes_are_refused(server, tensors, message):
+    """Bad requests: input_ids as INT64, input_ids with a third dimension."""
+    from tritonclient.utils import InferenceServerException
+
+    request = llm_tensors([1, 2, 3], 4)
+    request.update(tensors)
+    with pytest.raises(InferenceServerException, match=message):
+        infer(server, "tensorrt_llm", request)
+    assert infer(server, "tensorrt_llm", llm_tensors([1, 2, 3], 2)).as_numpy("output_ids").shape == (1, 1, 5)
+
+
+# -- backend profiles ------------------------------------------------------------------------------
+
+def test_v0_5_0_repository_answers_a_uint32_max_tokens_client(server, tokenizer):
+    tensors = {"text_input": np.array([[PROMPT.encode()]], object), "max_tokens": np.array([[6]], np.uint32),
+               "bad_words": np.array([[b""]], object), "stop_words": np.array([[b""]], object)}
+    result = infer(server, "v5_ensemble", tensors)
+    text = result.as_numpy("text_output").reshape(-1)[0].decode()
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+    status, body = generate(server, "v5_ensemble", text_input=PROMPT, max_tokens=6, bad_words="", stop_words="")
+    assert status == 200 and body["text_output"] == text
+
+
+def test_python_model_has_exactly_the_tensorrt_llm_interface_of_its_profile(merged_repo):
+    from forge import tritonconfig
+    from forge.llm import profiles
+
+    for prefix, version in (("", profiles.NEWEST), ("v5_", "v0.5.0")):
+        config = tritonconfig.read(merged_repo / f"{prefix}tensorrt_llm")
+        interface = profiles.resolve(version).interface("tensorrt_llm")
+        assert config.backend == "python"
+        assert [i.name for i in config.input] == [t.name for t in interface.inputs]
+        assert [o.name for o in config.output] == [t.name for t in interface.outputs]
