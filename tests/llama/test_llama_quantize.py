@@ -130,7 +130,11 @@ def test_awq_block_size_refused_through_the_cli(tmp_path, capsys):
 # -- nvidia-modelopt ---------------------------------------------------------------------------------
 
 def test_awq_checkpoint_matches_modelopt_fake_quantized_model(calib_llama, tmp_path):
-    """INT4-AWQ at tp 2: dequantized rank weights equal modelopt's fake-quantized weights, logits agree."""
+    """INT4-AWQ at tp 2: dequantized rank weights equal modelopt's fake-quantized weights, logits agree.
+
+    The comparison is with the model as it is after the export, because modelopt's export re-smooths
+    fused layers (Q/K/V, gate/up) to one shared pre-quant scale in place.
+    """
     import torch
 
     meta = {"tp": 2, "hidden_size": 64, "num_heads": 4, "head_size": 16, "intermediate_size": 128}
@@ -165,6 +169,9 @@ def test_awq_checkpoint_matches_modelopt_fake_quantized_model(calib_llama, tmp_p
         expected = model(torch.tensor([IDS])).logits[0].numpy()
     got = ReferenceModel(out).logits(IDS, vocab_size=128)
     assert max_abs_diff(got, expected) < 1e-2 * np.abs(expected).max()
+    staged = tmp_path / "awq-pp2"  # the same model over 2 × 2 ranks
+    assert quantize.export_modelopt(ADAPTER, model, staged, "float16", 2, 2)["mapping"]["pp_size"] == 2
+    assert max_abs_diff(ReferenceModel(staged).logits(IDS, vocab_size=128), expected) < 1e-2 * np.abs(expected).max()
 
 
 def test_int8_kv_with_calibration_file(calib_llama, tmp_path):
