@@ -150,7 +150,8 @@ def main() -> None:
             model = scratch / f"llama-{layers}l"
             t = time.perf_counter()
             size = write_synthetic(model, layers)
-            print(f"synthetic Llama, {layers} layers: {size / 1e9:.2f} GB fp16 written in {time.perf_counter() - t:.1f} s")
+            seconds = time.perf_counter() - t
+            print(f"synthetic Llama, {layers} layers: {size / 1e9:.2f} GB fp16 written in {seconds:.1f} s")
             weights, copy = model / "model.safetensors", scratch / "copy.safetensors"
             cp = repeat(args.repeat, CP, weights, copy, cleanup=copy.unlink)
             print(row("cp", cp, size, None))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 
 def randomize(model, seed: int = 0, std: float = 0.15) -> None:
     """Weights large enough that a wrong split, bias or transpose moves the logits visibly."""
@@ -32,7 +34,7 @@ def make_gpt2(path: Path, *, n_embd=48, n_layer=3, n_head=4, vocab_size=101, n_p
     return path
 
 
-def hf_logits(model_dir: Path, ids) -> "numpy.ndarray":  # noqa: F821
+def hf_logits(model_dir: Path, ids) -> np.ndarray:
     """transformers' float32 logits for one sequence."""
     import torch
     from transformers import AutoModelForCausalLM

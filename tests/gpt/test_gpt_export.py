@@ -66,7 +66,8 @@ def test_layout_matches_tensorrt_llm_loader(tiny_gpt2, tmp_path):
     assert "lm_head.weight" not in ranks[0] and "transformer.layers.2.input_layernorm.weight" not in ranks[0]
     assert {"lm_head.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"} <= set(ranks[2])
     assert not any("vocab_embedding" in n for n in ranks[2])
-    np.testing.assert_array_equal(ranks[2]["transformer.layers.0.input_layernorm.weight"], hf["transformer.h.2.ln_1.weight"])
+    np.testing.assert_array_equal(ranks[2]["transformer.layers.0.input_layernorm.weight"],
+                                  hf["transformer.h.2.ln_1.weight"])
 
     hidden, d = 48, 12
     c_attn = hf["transformer.h.0.attn.c_attn.weight"].T  # Conv1D [in, out] → [out, in]

@@ -57,7 +57,8 @@ def test_newest_flag_set(tmp_path):
     argv = engine.build_command(Path("/ckpt"), Path("engine"), META, spec_for(tmp_path), {})
     assert argv[0] == "trtllm-build"
     assert flag(argv, "--checkpoint_dir") == "/ckpt" and flag(argv, "--output_dir") == "engine"
-    assert (flag(argv, "--max_batch_size"), flag(argv, "--max_input_len"), flag(argv, "--max_seq_len")) == ("4", "100", "300")
+    limits = (flag(argv, "--max_batch_size"), flag(argv, "--max_input_len"), flag(argv, "--max_seq_len"))
+    assert limits == ("4", "100", "300")
     assert "--max_output_len" not in argv and "--paged_kv_cache" not in argv
     assert flag(argv, "--kv_cache_type") == "paged"
     assert flag(argv, "--gpt_attention_plugin") == flag(argv, "--gemm_plugin") == "float16"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
+import numpy as np
+
 
 def randomize(model, seed: int = 0, std: float = 0.15) -> None:
     """Weights large enough that a wrong split, head order or RoPE moves the logits visibly."""
@@ -36,7 +38,8 @@ def make_llama(path: Path, *, arch: str = "llama", hidden=64, layers=3, heads=8,
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if arch == "mistral" else (LlamaConfig, LlamaForCausalLM)
+    mistral = arch == "mistral"
+    config_cls, model_cls = (MistralConfig, MistralForCausalLM) if mistral else (LlamaConfig, LlamaForCausalLM)
     torch.manual_seed(seed)
     model = model_cls(config_cls(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
@@ -48,7 +51,7 @@ def make_llama(path: Path, *, arch: str = "llama", hidden=64, layers=3, heads=8,
     return path
 
 
-def hf_logits(model_dir: Path, ids) -> "numpy.ndarray":  # noqa: F821
+def hf_logits(model_dir: Path, ids) -> np.ndarray:
     """transformers' float32 logits for one sequence."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +88,8 @@ def test_two_weight_algorithms_refused(tiny_llama, tmp_path, capsys):
 def test_recipe_combinations():
     """int8_kv combines with any weight mode; weight modes exclude each other."""
     meta = {**SMOLLM2}
-    assert quantize.make_recipe(["int8_kv"], meta, {}).quantization() == {"quant_algo": None, "kv_cache_quant_algo": "INT8"}
+    kv_only = quantize.make_recipe(["int8_kv"], meta, {})
+    assert kv_only.quantization() == {"quant_algo": None, "kv_cache_quant_algo": "INT8"}
     recipe = quantize.make_recipe(["w4a16", "int8_kv"], meta, {})
     assert (recipe.quant_algo, recipe.kv_cache_quant_algo, recipe.calibrate) == ("W4A16", "INT8", True)
     assert quantize.make_recipe(["w8a16"], meta, {}).calibrate is False

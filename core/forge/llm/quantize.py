@@ -9,9 +9,11 @@ TensorRT-LLM checkpoint writer. The recipe is recorded in the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -30,7 +32,7 @@ AWQ_GROUP_SIZES = (128, 64, 32, 16)  # preferred first; 128 is TensorRT-LLM's de
 #: Built-in calibration sample: varied prose, code and dialogue so activations cover common ranges.
 CALIBRATION_TEXT = (
     "The capital of France is Paris, a city on the Seine known for its museums and cafés.",
-    "Machine learning is a field of study that gives computers the ability to learn without being explicitly programmed.",
+    "Machine learning is a field of study that gives computers the ability to learn without explicit programming.",
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
     "User: How do I reset my password?\nAssistant: Open Settings, choose Account, then select Reset password.",
     "Photosynthesis converts light energy into chemical energy stored in glucose, releasing oxygen as a by-product.",
@@ -207,7 +209,8 @@ def load_for_calibration(source: Path, spec):
         tokenizer = transformers.AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
     except Exception as exc:  # transformers raises many types for "no tokenizer here"
         raise UsageError(f"calibration needs the checkpoint's tokenizer, but {source} has none usable "
-                         f"({type(exc).__name__})", hint="add the tokenizer files, or use --quant w8a16 / w4a16") from None
+                         f"({type(exc).__name__})",
+                         hint="add the tokenizer files, or use --quant w8a16 / w4a16") from None
     model = transformers.AutoModelForCausalLM.from_pretrained(
         source, dtype=torch.float32, trust_remote_code=spec.trust_remote_code,
         use_safetensors=not spec.allow_pickle)
@@ -272,9 +275,10 @@ def quantize(adapter: DecoderAdapter, source: Path, artifact: Artifact, ctx) -> 
         texts = calibration_texts(spec.options.get("calib_data"), recipe.calibration["samples"])
         recipe.calibration["samples"] = len(texts)
         ctx.log(f"calibrating with nvidia-modelopt on {len(texts)} samples ({', '.join(recipe.modes)})")
-        model, tokenizer = load_for_calibration(Path(source), spec)
-        calibrate(model, tokenizer, recipe, texts)
-        config = export_modelopt(adapter, model, out, spec.dtype, spec.tp, spec.pp)
+        with contextlib.redirect_stdout(sys.stderr):  # modelopt prints progress; stdout is for --json
+            model, tokenizer = load_for_calibration(Path(source), spec)
+            calibrate(model, tokenizer, recipe, texts)
+            config = export_modelopt(adapter, model, out, spec.dtype, spec.tp, spec.pp)
         del model
         quantization = dict(config.get("quantization") or {})
         if recipe.quant_algo in DECLARED.values():  # KV scales from modelopt, weights quantized at build time
@@ -284,7 +288,8 @@ def quantize(adapter: DecoderAdapter, source: Path, artifact: Artifact, ctx) -> 
             raise ForgeError(f"modelopt exported {got[0]} weights / {got[1]} KV cache, but the recipe asked for "
                              f"{recipe.quant_algo} / {recipe.kv_cache_quant_algo}")
         config["quantization"] = quantization
-        config["producer"] = {"name": "forge (nvidia-modelopt export)", "modelopt": (config.get("producer") or {}).get("version")}
+        modelopt_version = (config.get("producer") or {}).get("version")
+        config["producer"] = {"name": "forge (nvidia-modelopt export)", "modelopt": modelopt_version}
         meta["vocab_size_padded"] = config.get("vocab_size", meta.get("vocab_size_padded"))
     else:
         config = json.loads((artifact.path / "config.json").read_text())
