@@ -184,8 +184,10 @@ class Driver:
 
         models: dict[str, TritonModel] = {}
         for plan in plans:
+            record = StageRecord("emit_config", plan.keys["compile"])
+            plan.records.append(record)
             ctx = BuildContext(spec=spec, target=plan.target, workdir=plan.artifact.path,
-                               record=StageRecord("emit_config", ""), log=self.log)
+                               record=record, log=self.log)
             emitted = self.registry.hook.forge_emit_config(component=plan.component,
                                                            artifact=plan.artifact, ctx=ctx)
             if not emitted:
@@ -215,7 +217,7 @@ class Driver:
                 repository.write_model(model, staging)
             from .validate import validate_repository
 
-            problems = validate_repository(staging)
+            problems = validate_repository(staging, located_at=spec.out)
             if problems:
                 raise ValidationError(f"built repository failed validation: {problems[0]}")
             return manifest

@@ -89,8 +89,10 @@ def assemble(name: str, edges: list[Edge], models: Mapping[str, mc.ModelConfig])
             dims = info.shape[1:] if batch > 0 else info.shape
             existing = declared_inputs.get(edge.src.tensor)
             if existing is None:
-                declared_inputs[edge.src.tensor] = tc.model_input(edge.src.tensor, info.dtype, dims,
-                                                                  optional=info.optional)
+                member_input = next(t for t in models[edge.dst.model].input if t.name == edge.dst.tensor)
+                declared_inputs[edge.src.tensor] = tc.model_input(
+                    edge.src.tensor, info.dtype, dims, optional=info.optional,
+                    allow_ragged_batch=member_input.allow_ragged_batch)
             elif not info.optional:
                 existing.optional = False
     config.input.extend(declared_inputs.values())

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from . import tritonconfig
+from .cache import cache_dir
 from .components import TritonModel
 from .errors import UsageError
 
@@ -63,12 +64,26 @@ def staging_dir(out: Path) -> Path:
 
 
 def _place(src: Path, dst: Path) -> None:
-    """Hard-link (or copy) a file or tree; engines can be GBs, links make the swap cheap."""
+    """Copy a file or tree; files from the stage cache are hard-linked (engines can be GBs).
+
+    Only cache files are linked: linking a user's checkpoint or forge's own sources would let an
+    edit to one silently change the other.
+    """
     dst.parent.mkdir(parents=True, exist_ok=True)
+    link = _under(src, cache_dir())
+    copy = _link_or_copy if link else shutil.copy2
     if src.is_dir():
-        shutil.copytree(src, dst, copy_function=_link_or_copy, dirs_exist_ok=True)
+        shutil.copytree(src, dst, copy_function=copy, dirs_exist_ok=True)
     else:
-        _link_or_copy(src, dst)
+        copy(src, dst)
+
+
+def _under(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
 
 
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:

@@ -53,17 +53,22 @@ def _decoupled(config: mc.ModelConfig) -> bool:
     return config.model_transaction_policy.decoupled
 
 
-def _engine_dir(config: mc.ModelConfig, model_dir: Path) -> Path | None:
+def _engine_dir(config: mc.ModelConfig, model_dir: Path, located_at: Path | None) -> Path | None:
     raw = tritonconfig.parameter(config, "gpt_model_path") or tritonconfig.parameter(config, "engine_dir")
     if raw and "${" not in raw:
         path = Path(raw)
+        if located_at is not None and path.is_absolute():
+            try:  # a repository checked before it is moved to where its paths point
+                path = model_dir.parent / path.relative_to(located_at.resolve())
+            except ValueError:
+                pass
         return path if path.is_absolute() else (model_dir / path)
     version_dir = model_dir / "1"
     return version_dir if (version_dir / "config.json").is_file() else None
 
 
-def _check_engine(config: mc.ModelConfig, model_dir: Path) -> list[str]:
-    engine = _engine_dir(config, model_dir)
+def _check_engine(config: mc.ModelConfig, model_dir: Path, located_at: Path | None) -> list[str]:
+    engine = _engine_dir(config, model_dir, located_at)
     if engine is None or not (engine / "config.json").is_file():
         return []
     try:
@@ -84,8 +89,11 @@ def _check_engine(config: mc.ModelConfig, model_dir: Path) -> list[str]:
     return problems
 
 
-def validate_repository(repo: Path) -> list[str]:
-    """Every problem found in ``repo`` (empty list: the repository is consistent)."""
+def validate_repository(repo: Path, located_at: Path | None = None) -> list[str]:
+    """Every problem found in ``repo`` (empty list: the repository is consistent).
+
+    ``located_at``: where the repository will live, when absolute paths inside it point there.
+    """
     if not repo.is_dir():
         raise ValidationError(f"{repo} is not a directory")
     configs, dirs, problems = load_configs(repo)
@@ -95,7 +103,7 @@ def validate_repository(repo: Path) -> list[str]:
         if config.platform == "ensemble":
             problems += ensemble.check(config, configs)
         if config.backend == "tensorrtllm":
-            problems += _check_engine(config, dirs[name])
+            problems += _check_engine(config, dirs[name], located_at)
         target = tritonconfig.parameter(config, "tensorrt_llm_model_name")
         if target and "${" not in target and config.backend == "python":
             llm = configs.get(target)

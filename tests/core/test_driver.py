@@ -33,7 +33,7 @@ def test_build_writes_complete_repository(toy, toy_model, tmp_path):
     manifest = json.loads((out / "forge-manifest.json").read_text())
     assert manifest["models"] == ["ensemble", "main", "pre"]
     stages = manifest["components"][0]["stages"]
-    assert [s["stage"] for s in stages] == ["export", "quantize", "compile"]
+    assert [s["stage"] for s in stages] == ["export", "quantize", "compile", "emit_config"]
     assert stages[0]["notes"] == {"parity": {"max_abs_diff": 0.0}}
     assert all(len(s["key"]) == 64 for s in stages)
 

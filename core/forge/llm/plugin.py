@@ -24,6 +24,9 @@ class DecoderPlugin:
         return component.family == self.adapter.family
 
     def _components(self, spec) -> list[Component]:
+        from .repository import check_options
+
+        check_options(spec)  # bad -o values / --backend-version fail before any stage runs
         family = self.adapter.family
         return [Component(name=f"{spec.name_prefix}{family}", family=family, role="llm",
                           source=spec.source_for(family), prefix=spec.name_prefix,
