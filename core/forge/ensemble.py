@@ -195,6 +195,37 @@ def check(config: mc.ModelConfig, models: Mapping[str, mc.ModelConfig]) -> list[
             graph[producer_step[tensor]].add(step_index[model])
     if _has_cycle(graph, len(steps)):
         problems.append(f"ensemble {name!r}: its steps form a cycle")
+    else:
+        problems += _decoupled_origins(name, steps, models)
+    return problems
+
+
+def _decoupled_origins(name: str, steps: list, models: Mapping[str, mc.ModelConfig]) -> list[str]:
+    """Triton refuses a step whose inputs come from different decoupled sources.
+
+    A tensor's origin is the nearest decoupled model upstream of it, or the ensemble request itself.
+    Responses of a decoupled model cannot be matched with tensors of another origin, so the server
+    fails to load such an ensemble ("inputs originated from different decoupled models").
+    """
+    origin: dict[str, str] = {}
+    pending = [s for s in steps if s.model_name in models]
+    problems: list[str] = []
+    produced = {t for s in pending for t in s.output_map.values()}
+    while pending:
+        ready = [s for s in pending if all(t in origin or t not in produced for t in s.input_map.values())]
+        if not ready:
+            break
+        for step in ready:
+            pending.remove(step)
+            sources = {origin.get(t, "the ensemble request") for t in step.input_map.values()}
+            if len(sources) > 1:
+                problems.append(f"ensemble {name!r}: step {step.model_name!r} mixes tensors from different "
+                                f"decoupled sources ({', '.join(sorted(sources))}); Triton will not load it")
+            member = models[step.model_name]
+            own = (f"decoupled model {step.model_name!r}" if member.model_transaction_policy.decoupled
+                   else next(iter(sorted(sources)), "the ensemble request"))
+            for tensor in step.output_map.values():
+                origin[tensor] = own
     return problems
 
 

@@ -137,3 +137,14 @@ def test_validate_unparseable_config(tmp_path):
     (tmp_path / "m" / "config.pbtxt").write_text('name: "m"\nmax_batch_size: "eight"\n')
     (problem,) = validate_repository(tmp_path)
     assert "m/config.pbtxt" in problem and "max_batch_size" in problem
+
+
+def test_step_mixing_decoupled_and_request_tensors_is_reported():
+    """Bad input tried: postprocessing fed by a decoupled model and by the request directly."""
+    models = _models()
+    models["llm"].model_transaction_policy.decoupled = True
+    models["post"].input.append(tc.model_input("SKIP", "BOOL", [1], optional=True))
+    edges = [*EDGES, Edge.feed("skip", "post", "SKIP")]
+    with pytest.raises(ValidationError, match="step 'post' mixes tensors from different decoupled sources"):
+        assemble("ensemble", edges, models)
+    assert check(assemble("ensemble", EDGES, models), models) == []
