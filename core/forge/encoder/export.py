@@ -146,7 +146,7 @@ def export_onnx(module, iface: TowerInterface, feeds: dict[str, Any], path: Path
         "opset_reason": OPSET_REASON if opset == 17 else "chosen with -o opset",
         "changes": ["constant folding (do_constant_folding=True)",
                     "INT32 inputs cast to int64 inside the graph",
-                    "pooling/projection/normalisation traced into the graph"],
+                    "the tower's pooling, projection and configured L2 normalisation traced into the graph"],
         "dynamic_axes": {k: {str(i): n for i, n in v.items()} for k, v in axes.items()},
         "nodes": len(graph.node), "initializers": len(graph.initializer),
         "top_ops": dict(ops.most_common(8)), "checker": "passed",
