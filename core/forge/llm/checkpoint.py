@@ -8,6 +8,7 @@ to their place in pre-sized rank files, so peak memory stays at a few chunks wha
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -494,31 +495,54 @@ def _blocks(piece: Piece, cols_hint: int) -> Iterator[tuple[int, np.ndarray | No
             piece.ref.release(rows)  # keeps a huge embedding from becoming resident as a whole
 
 
+def _signature(planned: Planned) -> tuple:
+    return planned.name, planned.shape, tuple((p.ref.name if p.ref else None, p.rows, p.cols, p.transpose)
+                                              for p in planned.pieces)
+
+
+def _chunks(planned: Planned, tag: str) -> Iterator[tuple[int, Piece, np.ndarray | None, int]]:
+    """(byte offset in the tensor, piece, source block or None for zeros, rows) of one rank tensor."""
+    row_elems = int(np.prod(planned.shape[1:], dtype=np.int64)) if len(planned.shape) > 1 else 1
+    row_bytes = row_elems * np.dtype(_NUMPY[tag]).itemsize
+    row = 0
+    for piece in planned.pieces:
+        for first, block, rows in _blocks(piece, row_elems):
+            yield (row + first) * row_bytes, piece, block, rows
+        row += piece.rows[1] - piece.rows[0]
+
+
 def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
               scratch: Scratch | None = None) -> int:
-    """Convert and write one tensor to every rank that holds it; returns the bytes written."""
+    """Convert and write one tensor to every rank that holds it; returns the bytes written.
+
+    Ranks holding identical copies (embeddings, norms, row-parallel biases) share one conversion,
+    and the ranks' blocks are visited in lockstep so rows that several ranks slice (row-parallel
+    weights) are read while resident and released once.
+    """
     scratch = scratch or Scratch()
-    written = 0
-    size = np.dtype(_NUMPY[tag]).itemsize
+    groups: dict[tuple, list[int]] = {}
     for rank, planned in job.per_rank.items():
-        writer = writers[rank]
-        row_elems = int(np.prod(planned.shape[1:], dtype=np.int64)) if len(planned.shape) > 1 else 1
-        row = 0
-        for piece in planned.pieces:
-            for first, block, rows in _blocks(piece, row_elems):
-                if block is None:
-                    out = np.zeros((rows, *planned.shape[1:]), dtype=_NUMPY[tag])
-                else:
-                    out = convert(block, piece.ref.tag, tag, scratch)
-                    if nonfinite(out, tag, scratch):
-                        if nonfinite(block, piece.ref.tag):
-                            raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
-                                             "the checkpoint is corrupt or was saved after a diverged step")
-                        raise UsageError(f"{where}: tensor {piece.ref.name} has values beyond the {tag} range",
-                                         hint="export with --dtype bfloat16 or float32")
-                writer.write(planned.name, (row + first) * row_elems * size, out)
+        groups.setdefault(_signature(planned), []).append(rank)
+    streams = [(job.per_rank[ranks[0]], ranks, _chunks(job.per_rank[ranks[0]], tag)) for ranks in groups.values()]
+    written = 0
+    for step in itertools.zip_longest(*(stream for _, _, stream in streams)):
+        for (planned, ranks, _), item in zip(streams, step):
+            if item is None:
+                continue
+            offset, piece, block, rows = item
+            if block is None:
+                out = np.zeros((rows, *planned.shape[1:]), dtype=_NUMPY[tag])
+            else:
+                out = convert(block, piece.ref.tag, tag, scratch)
+                if nonfinite(out, tag, scratch):
+                    if nonfinite(block, piece.ref.tag):
+                        raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
+                                         "the checkpoint is corrupt or was saved after a diverged step")
+                    raise UsageError(f"{where}: tensor {piece.ref.name} has values beyond the {tag} range",
+                                     hint="export with --dtype bfloat16 or float32")
+            for rank in ranks:
+                writers[rank].write(planned.name, offset, out)
                 written += out.nbytes
-            row += piece.rows[1] - piece.rows[0]
     for ref in job.sources:
         ref.release()
     return written
