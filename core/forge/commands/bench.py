@@ -108,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
         facts = _repo_facts(repo, model) if repo is not None else {}
         with GrpcSession(url) as session:
             inputs = session.config(model)
+        for key, fact in (("vocab_size", "vocab"), ("max_input_len", "max_input")):
+            value = inputs.parameters.get(key, "")
+            if value.isdigit():  # forge's python target states them in its config
+                facts.setdefault(fact, int(value))
         target = bench.Target(inputs, stream=args.stream, count_text=count)
         if workload == "token-norm-dist":
             items = bench.token_norm_dist(

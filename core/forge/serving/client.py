@@ -24,10 +24,12 @@ _NUMPY = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int3
           "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "STRING": np.object_,
           "BYTES": np.object_}
 
-# forge infer's sampling flags → the ensemble / BLS input names of tensorrtllm_backend
-SAMPLING_INPUTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "random_seed",
-                   "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                   "frequency_penalty": "frequency_penalty", "min_length": "min_length"}
+# forge infer's sampling flags → the ensemble / BLS input names of tensorrtllm_backend, oldest first
+# (1.0 renamed random_seed to seed and min_length to min_tokens)
+SAMPLING_INPUTS = {"temperature": ("temperature",), "top_k": ("top_k",), "top_p": ("top_p",),
+                   "seed": ("random_seed", "seed"), "repetition_penalty": ("repetition_penalty",),
+                   "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
+                   "min_length": ("min_length", "min_tokens")}
 
 
 def http_base(url: str) -> str:
@@ -49,6 +51,7 @@ class ModelInputs:
     batching: bool
     outputs: list[str] = field(default_factory=list)
     decoupled: bool = False
+    parameters: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelInputs":
@@ -56,7 +59,9 @@ class ModelInputs:
                   for i in config.get("input", [])}
         outputs = [o["name"] for o in config.get("output", [])]
         decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-        return cls(config.get("name", ""), inputs, int(config.get("max_batch_size", 0)) > 0, outputs, decoupled)
+        parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        return cls(config.get("name", ""), inputs, int(config.get("max_batch_size", 0)) > 0, outputs, decoupled,
+                   parameters)
 
     def array(self, name: str, value: Any) -> np.ndarray:
         """``value`` as this input's dtype and shape, for a batch of one."""
@@ -111,9 +116,10 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
     for flag, value in sampling.items():
         if value is None:
             continue
-        name = SAMPLING_INPUTS.get(flag, flag)
-        if name not in inputs.inputs:
-            raise UsageError(f"model {inputs.name!r} has no input {name!r} for --{flag.replace('_', '-')}")
+        names = SAMPLING_INPUTS.get(flag, (flag,))
+        name = next((n for n in names if n in inputs.inputs), None)
+        if name is None:
+            raise UsageError(f"model {inputs.name!r} has no input {names[0]!r} for --{flag.replace('_', '-')}")
         payload[name] = value
     missing = [k for k in ("text_input", "max_tokens") if k not in inputs.inputs]
     if missing:

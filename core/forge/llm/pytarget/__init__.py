@@ -102,6 +102,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "dtype": spec.dtype,
         "device": ctx.option("device", "auto"),
         "cpu_threads": ctx.option("cpu_threads", 0),
+        "vocab_size": meta.get("vocab_size"),
         "max_input_len": max_input_len,
         "max_seq_len": max_seq_len,
         "max_num_sequences": spec.limits.max_batch_size,
