@@ -74,8 +74,6 @@ def test_int8_parity_is_reported_and_served_graph_is_quantized(minilm_model, tmp
     import onnx
     from sentence_transformers import SentenceTransformer
 
-    from forge.encoder.models.tokenizer import from_parameters
-
     repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(minilm_model), "--target", "python",
                  "--quant", "int8")
     notes = manifest_notes(repo, "minilm", "quantize")
@@ -86,15 +84,8 @@ def test_int8_parity_is_reported_and_served_graph_is_quantized(minilm_model, tmp
     assert any(node.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for node in graph.node)
 
     # the served graph, run in process on the served tokenizer's output, stays close to sentence-transformers
-    import onnxruntime as ort
-
-    from forge.tritonconfig import read
-
-    params = {k: v.string_value for k, v in read(repo / "minilm_tokenizer").parameters.items()}
     texts = ["A man is eating food.", "Quantized embeddings stay close.", ""]
-    feeds = from_parameters(params, str(repo / "minilm_tokenizer" / "1"))(texts)
-    session = ort.InferenceSession(str(repo / "minilm_encoder" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    served = session.run(None, feeds)[0]
+    served = served_graph_outputs(repo, texts)
     expected = SentenceTransformer(str(minilm_model), device="cpu").encode(texts, normalize_embeddings=True)
     assert cosine(served, expected).min() > 0.95
 
@@ -172,41 +163,83 @@ def test_truncated_weights_are_refused(minilm_model, tmp_path, capsys):
     assert code == EXIT_USAGE and "truncated" in capsys.readouterr().err
 
 
-@pytest.mark.heavy
-@pytest.mark.parametrize("modes", [("cls",), ("max",), ("mean_sqrt_len_tokens",), ("cls", "mean")])
-def test_pooling_modes_match_sentence_transformers(minilm_model, tmp_path, modes):
-    """A tiny random BERT with each pooling mode (and no Normalize) exports to sentence-transformers' numbers."""
-    import onnxruntime as ort
+def tiny_sentence_model(minilm_model: Path, out: Path, config, modes=("mean",), normalize=False) -> Path:
+    """A random-initialised sentence-transformers directory around ``config`` (MiniLM's WordPiece tokenizer)."""
     import torch
-    from sentence_transformers import SentenceTransformer
-    from transformers import BertConfig, BertModel
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_model / name, out / name)
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": config.hidden_size if hasattr(config, "hidden_size") else config.dim,
+        "pooling_mode_cls_token": "cls" in modes, "pooling_mode_mean_tokens": "mean" in modes,
+        "pooling_mode_max_tokens": "max" in modes,
+        "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens" in modes}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    return out
+
+
+def served_graph_outputs(repo: Path, texts: list[str]):
+    """Run the repository's tokenizer and encoder graph in process, as the server would."""
+    import onnxruntime as ort
 
     from forge.encoder.models.tokenizer import from_parameters
     from forge.tritonconfig import read
 
-    model = tmp_path / "model"
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=128)).save_pretrained(model)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        shutil.copy(minilm_model / name, model / name)
-    (model / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 64, "do_lower_case": False}))
-    (model / "1_Pooling").mkdir()
-    (model / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 32, "pooling_mode_cls_token": "cls" in modes,
-        "pooling_mode_mean_tokens": "mean" in modes, "pooling_mode_max_tokens": "max" in modes,
-        "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens" in modes}))
-    (model / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-    repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(model), "--target", "python",
-                 "--dtype", "float32")
-    assert manifest_notes(repo, "minilm", "export")["interface"]["pooling"] == list(modes)
-    texts = ["a short one", "", "a much longer sentence " * 20]
     params = {k: v.string_value for k, v in read(repo / "minilm_tokenizer").parameters.items()}
     feeds = from_parameters(params, str(repo / "minilm_tokenizer" / "1"))(texts)
     session = ort.InferenceSession(str(repo / "minilm_encoder" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    served = session.run(None, feeds)[0]
-    expected = SentenceTransformer(str(model), device="cpu").encode(texts)
+    return session.run(None, feeds)[0]
+
+
+TEXTS = ["a short one", "", "a much longer sentence " * 20]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("modes", [("cls",), ("max",), ("mean_sqrt_len_tokens",), ("cls", "mean")])
+def test_pooling_modes_match_sentence_transformers(minilm_model, tmp_path, modes):
+    """A tiny random BERT with each pooling mode (and no Normalize) exports to sentence-transformers' numbers."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import BertConfig
+
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    model = tiny_sentence_model(minilm_model, tmp_path / "model", config, modes)
+    repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(model), "--target", "python",
+                 "--dtype", "float32")
+    assert manifest_notes(repo, "minilm", "export")["interface"]["pooling"] == list(modes)
+    served = served_graph_outputs(repo, TEXTS)
+    expected = SentenceTransformer(str(model), device="cpu").encode(TEXTS)
     assert served.shape == expected.shape == (3, 32 * len(modes))
     np.testing.assert_allclose(served, expected, atol=2e-5)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("architecture", ["RobertaModel", "XLMRobertaModel", "MPNetModel", "DistilBertModel"])
+def test_other_bert_style_architectures(minilm_model, tmp_path, architecture):
+    """Every architecture the family lists exports and matches sentence-transformers (tiny random models)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import DistilBertConfig, MPNetConfig, RobertaConfig, XLMRobertaConfig
+
+    small = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    config = {
+        "RobertaModel": lambda: RobertaConfig(**small, max_position_embeddings=130, pad_token_id=1),
+        "XLMRobertaModel": lambda: XLMRobertaConfig(**small, max_position_embeddings=130, pad_token_id=1),
+        "MPNetModel": lambda: MPNetConfig(**small, max_position_embeddings=130, pad_token_id=1),
+        "DistilBertModel": lambda: DistilBertConfig(vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                                    max_position_embeddings=128),
+    }[architecture]()
+    model = tiny_sentence_model(minilm_model, tmp_path / "model", config, normalize=True)
+    repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(model), "--target", "python",
+                 "--dtype", "float32")
+    assert manifest_notes(repo, "minilm", "export")["interface"]["architecture"] == architecture
+    expected = SentenceTransformer(str(model), device="cpu").encode(TEXTS, normalize_embeddings=True)
+    np.testing.assert_allclose(served_graph_outputs(repo, TEXTS), expected, atol=2e-5)
