@@ -10,7 +10,7 @@ from ..components import Artifact, Component
 from ..context import BuildContext
 from ..errors import ForgeError
 from . import layout, parity, samples
-from .adapter import EncoderAdapter, TowerInterface
+from .adapter import TEXT, EncoderAdapter, TowerInterface
 from .options import EncoderOptions
 from .preprocessing import image_preprocessor, text_tokenizer
 
@@ -37,7 +37,7 @@ def export(adapter: EncoderAdapter, component: Component, ctx: BuildContext) -> 
     assets.mkdir(parents=True)
     source.write_assets(component.role, assets)
     feeds = sample_inputs(iface, opts, assets)
-    if iface.modality == "text":
+    if iface.modality == TEXT:
         check_tokenizer(source, iface, opts, assets, ctx)
     torch.manual_seed(0)
     module = exportable(source.load(component.role), iface).eval()
@@ -58,7 +58,7 @@ def export(adapter: EncoderAdapter, component: Component, ctx: BuildContext) -> 
 
 def sample_inputs(iface: TowerInterface, opts: EncoderOptions, assets: Path) -> list[dict[str, Any]]:
     """Parity batches prepared by the served preprocessing code; the first one is traced."""
-    if iface.modality == "text":
+    if iface.modality == TEXT:
         tokenize = text_tokenizer(iface, opts, assets)
         texts = list(samples.PARITY_TEXTS)
         batches = [texts[1:3], texts, texts[1:2]]

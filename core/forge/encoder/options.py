@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import UsageError
 
@@ -125,7 +125,3 @@ class EncoderOptions:
         value = ctx.option("calib_data")
         return Path(value) if value is not None else None
 
-
-def describe() -> dict[str, Any]:
-    """The option table, for documentation and ``forge plugins``-style listings."""
-    return dict(OPTIONS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .adapter import TowerInterface
+from .adapter import TEXT, TowerInterface
 from .options import EncoderOptions
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -46,7 +46,7 @@ def image_parameters(iface: TowerInterface) -> dict[str, str]:
 
 def parameters(iface: TowerInterface, opts: EncoderOptions) -> dict[str, str]:
     """The preprocessing model's config parameters."""
-    return text_parameters(iface, opts) if iface.modality == "text" else image_parameters(iface)
+    return text_parameters(iface, opts) if iface.modality == TEXT else image_parameters(iface)
 
 
 def text_tokenizer(iface: TowerInterface, opts: EncoderOptions, assets: Path):

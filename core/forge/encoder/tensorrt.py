@@ -11,7 +11,7 @@ from pathlib import Path
 from ..components import Artifact, Component
 from ..context import BuildContext
 from . import layout, parity
-from .adapter import TowerInterface
+from .adapter import TEXT, TowerInterface
 from .options import EncoderOptions
 from .preprocessing import text_padding
 
@@ -19,7 +19,7 @@ from .preprocessing import text_padding
 def shapes(iface: TowerInterface, opts: EncoderOptions, max_batch: int) -> dict[str, str]:
     """trtexec's --minShapes/--optShapes/--maxShapes values for the tower's inputs."""
     max_len = int(iface.preprocessing.get("max_length", 1))
-    if iface.modality == "text" and text_padding(iface, opts) == "max_length":
+    if iface.modality == TEXT and text_padding(iface, opts) == "max_length":
         opt_len = max_len
     else:
         opt_len = min(opts.opt_seq_len or 128, max_len)
