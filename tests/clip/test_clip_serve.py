@@ -50,7 +50,7 @@ def hf_reference(hf_clip_model):
 
 
 @pytest.fixture(scope="module")
-def hf_server(hf_clip_model, tmp_path_factory):
+def hf_server(encoder_environment, hf_clip_model, tmp_path_factory):
     repo = built(tmp_path_factory.mktemp("clip") / "repo", "--family", "clip", "--model", str(hf_clip_model),
                  "--target", "python", "--dtype", "float32")
     with serving(repo) as (server, client):

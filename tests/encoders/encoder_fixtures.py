@@ -96,9 +96,12 @@ def encoder_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("forge-cache")
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def encoder_environment(encoder_cache):
-    """Isolated cache, only the encoder plugins, and few threads (the CI machine is shared)."""
+    """Isolated cache, only the encoder plugins, and few threads (the CI machine is shared).
+
+    Module-scoped, so tests of other folders run in the same session see forge's usual registry.
+    """
     import forge_clip
     import forge_minilm
     import torch

@@ -21,7 +21,7 @@ def reference(minilm_model):
 
 
 @pytest.fixture(scope="module")
-def minilm_server(minilm_model, tmp_path_factory):
+def minilm_server(encoder_environment, minilm_model, tmp_path_factory):
     """The default-dtype (float16) python-target repository, served once for the module."""
     repo = built(tmp_path_factory.mktemp("minilm") / "repo", "--family", "minilm", "--model", str(minilm_model),
                  "--target", "python")
