@@ -158,7 +158,7 @@ class Driver:
     def _copy_exports(self, plans: list[ComponentPlan], staging: Path) -> dict[str, Any]:
         for plan in plans:
             dst = staging / plan.component.name if len(plans) > 1 else staging
-            repository._place(plan.artifact.path, dst if plan.artifact.path.is_dir() else dst / plan.artifact.path.name)
+            repository.place(plan.artifact.path, dst if plan.artifact.path.is_dir() else dst / plan.artifact.path.name)
         return self._manifest(plans, [], None)
 
     def build(self, spec: BuildSpec) -> BuildResult:

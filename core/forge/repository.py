@@ -63,7 +63,7 @@ def staging_dir(out: Path) -> Path:
     return staging
 
 
-def _place(src: Path, dst: Path) -> None:
+def place(src: Path, dst: Path) -> None:
     """Copy a file or tree; files from the stage cache are hard-linked (engines can be GBs).
 
     Only cache files are linked: linking a user's checkpoint or forge's own sources would let an
@@ -100,7 +100,7 @@ def write_model(model: TritonModel, repo: Path) -> None:
     for rel, content in model.files.items():
         target = model_dir / rel
         if isinstance(content, Path):
-            _place(content, target)
+            place(content, target)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             if isinstance(content, bytes):

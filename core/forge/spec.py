@@ -77,6 +77,15 @@ class BuildSpec:
                 raise UsageError(f"--{label.replace('_', '-')} must be ≥ 1")
         if lim.max_input_len >= lim.max_seq_len:
             raise UsageError("--max-input-len must be smaller than --max-seq-len")
+        opts = self.options
+        for key, flag in (("instances", "--instances"), ("group_size", "--group-size")):
+            if key in opts and (not isinstance(opts[key], int) or opts[key] < 1):
+                raise UsageError(f"{flag} must be a positive integer, got {opts[key]!r}")
+        if "parity_tolerance" in opts and not (isinstance(opts["parity_tolerance"], (int, float))
+                                               and opts["parity_tolerance"] > 0):
+            raise UsageError(f"--parity-tolerance must be a positive number, got {opts['parity_tolerance']!r}")
+        if opts.get("calib_data") is not None and not Path(opts["calib_data"]).is_file():
+            raise UsageError(f"--calib-data {opts['calib_data']} is not a readable file")
         if self.name_prefix:
             check_name(self.name_prefix, "--name-prefix")
         if self.out.exists() and not self.out.is_dir():

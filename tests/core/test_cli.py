@@ -20,6 +20,10 @@ from forge.cli import main
     (["--name-prefix", "a/b"], "invalid --name-prefix"),
     (["--max-input-len", "4096"], "--max-input-len must be smaller"),
     (["--quant", "int3"], "does not support --quant int3"),
+    (["--instances", "0"], "--instances must be a positive integer"),
+    (["--group-size", "-8"], "--group-size must be a positive integer"),
+    (["--parity-tolerance", "0"], "--parity-tolerance must be a positive number"),
+    (["--calib-data", "/nonexistent/calib.txt"], "--calib-data /nonexistent/calib.txt is not a readable file"),
 ])
 def test_bad_build_arguments(toy, toy_model, tmp_path, capsys, args, message):
     """Bad inputs tried: each argument listed above."""

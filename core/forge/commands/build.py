@@ -91,7 +91,7 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
     options = dict(args.option)
     for key in ("decoupled", "calib_data", "group_size", "instances", "parity_tolerance"):
         value = getattr(args, key)
-        if value not in (None, False):
+        if value is not None and value is not False:
             options.setdefault(key, value)
     return BuildSpec(
         families=families, model=model, models=models, out=args.out, tp=args.tp, pp=args.pp,

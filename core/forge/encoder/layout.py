@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..repository import _place
+from ..repository import place
 
 ONNX_DIR = "onnx"
 ONNX_FILE = "model.onnx"
@@ -26,4 +26,4 @@ def carry(src: Path, dst: Path, *names: str) -> None:
     """Hard-link (or copy) the named entries of a previous artifact into a new one."""
     for name in names:
         if (src / name).exists():
-            _place(src / name, dst / name)
+            place(src / name, dst / name)
