@@ -108,7 +108,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_num_sequences": spec.limits.max_batch_size,
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
-        "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 20),
+        "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),
         "exclude_input_in_output": None if exclude is None else _truthy(exclude),
     }
     config = tc.model_config(

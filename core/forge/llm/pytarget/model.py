@@ -158,7 +158,7 @@ class TritonPythonModel:
         self.engine = engine_mod.Engine(
             model, self.limits, max_rows=rows,
             max_prefill_tokens=int(_parameter(config, "max_num_tokens", "8192")),
-            cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms", "20")),
+            cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms", "100")),
             log=pb_utils.Logger.log_error).start()
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
@@ -180,16 +180,20 @@ class TritonPythonModel:
             name="forge_decoder_generated_tokens_total", description="tokens generated",
             kind=pb_utils.MetricFamily.COUNTER)
         labels = {"model": self.name}
+        self.unpublished_tokens = 0
         self.busy_gauge = self.metric_sequences.Metric(labels=labels)
         self.token_counter = self.metric_tokens.Metric(labels=labels)
         self.finished = {reason: self.metric_finished.Metric(labels={**labels, "reason": reason})
                          for reason in ("length", "end_id", "stop_words", "cancelled", "error")}
 
     def count(self, update: engine_mod.Update) -> None:
-        if update.tokens:
-            self.token_counter.increment(len(update.tokens))
-        if update.finished and update.reason in self.finished:
-            self.finished[update.reason].increment(1)
+        """Metrics are IPC calls to the server: count locally, publish when a sequence finishes."""
+        self.unpublished_tokens += len(update.tokens)
+        if update.finished:
+            self.token_counter.increment(self.unpublished_tokens)
+            self.unpublished_tokens = 0
+            if update.reason in self.finished:
+                self.finished[update.reason].increment(1)
             self.busy_gauge.set(max(0, self.engine.busy - 1))
 
     def log_warn(self, message: str) -> None:
