@@ -17,9 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import make_gpt2  # noqa: E402
+from serve_models import MAX_INPUT_LEN, MAX_SEQ_LEN, make_gpt2  # noqa: E402
 
-MAX_INPUT_LEN, MAX_SEQ_LEN = 64, 128
 BUILDS = {  # name prefix → extra build arguments
     "": [],
     "s_": ["--decoupled"],

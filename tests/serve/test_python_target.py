@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import MAX_SEQ_LEN
+from serve_models import MAX_SEQ_LEN
 
 pytestmark = pytest.mark.heavy
 
@@ -215,6 +215,21 @@ def seed_input(merged_repo, model="tensorrt_llm") -> str:
 
     names = {i.name for i in tritonconfig.read(merged_repo / model).input}
     return "seed" if "seed" in names else "random_seed"
+
+
+def test_a_request_with_two_rows_gets_both_answers_padded(server, tokenizer, hf_model):
+    """One Triton request carrying a batch of two prompts of different lengths and output lengths."""
+    a, b = tokenizer.encode("hello world"), tokenizer.encode("What is machine learning? It is")
+    ids = np.zeros((2, max(len(a), len(b))), np.int32)
+    ids[0, : len(a)], ids[1, : len(b)] = a, b
+    tensors = {"input_ids": ids, "input_lengths": np.array([[len(a)], [len(b)]], np.int32),
+               "request_output_len": np.array([[5], [9]], np.int32), "pad_id": np.array([[7], [7]], np.int32)}
+    result = infer(server, "tensorrt_llm", tensors)
+    out, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+    assert lengths.tolist() == [[len(a) + 5], [len(b) + 9]]
+    assert out[0, 0, : len(a) + 5].tolist() == a + hf_greedy(hf_model, a, 5)
+    assert out[1, 0].tolist() == b + hf_greedy(hf_model, b, 9)
+    assert set(out[0, 0, len(a) + 5:].tolist()) <= {7}
 
 
 def test_per_request_sampling_seeds_and_stop_words(server, tokenizer, merged_repo):

@@ -44,7 +44,7 @@ def _grpc_url(args: argparse.Namespace) -> str:
         return args.grpc_url
     from ..serving.client import grpc_target
 
-    host = grpc_target(args.url).rsplit(":", 1)[0] if ":" in grpc_target(args.url) else grpc_target(args.url)
+    host = grpc_target(args.url).rsplit(":", 1)[0]  # host:port → host (a bare host stays as it is)
     return f"{host}:8001"
 
 

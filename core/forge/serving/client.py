@@ -277,9 +277,4 @@ def text_request(inputs: ModelInputs, prompt: str, max_tokens: int, *, stream: b
     """gRPC tensors for a text model (ensemble, BLS, or any model with text_input/max_tokens)."""
     payload = generate_payload(inputs, prompt, max_tokens, stop_words=stop_words, bad_words=bad_words,
                                stream=stream, **sampling)
-    tensors = {}
-    for name, value in payload.items():
-        if name in ("bad_words", "stop_words"):
-            value = value if value else ""
-        tensors[name] = inputs.array(name, value)
-    return tensors
+    return {name: inputs.array(name, value) for name, value in payload.items()}

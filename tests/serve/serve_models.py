@@ -10,6 +10,7 @@ CORPUS = [
     "stop words and bad words are lists of words", "a quick brown fox jumps over the lazy dog",
 ] * 30
 EOS = "<|endoftext|>"
+MAX_INPUT_LEN, MAX_SEQ_LEN = 64, 128  # the limits the serve tests build with
 
 
 def make_gpt2(path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_positions: int = 128,
