@@ -84,8 +84,6 @@ class BuildSpec:
         if "parity_tolerance" in opts and not (isinstance(opts["parity_tolerance"], (int, float))
                                                and opts["parity_tolerance"] > 0):
             raise UsageError(f"--parity-tolerance must be a positive number, got {opts['parity_tolerance']!r}")
-        if opts.get("calib_data") is not None and not Path(opts["calib_data"]).is_file():
-            raise UsageError(f"--calib-data {opts['calib_data']} is not a readable file")
         if self.name_prefix:
             check_name(self.name_prefix, "--name-prefix")
         if self.out.exists() and not self.out.is_dir():

@@ -23,7 +23,6 @@ from forge.cli import main
     (["--instances", "0"], "--instances must be a positive integer"),
     (["--group-size", "-8"], "--group-size must be a positive integer"),
     (["--parity-tolerance", "0"], "--parity-tolerance must be a positive number"),
-    (["--calib-data", "/nonexistent/calib.txt"], "--calib-data /nonexistent/calib.txt is not a readable file"),
 ])
 def test_bad_build_arguments(toy, toy_model, tmp_path, capsys, args, message):
     """Bad inputs tried: each argument listed above."""
