@@ -58,6 +58,7 @@ class Driver:
     def plan(self, spec: BuildSpec, stages: tuple[str, ...] = STAGES) -> list[ComponentPlan]:
         """Resolve families, targets and components, and compute every stage's cache key."""
         spec.validate()
+        self._spec_json = spec.to_json()
         if not spec.families:
             raise UsageError("no --family given; known families: " + ", ".join(sorted(self.registry.families)))
         plans: list[ComponentPlan] = []
@@ -254,6 +255,7 @@ class Driver:
                         if set(info.families) & spec_plugins},
             "toolchain": {tool: toolchain.identity(tool) for tool in _TOOLS_FINGERPRINTED},
             "argv": shlex.join(sys.argv),
+            "spec": self._spec_json,
             "components": [
                 {"name": p.component.name, "family": p.component.family, "role": p.component.role,
                  "target": p.target, "source": str(p.component.source),

@@ -27,6 +27,10 @@ class DecoderPlugin:
         from .repository import check_options
 
         check_options(spec)  # bad -o values / --backend-version fail before any stage runs
+        if spec.target == "python":
+            from .pytarget import check_spec
+
+            check_spec(spec)
         family = self.adapter.family
         return [Component(name=f"{spec.name_prefix}{family}", family=family, role="llm",
                           source=spec.source_for(family), prefix=spec.name_prefix,
