@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 CORPUS = [
@@ -33,7 +34,7 @@ def make_gpt2(path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4
     with torch.no_grad():  # larger weights than the default init: less flat, more varied continuations
         for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -254,8 +254,15 @@ def test_per_request_sampling_seeds_and_stop_words(server, tokenizer, merged_rep
 def test_stop_words_and_end_id_through_the_ensemble(server, tokenizer):
     status, body = generate(server, "ensemble", text_input="hello world", max_tokens=12)
     assert status == 200, body
-    continuation = body["text_output"][len("hello world"):]
-    word = continuation.split()[0] if continuation.split() else continuation[:2]
+    # A stop word the client can type: a generated token whose text is whole characters and
+    # tokenizes back to that one token (a random model can emit partial UTF-8 sequences).
+    ids = tokenizer.encode("hello world")
+    greedy = infer(server, "tensorrt_llm", llm_tensors(ids, 12)).as_numpy("output_ids")[0, 0].tolist()[len(ids):]
+    words = [tokenizer.decode([t]) for t in greedy]
+    words = [w for t, w in zip(greedy, words)
+             if w.strip() == w and w and "\ufffd" not in w and tokenizer.encode(w) == [t]]
+    assert words, greedy
+    word = words[0]
     status, stopped = generate(server, "ensemble", text_input="hello world", max_tokens=12, stop_words=word)
     assert status == 200, stopped
     assert stopped["text_output"].endswith(word) and len(stopped["text_output"]) <= len(body["text_output"])
