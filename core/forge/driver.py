@@ -106,7 +106,7 @@ class Driver:
         key = plan.keys[stage]
         record = StageRecord(stage, key)
         plan.records.append(record)
-        if not spec.dry_run and (self.cache.is_passthrough(key) or self.cache.get(key) is not None):
+        if self.cache.is_passthrough(key) or self.cache.get(key) is not None:
             record.cached = True
             saved = self.cache.root / key / "record.json"
             if saved.is_file():
@@ -114,7 +114,18 @@ class Driver:
                 record.commands, record.notes = data.get("commands", []), data.get("notes", {})
             self.log(f"{plan.component.name}: {stage} (cached)")
             return artifact if self.cache.is_passthrough(key) else self.cache.get(key)
-        workdir = self.cache.workdir(key)
+        if spec.dry_run:
+            # The plan shows the paths a real build will use (the entry is not in the cache, or the
+            # lookup above would have answered); whatever a plugin writes there is removed again.
+            workdir = self.cache.root / key / "data"
+            shutil.rmtree(workdir.parent, ignore_errors=True)
+            workdir.mkdir(parents=True)
+        else:
+            workdir = self.cache.workdir(key)
+
+        def discard() -> None:
+            shutil.rmtree(workdir.parent if spec.dry_run else workdir, ignore_errors=True)
+
         ctx = BuildContext(spec=spec, target=plan.target, workdir=workdir, record=record, log=self.log)
         hook = getattr(self.registry.hook, f"forge_{stage}")
         started = time.perf_counter()
@@ -128,11 +139,11 @@ class Driver:
             else:
                 result = hook(component=plan.component, artifact=artifact, ctx=ctx)
         except BaseException:
-            shutil.rmtree(workdir, ignore_errors=True)
+            discard()
             raise
         record.seconds = round(time.perf_counter() - started, 3)
         if spec.dry_run:
-            shutil.rmtree(workdir, ignore_errors=True)
+            discard()
             return result or artifact
         if result is None:
             shutil.rmtree(workdir, ignore_errors=True)

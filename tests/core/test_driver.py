@@ -144,3 +144,17 @@ def test_doctor_reports_toolchain(toy, capsys):
     assert rows["forge"]["version"]
     assert rows["trtllm-build"]["enables"].startswith("--target tensorrtllm")
     assert "tritonserver (nvidia-pytriton)" in rows
+
+
+def test_dry_run_plan_names_the_cache_paths_of_a_real_build(toy, toy_model, tmp_path, cache):
+    """The plan's paths are where a real build puts its artifacts; the dry run leaves no cache entry."""
+    from forge.driver import Driver
+    from forge.plugins import registry
+    from forge.spec import BuildSpec
+
+    spec = BuildSpec(families=["toy"], model=toy_model, out=tmp_path / "repo", dry_run=True)
+    planned = Driver(registry()).build(spec).plans[0].artifact.path
+    assert not planned.exists() and not any((cache / "stages").iterdir())
+    spec.dry_run = False
+    built = Driver(registry()).build(spec).plans[0].artifact.path
+    assert built == planned and built.is_dir()
