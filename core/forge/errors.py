@@ -23,7 +23,9 @@ class ForgeError(Exception):
 
     def one_line(self) -> str:
         text = str(self).rstrip(".")
-        return f"{text}. {self.hint}" if self.hint else text
+        if not self.hint:
+            return text
+        return f"{text}. {self.hint[:1].upper()}{self.hint[1:]}"
 
 
 class UsageError(ForgeError):
