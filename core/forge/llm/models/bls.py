@@ -27,12 +27,7 @@ class RequestError(Exception):
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = forge_text.parameters(config)
-        path = forge_text.resolve_dir(params.get("tokenizer_dir") or "tokenizer",
-                                      args["model_repository"], args["model_version"])
-        self.tokenizer = forge_text.load_tokenizer(
-            path, trust_remote_code=forge_text.parse_bool(params.get("trust_remote_code"), False))
+        config, params, self.tokenizer = forge_text.model_setup(args)
         self.skip_special_tokens = forge_text.parse_bool(params.get("skip_special_tokens"), True)
         self.codec = forge_text.TokenBytes(self.tokenizer, self.skip_special_tokens)
         self.accumulate = forge_text.parse_bool(params.get("accumulate_tokens"), False)

@@ -62,6 +62,15 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
 
 
+def model_setup(args: dict) -> tuple[dict, dict[str, str], Any]:
+    """For a model's ``initialize``: its config (json), its parameters and its tokenizer."""
+    config = json.loads(args["model_config"])
+    params = parameters(config)
+    path = resolve_dir(params.get("tokenizer_dir") or "tokenizer", args["model_repository"], args["model_version"])
+    tokenizer = load_tokenizer(path, trust_remote_code=parse_bool(params.get("trust_remote_code"), False))
+    return config, params, tokenizer
+
+
 def token_ids(text: str, tokenizer, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

@@ -13,7 +13,6 @@ Inputs ``X`` with a declared output ``OUT_X`` (log probs, logits, batch index in
 versions) are passed through unchanged.
 """
 
-import json
 import os
 import sys
 
@@ -26,12 +25,7 @@ import forge_text  # noqa: E402  (shipped next to this file)
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = forge_text.parameters(config)
-        path = forge_text.resolve_dir(params.get("tokenizer_dir") or "tokenizer",
-                                      args["model_repository"], args["model_version"])
-        self.tokenizer = forge_text.load_tokenizer(
-            path, trust_remote_code=forge_text.parse_bool(params.get("trust_remote_code"), False))
+        config, params, self.tokenizer = forge_text.model_setup(args)
         self.skip_special_tokens = forge_text.parse_bool(params.get("skip_special_tokens"), True)
         self.codec = forge_text.TokenBytes(self.tokenizer, self.skip_special_tokens)
         self.bos_id = self.tokenizer.bos_token_id

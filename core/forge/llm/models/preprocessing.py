@@ -6,7 +6,6 @@ tensorrtllm_backend version, so one file serves every version. Optional outputs 
 absent are not produced; the ensemble then leaves the matching tensorrt_llm input unset.
 """
 
-import json
 import os
 import sys
 
@@ -19,12 +18,7 @@ import forge_text  # noqa: E402  (shipped next to this file)
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = forge_text.parameters(config)
-        path = forge_text.resolve_dir(params.get("tokenizer_dir") or "tokenizer",
-                                      args["model_repository"], args["model_version"])
-        self.tokenizer = forge_text.load_tokenizer(
-            path, trust_remote_code=forge_text.parse_bool(params.get("trust_remote_code"), False))
+        config, params, self.tokenizer = forge_text.model_setup(args)
         self.add_special_tokens = forge_text.parse_bool(params.get("add_special_tokens"), True)
         eos = self.tokenizer.eos_token_id
         self.end_id = int(params.get("end_id") or (eos if eos is not None else 0))
