@@ -89,10 +89,14 @@ class Driver:
                              "distinct prefixes with --name-prefix or build them separately")
         tools = {tool: toolchain.identity(tool) for tool in _TOOLS_FINGERPRINTED}
         spec_key = {k: v for k, v in spec.to_json().items() if k not in ("out", "dry_run", "model", "models")}
+        self._tools = tools
+        sources: dict[Path, str] = {}  # components of one checkpoint (CLIP's towers) hash it once
         for plan in plans:
             c = plan.component
+            if c.source not in sources:
+                sources[c.source] = source_fingerprint(c.source) if c.source.exists() else str(c.source)
             previous = fingerprint(
-                "source", source_fingerprint(c.source) if c.source.exists() else str(c.source),
+                "source", sources[c.source],
                 c.family, c.name, c.role, dict(c.options), plan.target, spec_key, __version__,
                 self.registry.plugin_version(c.family))
             for stage in stages:
@@ -106,14 +110,16 @@ class Driver:
         key = plan.keys[stage]
         record = StageRecord(stage, key)
         plan.records.append(record)
-        if self.cache.is_passthrough(key) or self.cache.get(key) is not None:
+        passthrough = self.cache.is_passthrough(key)
+        cached = None if passthrough else self.cache.get(key)
+        if passthrough or cached is not None:
             record.cached = True
             saved = self.cache.root / key / "record.json"
             if saved.is_file():
                 data = json.loads(saved.read_text())
                 record.commands, record.notes = data.get("commands", []), data.get("notes", {})
             self.log(f"{plan.component.name}: {stage} (cached)")
-            return artifact if self.cache.is_passthrough(key) else self.cache.get(key)
+            return artifact if passthrough else cached
         if spec.dry_run:
             # The plan shows the paths a real build will use (the entry is not in the cache, or the
             # lookup above would have answered); whatever a plugin writes there is removed again.
@@ -257,14 +263,14 @@ class Driver:
                 raise
 
     def _manifest(self, plans: list[ComponentPlan], models: list[str], build_key: str | None) -> dict[str, Any]:
-        spec_plugins = {p.component.family for p in plans}
+        built_families = {p.component.family for p in plans}
         return {
             "forge_version": __version__,
             "python": platform.python_version(),
             "build_fingerprint": build_key,
             "plugins": {info.name: info.version for info in self.registry.infos.values()
-                        if set(info.families) & spec_plugins},
-            "toolchain": {tool: toolchain.identity(tool) for tool in _TOOLS_FINGERPRINTED},
+                        if set(info.families) & built_families},
+            "toolchain": self._tools,
             "argv": shlex.join(sys.argv),
             "spec": self._spec_json,
             "components": [
