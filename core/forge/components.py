@@ -10,6 +10,32 @@ from typing import Any, Callable, Mapping
 from tritonclient.grpc import model_config_pb2 as mc
 
 
+#: Kinds of ``-o`` values; the driver checks a value against its option's kind before any stage runs.
+OPTION_KINDS = ("bool", "int", "float", "str", "path", "choice")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``-o key=value`` build option a family reads: its contract, shown by ``forge options``.
+
+    ``targets`` names the targets that use it (empty: every target of the family); giving an
+    option to a build whose target does not use it is an error, never a silent no-op.
+    """
+
+    name: str
+    kind: str  # one of OPTION_KINDS
+    help: str  # one line
+    default: Any = None  # None: no default (the option is off or derived), shown as "-"
+    targets: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()  # the allowed values of a "choice" option
+    minimum: float | None = None  # the smallest allowed value of an "int" / "float" option
+    flag: str | None = None  # the first-class CLI flag that sets it too (e.g. "--instances")
+
+    def used_by(self, target: str) -> bool:
+        """True when a build for ``target`` reads this option."""
+        return not self.targets or target in self.targets
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family a plugin adds: which checkpoints it accepts and which components it builds.
@@ -28,7 +54,19 @@ class Family:
     components: Callable[["BuildSpec"], list["Component"]]  # noqa: F821 (spec.BuildSpec)
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     quants: tuple[str, ...] = ()
+    #: the targets on which ``--tp`` / ``--pp`` > 1 mean something (empty: the family has no parallelism)
+    parallel_targets: tuple[str, ...] = ()
+    #: every ``-o`` option the family reads (first-class flags such as ``--instances`` included)
+    options: tuple[Option, ...] = ()
     plugin: str = ""  # filled in by the registry: the plugin that registered the family
+
+    def option(self, name: str) -> Option | None:
+        """The family's declaration of ``-o name`` (None when it does not read it)."""
+        return next((o for o in self.options if o.name == name), None)
+
+    def options_for(self, target: str) -> tuple[Option, ...]:
+        """The options a build of this family for ``target`` reads."""
+        return tuple(o for o in self.options if o.used_by(target))
 
 
 @dataclass(frozen=True)
