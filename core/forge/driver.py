@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, ensemble, repository, toolchain
+from . import __version__, contract, ensemble, repository, toolchain
 from .cache import StageCache, cache_dir, fingerprint, source_fingerprint
 from .components import Artifact, Component, Edge, TritonModel
 from .context import BuildContext, StageRecord
@@ -61,20 +61,12 @@ class Driver:
         self._spec_json = spec.to_json()
         if not spec.families:
             raise UsageError("no --family given; known families: " + ", ".join(sorted(self.registry.families)))
+        builds = [(family, spec.target or family.default_target)
+                  for family in (self.registry.family(name) for name in spec.families)]
+        contract.check(spec, builds)
         plans: list[ComponentPlan] = []
-        for name in spec.families:
-            family = self.registry.family(name)
-            target = spec.target or family.default_target
-            if target not in family.targets:
-                raise UsageError(f"family {name!r} cannot be built for --target {target}; "
-                                 f"its targets: {', '.join(family.targets)}")
-            if spec.dtype not in family.dtypes:
-                raise UsageError(f"family {name!r} does not support --dtype {spec.dtype}; "
-                                 f"choose one of {', '.join(family.dtypes)}")
-            for quant in spec.quant:
-                if quant not in family.quants:
-                    known = ", ".join(family.quants) or "none"
-                    raise UsageError(f"family {name!r} does not support --quant {quant}; supported: {known}")
+        for family, target in builds:
+            name = family.name
             source = spec.source_for(name)
             if not source.exists():
                 raise UsageError(f"model path {source} does not exist")

@@ -9,8 +9,10 @@ from typing import Any
 
 from .errors import UsageError
 
-DTYPES = ("float32", "float16", "bfloat16")
-TARGETS = ("tensorrtllm", "tensorrt", "onnxruntime", "python")
+#: First-class flags that set a family option (``--instances 2`` is ``-o instances=2``); the
+#: families declare these like any ``-o`` key, errors name the flag the user typed.
+FLAG_OPTIONS = {"decoupled": "--decoupled", "calib_data": "--calib-data", "group_size": "--group-size",
+                "instances": "--instances", "parity_tolerance": "--parity-tolerance"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -63,14 +65,14 @@ class BuildSpec:
         return self.models.get(family, self.model)
 
     def validate(self) -> "BuildSpec":
-        """Check values that do not depend on the family; raise UsageError on the first bad one."""
+        """Check values that do not depend on the family; raise UsageError on the first bad one.
+
+        Targets, dtypes, quantization, parallelism and ``-o`` keys are the families' contract,
+        checked by :mod:`forge.contract`.
+        """
         for label, value in (("--tp", self.tp), ("--pp", self.pp)):
             if not isinstance(value, int) or value < 1:
                 raise UsageError(f"{label} must be a positive integer, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"unknown --dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.target is not None and self.target not in TARGETS:
-            raise UsageError(f"unknown --target {self.target!r}; choose one of {', '.join(TARGETS)}")
         lim = self.limits
         for label in ("max_batch_size", "max_input_len", "max_seq_len", "max_beam_width"):
             if getattr(lim, label) < 1:

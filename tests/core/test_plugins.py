@@ -75,5 +75,5 @@ def test_plugins_json_lists_families_and_hooks(toy, capsys):
     data = json.loads(capsys.readouterr().out)
     (toy_info,) = [p for p in data if p["name"] == "toy"]
     assert toy_info["families"] == ["toy"]
-    assert toy_info["family_details"][0]["targets"] == ["python"]
+    assert toy_info["family_details"][0]["targets"] == ["python", "echo"]
     assert set(toy_info["hooks"]) >= {"forge_export", "forge_emit_config", "forge_ensemble_edges"}

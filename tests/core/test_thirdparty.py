@@ -58,11 +58,15 @@ def test_installed_plugin_is_listed_and_builds(installed, tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["ToyModel"], "scale": 2.0}))
     built = _forge(installed, "build", "--family", "echo", "--model", str(model), "--out", str(tmp_path / "repo"),
+                   "--target", "echo", "-o", "gain=2",
                    cwd=tmp_path)
     assert built.returncode == 0, built.stderr
     manifest = json.loads((tmp_path / "repo" / "forge-manifest.json").read_text())
     assert manifest["plugins"] == {"echo": "0.3.1"}
     assert manifest["components"][0]["family"] == "echo"
+    # a target no built-in family knows, added by the package alone, with its own -o option
+    assert manifest["components"][0]["target"] == "echo"
+    assert 'string_value: "4.0"' in (tmp_path / "repo" / "main" / "config.pbtxt").read_text()
 
 
 def test_broken_installed_plugin_names_its_distribution(installed, tmp_path):

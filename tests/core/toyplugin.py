@@ -1,4 +1,18 @@
-"""A complete, tiny forge plugin used by the core tests: family "toy" (two python models + ensemble)."""
+"""A complete, tiny forge plugin: family "toy" (two python models + ensemble). Copy it to start a plugin.
+
+It shows every part of the public plugin API:
+
+* ``forge_register_families`` declares the family's contract as data: the checkpoints it accepts,
+  its targets (``echo`` is a target no built-in family knows: a plugin adds targets by naming
+  them), dtypes, quantization modes and every ``-o`` option it reads. The driver refuses anything
+  outside it (unknown ``-o`` keys, options the chosen target ignores, ``--tp`` without parallelism).
+* stage hooks (``forge_export``, ``forge_compile``, ``forge_emit_config``) answer only for the
+  family's own components and return plain data (``Artifact``, ``TritonModel``).
+* ``forge_ensemble_edges`` wires the models; the driver assembles and validates the ensemble.
+
+Packaged, it is one module plus an entry point (see README "Writing a plugin");
+``tests/core/test_thirdparty.py`` pip-installs it that way and builds with ``--target echo``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +21,7 @@ import time
 
 from forge import hookimpl
 from forge import tritonconfig as tc
-from forge.components import Artifact, Component, Edge, Family, TritonModel
+from forge.components import Artifact, Component, Edge, Family, Option, TritonModel
 
 MODEL_PY = '''
 import numpy as np
@@ -28,6 +42,11 @@ class TritonPythonModel:
 
 calls: list[str] = []
 
+OPTIONS = (
+    Option("sleep", "float", "seconds each stage waits (lets tests kill a build mid-stage)", 0, minimum=0),
+    Option("gain", "float", "extra factor applied by the echo target's main model", 1.0, targets=("echo",)),
+)
+
 
 def _components(spec):
     return [Component(name=f"{spec.name_prefix}toy", family="toy", role="toy", source=spec.source_for("toy"),
@@ -37,7 +56,8 @@ def _components(spec):
 @hookimpl
 def forge_register_families(register):
     register(Family(name="toy", kind="encoder", description="toy family for tests", architectures=("ToyModel",),
-                    targets=("python",), default_target="python", components=_components, quants=("int8",)))
+                    targets=("python", "echo"), default_target="python", components=_components,
+                    quants=("int8",), options=OPTIONS))
 
 
 @hookimpl
@@ -67,6 +87,8 @@ def forge_emit_config(component, artifact, ctx):
     calls.append("emit_config")
     time.sleep(float(ctx.option("sleep", 0)))
     scale = artifact.meta["scale"]
+    if ctx.target == "echo":  # the plugin's own target: same models, scaled by -o gain
+        scale = scale * float(ctx.option("gain", 1.0))
     pre = tc.model_config(component.model_name("pre"), backend="python", max_batch_size=8,
                           inputs=[tc.model_input("X", "FP32", [-1])], outputs=[tc.model_output("Y", "FP32", [-1])],
                           parameters={"scale": 1.0}, instances=1)

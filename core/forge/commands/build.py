@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..spec import DTYPES, TARGETS, BuildSpec, Limits
+from ..spec import FLAG_OPTIONS, BuildSpec, Limits
 
 HELP = "build a complete Triton model repository from a checkpoint"
 
@@ -36,10 +36,11 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    p.add_argument("--dtype", default="float16", help=f"weights dtype: {', '.join(DTYPES)} (default float16)")
+    p.add_argument("--dtype", default="float16", help="weights dtype: float32, float16, bfloat16 (default float16; the family's list)")
     p.add_argument("--quant", action="append", default=[], metavar="MODE",
                    help="quantization (repeat or comma-separate), e.g. w8a16, w4a16, int4_awq, fp8, int8_kv, int8")
-    p.add_argument("--target", default=None, help=f"compile target: {', '.join(TARGETS)} (default: the family's)")
+    p.add_argument("--target", default=None, help="compile target, e.g. tensorrtllm, tensorrt, onnxruntime, python "
+                   "(default: the family's; 'forge plugins' lists each family's)")
     p.add_argument("--backend-version", default=None, metavar="X",
                    help="tensorrtllm_backend profile, e.g. v0.5.0, v0.13.0 (default: newest)")
     p.add_argument("--max-batch-size", type=int, default=8)
@@ -55,7 +56,7 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parity-tolerance", type=float, default=None,
                    help="override the family's export parity tolerance (max abs diff)")
     p.add_argument("-o", "--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
-                   help="family option (see the family's documentation); repeatable")
+                   help="family option; 'forge options --family NAME' lists them; repeatable")
     p.add_argument("--name-prefix", default="", help="prefix for every Triton model name")
     p.add_argument("--dry-run", action="store_true", help="print the plan and external commands; build nothing")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading pickle checkpoints (pytorch_model.bin)")
@@ -89,7 +90,7 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
             raise UsageError("--model is required")
         model = models[families[0]]
     options = dict(args.option)
-    for key in ("decoupled", "calib_data", "group_size", "instances", "parity_tolerance"):
+    for key in FLAG_OPTIONS:
         value = getattr(args, key)
         if value is not None and value is not False:
             options.setdefault(key, value)

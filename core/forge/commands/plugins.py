@@ -13,6 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..contract import describe
     from ..plugins import registry
     from ..ui import emit_json
 
@@ -21,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
         emit_json([{**asdict(info), "family_details": [
             {"name": f, "kind": reg.families[f].kind, "architectures": list(reg.families[f].architectures),
              "targets": list(reg.families[f].targets), "default_target": reg.families[f].default_target,
-             "quants": list(reg.families[f].quants)} for f in info.families]}
+             "quants": list(reg.families[f].quants), "dtypes": list(reg.families[f].dtypes),
+             "parallel_targets": list(reg.families[f].parallel_targets),
+             "options": describe(reg.families[f])} for f in info.families]}
             for info in reg.infos.values()])
         return 0
     if not reg.infos:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from ..components import Option
 from ..errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,6 +112,8 @@ class EncoderAdapter:
     tolerance: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_TOLERANCE))
     #: ensemble name when the family is built alone and has one pipeline ("ensemble": default clients)
     solo_ensemble: str | None = None
+    #: ``-o`` options only this family reads (the shared ones are ``forge.encoder.options.OPTIONS``)
+    options: tuple[Option, ...] = ()
 
     def tower(self, role: str) -> Tower:
         for tower in self.towers:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..components import Option
 from ..errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -15,26 +16,39 @@ PADDINGS = ("longest", "max_length")
 DEVICES = ("auto", "cpu", "gpu")
 INT8_MODES = ("dynamic", "static")
 
-#: Every option the encoder families read, with what it does (shown by errors and the docs).
-OPTIONS = {
-    "instances": "instance count of each encoder model (--instances; default 1)",
-    "preprocessing_instances": "instance count of each preprocessing model (default 1)",
-    "padding": "text padding: longest (python/onnxruntime default) or max_length (tensorrt default)",
-    "max_queue_delay_us": "dynamic batching delay of the encoders in microseconds (default 0)",
-    "opset": "ONNX opset of the export (default 17)",
-    "device": "python/onnxruntime targets: auto, cpu or gpu (default auto)",
-    "intra_op_threads": "python target: ONNX Runtime threads per instance (default 0: all cores)",
-    "workspace_mib": "tensorrt target: trtexec workspace pool in MiB (default 4096)",
-    "timing_cache": "tensorrt target: trtexec timing cache file (default: in the forge cache)",
-    "opt_batch_size": "tensorrt target: batch size of the optimisation profile's opt shape",
-    "opt_seq_len": "tensorrt target: sequence length of the opt shape (default 128 or max)",
-    "trt_version": "tensorrt target: TensorRT version named in the int8 calibration cache (default 10.3.0)",
-    "int8_mode": "--quant int8 on python/onnxruntime: dynamic (text default) or static (image default)",
-    "calib_size": "number of calibration samples for static int8 / calibration caches (default 64)",
-    "quant_parity_tolerance": "max |Δ| allowed after --dtype float16 / --quant int8 (default: the family's)",
-    "normalize": "clip: L2-normalise the served embeddings (default false, as get_image_features)",
-    "model_name": "clip: open_clip model name when --model is a weights file",
-}
+ALL = ()  # every target of the family
+ONNX_TARGETS = ("python", "onnxruntime")
+TENSORRT = ("tensorrt",)
+
+#: Every option the encoder families read (family-specific ones: ``EncoderAdapter.options``).
+OPTIONS = (
+    Option("instances", "int", "instance count of each encoder model", 1, minimum=1, flag="--instances"),
+    Option("preprocessing_instances", "int", "instance count of each preprocessing model", 1, minimum=1),
+    Option("padding", "choice", "text padding (default: longest; max_length on tensorrt)", None,
+           choices=PADDINGS),
+    Option("max_queue_delay_us", "int", "dynamic batching delay of the encoders in microseconds", 0, minimum=0),
+    Option("opset", "int", "ONNX opset of the export (13 to 21)", 17, minimum=13),
+    Option("device", "choice", "where the encoder runs", "auto", ONNX_TARGETS, choices=DEVICES),
+    Option("intra_op_threads", "int", "ONNX Runtime threads per instance (0: all cores)", 0, ("python",),
+           minimum=0),
+    Option("workspace_mib", "int", "trtexec workspace pool in MiB", 4096, TENSORRT, minimum=1),
+    Option("timing_cache", "path", "trtexec timing cache file (default: in the forge cache)", None, TENSORRT),
+    Option("opt_batch_size", "int", "batch size of the optimisation profile's opt shape", None, TENSORRT,
+           minimum=1),
+    Option("opt_seq_len", "int", "sequence length of the opt shape (default 128 or max)", None, TENSORRT,
+           minimum=1),
+    Option("trt_version", "str", "TensorRT version named in the int8 calibration cache", "10.3.0", TENSORRT),
+    Option("int8_mode", "choice", "--quant int8 with ONNX Runtime: dynamic (text default) or static "
+           "(image default)", None, ONNX_TARGETS, choices=INT8_MODES),
+    Option("calib_size", "int", "calibration samples for static int8 / calibration caches", 64, minimum=1),
+    Option("calib_data", "path", "calibration data: a text file (one sample a line) or a folder of images",
+           None, flag="--calib-data"),
+    Option("parity_tolerance", "float", "max |Δ| of the float32 export against torch (default: the family's)",
+           None, minimum=0, flag="--parity-tolerance"),
+    Option("quant_parity_tolerance", "float", "max |Δ| allowed after --dtype float16 / --quant int8 "
+           "(default: the family's)", None, minimum=0),
+)
+_HELP = {o.name: o.help for o in OPTIONS}
 
 
 def _int(ctx: "BuildContext", key: str, default: int | None, minimum: int) -> int | None:
@@ -42,7 +56,7 @@ def _int(ctx: "BuildContext", key: str, default: int | None, minimum: int) -> in
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"-o {key}={value!r}: expected an integer ≥ {minimum} ({OPTIONS[key]})")
+        raise UsageError(f"-o {key}={value!r}: expected an integer ≥ {minimum} ({_HELP.get(key, key)})")
     return value
 
 
@@ -58,7 +72,7 @@ def _float(ctx: "BuildContext", key: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise UsageError(f"-o {key}={value!r}: expected a positive number ({OPTIONS.get(key, key)})")
+        raise UsageError(f"-o {key}={value!r}: expected a positive number ({_HELP.get(key, key)})")
     return float(value)
 
 

@@ -16,6 +16,7 @@ from forge import hookimpl
 from forge.components import Component, Family
 
 from .adapter import EncoderAdapter
+from .options import OPTIONS
 
 TARGETS = ("tensorrt", "onnxruntime", "python")
 #: Production wants TensorRT plans on GPUs; on machines without trtexec use --target python/onnxruntime.
@@ -51,7 +52,8 @@ class EncoderPlugin:
         a = self.adapter
         register(Family(name=a.family, kind="encoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target=DEFAULT_TARGET,
-                        components=self.components, dtypes=DTYPES, quants=QUANTS))
+                        components=self.components, dtypes=DTYPES, quants=QUANTS,
+                        options=OPTIONS + a.options))
 
     @hookimpl
     def forge_export(self, component, ctx):

@@ -8,6 +8,7 @@ and ensemble ``clip_text`` (``text_input`` → ``embedding``). Embeddings are th
 ``get_image_features`` / ``encode_image`` (not normalised unless ``-o normalize=true``).
 """
 
+from forge.components import Option
 from forge.encoder.adapter import IMAGE, TEXT, EncoderAdapter, Tower
 from forge.encoder.plugin import EncoderPlugin
 
@@ -26,6 +27,8 @@ ADAPTER = EncoderAdapter(
             Tower(role="text", modality=TEXT, pipeline="clip_text")),
     open_source=_open,
     tolerance={"float32": 1e-4, "float16": 2e-2, "int8": 0.15},
+    options=(Option("normalize", "bool", "L2-normalise the served embeddings (as get_image_features: no)", False),
+             Option("model_name", "str", "open_clip model name when --model is a weights file", None)),
 )
 
 #: The object the ``forge.plugins`` entry point ``clip = forge_clip:plugin`` loads.

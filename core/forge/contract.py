@@ -1,0 +1,105 @@
+"""A build spec checked against the contracts of the families it builds, before any stage runs.
+
+Each :class:`~forge.components.Family` declares its targets, dtypes, quantization modes, the
+targets on which ``--tp``/``--pp`` mean something, and every ``-o`` option it reads. The driver
+asks :func:`check` once per build: whatever a family did not declare is refused here, so no option,
+flag or parallel size is ever silently dropped.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from .components import Family, Option
+from .errors import UsageError
+from .spec import FLAG_OPTIONS, BuildSpec
+
+
+def _label(name: str) -> str:
+    """How the user wrote an option: its flag (``--instances``) or ``-o name``."""
+    return FLAG_OPTIONS.get(name, f"-o {name}")
+
+
+def check_value(option: Option, value: Any) -> None:
+    """Refuse a value that does not fit the option's kind, choices or minimum."""
+    label, kind = _label(option.name), option.kind
+    if kind == "bool":
+        if not (isinstance(value, bool) or str(value).strip().lower() in ("true", "false", "1", "0")):
+            raise UsageError(f"{label} takes true or false, got {value!r}")
+    elif kind in ("int", "float"):
+        number = (int,) if kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number):
+            raise UsageError(f"{label} takes {'an integer' if kind == 'int' else 'a number'}, got {value!r}"
+                             f" ({option.help})")
+        if option.minimum is not None and value < option.minimum:
+            raise UsageError(f"{label} must be at least {option.minimum:g}, got {value!r}")
+    elif kind == "choice":
+        if str(value) not in option.choices:
+            raise UsageError(f"{label}={value} is not valid; choose one of {', '.join(option.choices)}")
+    elif kind == "path":
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise UsageError(f"{label} takes a path, got {value!r}")
+
+
+def _unknown(name: str, known: Iterable[str], families: Sequence[Family]) -> UsageError:
+    known = sorted(set(known))
+    names = ", ".join(f.name for f in families)
+    if name in FLAG_OPTIONS:
+        return UsageError(f"{FLAG_OPTIONS[name]} does not apply to family {names}",
+                          hint="drop it (see 'forge options --family NAME')")
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    guess = f"did you mean {' or '.join(close)}? " if close else ""
+    listing = ", ".join(known) if len(known) <= 40 else ", ".join(known[:40]) + ", …"
+    return UsageError(f"unknown -o {name} for family {names}; {guess}valid keys: {listing or 'none'}",
+                      hint="'forge options --family NAME [--target T]' lists them with their help")
+
+
+def check_options(spec: BuildSpec, builds: Sequence[tuple[Family, str]]) -> None:
+    """Every ``-o`` key (and option-setting flag) must be read by some family of the build for its target."""
+    families = [family for family, _ in builds]
+    for name, value in spec.options.items():
+        declared = [(family, target, family.option(name)) for family, target in builds if family.option(name)]
+        if not declared:
+            raise _unknown(name, (o.name for f in families for o in f.options), families)
+        using = [(family, target, option) for family, target, option in declared if option.used_by(target)]
+        if not using:
+            family, target, option = declared[0]
+            raise UsageError(f"{_label(name)} has no effect on --target {target} of family {family.name}; "
+                             f"it is read by --target {', '.join(option.targets)}",
+                             hint=f"drop it, or build --target {option.targets[0]}")
+        for _, _, option in using:
+            check_value(option, value)
+
+
+def check(spec: BuildSpec, builds: Sequence[tuple[Family, str]]) -> None:
+    """Check dtype, quantization, parallelism and options of ``spec`` against each (family, target)."""
+    for family, target in builds:
+        name = family.name
+        if target not in family.targets:
+            raise UsageError(f"family {name!r} cannot be built for --target {target}; "
+                             f"its targets: {', '.join(family.targets)}")
+        if spec.dtype not in family.dtypes:
+            raise UsageError(f"family {name!r} does not support --dtype {spec.dtype}; "
+                             f"choose one of {', '.join(family.dtypes)}")
+        for quant in spec.quant:
+            if quant not in family.quants:
+                known = ", ".join(family.quants) or "none"
+                raise UsageError(f"family {name!r} does not support --quant {quant}; supported: {known}")
+        if spec.world_size > 1 and target not in family.parallel_targets:
+            where = (f"only on --target {', '.join(family.parallel_targets)}" if family.parallel_targets
+                     else "on no target: it runs as one copy per instance")
+            raise UsageError(f"family {name!r} cannot split across ranks for --target {target} "
+                             f"(--tp {spec.tp} --pp {spec.pp}); it runs tensor/pipeline parallel {where}",
+                             hint="drop --tp/--pp" if not family.parallel_targets else
+                             f"drop --tp/--pp, or build --target {family.parallel_targets[0]}")
+    check_options(spec, builds)
+
+
+def describe(family: Family, target: str | None = None) -> list[dict[str, Any]]:
+    """The family's options (for ``target`` only, when given) as json-able rows."""
+    options = family.options if target is None else family.options_for(target)
+    return [{"name": o.name, "kind": o.kind, "default": o.default, "help": o.help,
+             "targets": list(o.targets) or list(family.targets), "choices": list(o.choices),
+             "flag": o.flag} for o in sorted(options, key=lambda o: o.name)]
