@@ -26,9 +26,13 @@ hookspec = pluggy.HookspecMarker("forge")
 
 @hookspec
 def forge_register_families(register: "Callable[[Family], None]") -> None:
-    """Declare the model families this plugin builds.
+    """Declare the model families this plugin builds, each with its contract.
 
-    Called once by the plugin manager after all plugins are loaded.
+    Called once by the plugin manager after all plugins are loaded. A :class:`Family` is the
+    family's contract as data: accepted architectures, targets (any name the plugin chooses),
+    dtypes, quantization modes, the targets with tensor/pipeline parallelism and every ``-o``
+    :class:`~forge.components.Option` it reads. The driver checks each build against it before
+    any stage hook runs, so stage hooks only see options their family declared for the target.
 
     :param register: call ``register(Family(...))`` once per family; registering a family name
         that another plugin already registered is an error.
