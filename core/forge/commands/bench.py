@@ -1,142 +1,704 @@
-"""forge bench: load a served decoder and report req/s, tokens/s and latency percentiles."""
+"""forge bench: load served decoders and report req/s, generated tokens/s and latency percentiles.
+
+One target (a repository, served for the run, or a running server) gives one summary, as
+``benchmark_core_model.py`` does. ``--compare`` runs the same workload against several targets, one
+server at a time, and prints them side by side with ratios to a baseline; ``--sweep`` repeats it over
+concurrency levels or request rates and plots throughput against latency (PNG, one line per target).
+
+Everything that can be checked before a server starts is checked first (targets, model, tokenizer,
+workload file, prompt lengths against each repository's max input), and the only report file, the
+plot, is written after the last run, so bad input never leaves a partial report.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import re
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
-from ..errors import UsageError
+from ..errors import ForgeError, UsageError
 
-HELP = "benchmark a repository (started for the run) or a running server: req/s, tokens/s, p50/p99"
+HELP = ("benchmark repositories (served for the run) or running servers: req/s, tokens/s, latency "
+        "percentiles; --compare several side by side, --sweep loads into a plot")
+
+WORKLOADS = ("token-norm-dist", "dataset", "prompts")  # = serving.bench.WORKLOADS (kept import-free here)
+DEFAULT_SWEEP = (1, 2, 4, 8)
+_SWEEP_VALUE = re.compile(r"^(?:(?:concurrency|rate|request-rate)[=:])?[0-9.]+(?:,[0-9.]+)*$")
+_URL = re.compile(r"^(?:(?:grpc|http|https)://)?[A-Za-z0-9_.\-\[\]:]+:[0-9]+/?$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", metavar="REPO-or-URL",
-                   help="a model repository (served for the run) or a running server's gRPC host:port")
+    p.add_argument("target_shown", nargs="?", metavar="REPO-or-URL",
+                   help="a model repository (served for the run) or a running server's host:port "
+                        "(gRPC, or HTTP with --protocol http); append #MODEL to pick its model")
+    p.add_argument("--target", dest="target", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--compare", nargs="+", action="extend", default=[], metavar="REPO-or-URL",
+                   help="run the same workload against each (one server at a time) and print them side by side")
+    p.add_argument("--baseline", default=None, metavar="TARGET",
+                   help="the target ratios are relative to (its label, as given, or its 1-based position; "
+                        "default: the first)")
     p.add_argument("--model", default=None,
-                   help="model to load (default: tensorrt_llm for token-norm-dist, ensemble for prompts)")
+                   help="model to load (default: the ensemble, or the repository's only text model; "
+                        "tensorrt_llm for token-norm-dist against a single target)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=int, default=None, help="closed loop: N requests in flight")
-    mode.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
-    p.add_argument("--stream", action="store_true", help="stream tokens and report first-token latency")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first (default 1)")
+    mode.add_argument("--concurrency", default=None, metavar="N[,N…]",
+                      help="closed loop: N requests in flight (a list sweeps)")
+    mode.add_argument("--request-rate", default=None, metavar="R[,R…]",
+                      help="open loop: requests per second (a list sweeps)")
+    p.add_argument("--arrivals", choices=("closed", "poisson", "constant"), default=None,
+                   help="closed loop (with --concurrency), or Poisson / constant arrivals at --request-rate "
+                        "(default: closed, or poisson with --request-rate)")
+    p.add_argument("--sweep", nargs="?", const="", default=None, metavar="[concurrency=|rate=]V,V…",
+                   help=f"measure at several loads and plot throughput vs latency (default levels: concurrency "
+                        f"{','.join(map(str, DEFAULT_SWEEP))}, or the lists given to --concurrency/--request-rate)")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="where to write the plot (default with --sweep: forge-bench-<time>.png here)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default=None,
+                   help="gRPC streaming client, or HTTP generate / generate_stream (default: grpc, or what "
+                        "the URLs' schemes say)")
+    p.add_argument("--stream", action="store_true",
+                   help="stream tokens: report time to first token and inter-token latency (decoupled models)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent to each target first (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a request is cancelled")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a served repository")
     p.add_argument("--tokenizer", type=Path, default=None,
-                   help="count text models' output tokens with this tokenizer (default: words)")
+                   help="count generated tokens with this tokenizer (default: each repository's own)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below this (default: the repository's vocabulary, else 1000)")
-    p.add_argument("--json", action="store_true", help="print the summary as json")
+    p.add_argument("--json", action="store_true", help="print the results as json")
     workloads = p.add_subparsers(dest="workload", metavar="WORKLOAD")
-    dist = workloads.add_parser("token-norm-dist", help="random token ids, normally distributed lengths")
+    dist = workloads.add_parser("token-norm-dist", help="normally distributed input/output lengths")
     dist.add_argument("--num-requests", type=int, default=32)
     dist.add_argument("--input-mean", type=float, default=128)
     dist.add_argument("--input-stdev", type=float, default=0)
     dist.add_argument("--output-mean", type=float, default=20)
     dist.add_argument("--output-stdev", type=float, default=0)
     dist.add_argument("--seed", type=int, default=0)
-    text = workloads.add_parser("prompts", help="the given prompts, in turn, to a text model")
+    data = workloads.add_parser("dataset", help="the seed's dataset file: a JSON list of "
+                                "{input, instruction, output} (tensorrtllm_backend benchmark_core_model.py)")
+    data.add_argument("--dataset", type=Path, required=True, help="the JSON file")
+    data.add_argument("--tokenizer-dir", type=Path, default=None,
+                      help="tokenizer (as in the seed; same as --tokenizer)")
+    data.add_argument("--op-tokens-per-word", type=float, default=1.3,
+                      help="output tokens per word of each entry's output (default 1.3)")
+    data.add_argument("--num-requests", type=int, default=None, help="use the first N entries (default: all)")
+    data.add_argument("--skip-long", action="store_true",
+                      help="leave out entries longer than a target's max input (the seed's behaviour) "
+                           "instead of refusing them")
+    text = workloads.add_parser("prompts", help="the given prompts, in turn")
     text.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     text.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line")
     text.add_argument("--output-len", type=int, default=32)
     text.add_argument("--num-requests", type=int, default=32)
-    for sub in (dist, text):  # also accepted after the workload name
-        sub.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the summary as json")
+    for sub in (dist, data, text):  # also accepted after the workload name
+        sub.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the results as json")
+    _separate_lists(p)
 
 
-def _repo_facts(repo: Path, model: str) -> dict:
-    """Vocabulary and input limit of a repository's tensorrt_llm model (python or C++ target)."""
-    from .. import tritonconfig
+def _separate_lists(p: argparse.ArgumentParser) -> None:
+    """Parse ``forge bench REPO [options] WORKLOAD …`` and ``--compare A B WORKLOAD …`` as meant.
 
-    facts: dict = {}
-    model_dir = repo / model
-    for candidate in (model_dir / "1" / "hf" / "config.json", model_dir / "1" / "config.json"):
-        if candidate.is_file():
+    argparse alone would take a workload name as one more ``--compare`` target or as a bare
+    ``--sweep``'s value, and an optional positional target followed by options as the workload. The
+    arguments before the workload name are rewritten first: the target becomes ``--target=REPO``,
+    each compared target ``--compare=X``, a bare ``--sweep`` ``--sweep=``.
+    """
+    parse = p.parse_known_args
+    takes_value = {s for a in p._actions for s in a.option_strings if a.nargs is None}
+
+    def parse_known_args(args=None, namespace=None):
+        return parse(None if args is None else _rewrite(list(args), takes_value), namespace)
+
+    p.parse_known_args = parse_known_args
+
+
+def _rewrite(args: list[str], takes_value: set[str]) -> list[str]:
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in WORKLOADS or arg == "--":
+            return out + args[i:]
+        if arg in takes_value and i + 1 < len(args):
+            out += [arg, args[i + 1]]
+            i += 2
+            continue
+        if not arg.startswith("-"):
+            out.append(f"--target={arg}")
+            i += 1
+            continue
+        if arg == "--compare":
+            j = i + 1
+            while j < len(args) and not args[j].startswith("-") and args[j] not in WORKLOADS:
+                out.append(f"--compare={args[j]}")
+                j += 1
+            if j == i + 1:
+                out.append(arg)
+            i = j
+            continue
+        if arg == "--sweep":
+            if i + 1 < len(args) and _SWEEP_VALUE.match(args[i + 1]):
+                out.append(f"--sweep={args[i + 1]}")
+                i += 2
+            else:
+                out.append("--sweep=")
+                i += 1
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+# -- loads -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Load:
+    """One load point: closed loop at ``concurrency`` or open loop at ``rate``."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+    arrivals: str = "closed"
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency}" if self.rate is None else f"{self.rate:g}/s {self.arrivals}"
+
+    @property
+    def legacy_mode(self) -> str:
+        return f"concurrency {self.concurrency}" if self.rate is None else f"rate {self.rate:g}/s"
+
+
+def _numbers(text: str, flag: str, kind: Callable[[str], Any]) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes a number or a comma-separated list, not {text!r}") from None
+    if not values:
+        raise UsageError(f"{flag} needs a value")
+    if any(v <= 0 for v in values):
+        raise UsageError(f"{flag} values must be positive")
+    return values
+
+
+def loads(args: argparse.Namespace) -> list[Load]:
+    """The load points the flags ask for (one without --sweep)."""
+    concurrency = _numbers(args.concurrency, "--concurrency", int) if args.concurrency else None
+    rates = _numbers(args.request_rate, "--request-rate", float) if args.request_rate else None
+    if args.sweep:
+        kind, _, values = args.sweep.rpartition("=") if "=" in args.sweep else args.sweep.rpartition(":")
+        kind = kind or ("rate" if rates else "concurrency")
+        if (concurrency and len(concurrency) > 1) or (rates and len(rates) > 1):
+            raise UsageError("give the sweep's values once: to --sweep or to --concurrency/--request-rate")
+        if kind == "concurrency":
+            if rates:
+                raise UsageError("--sweep sweeps concurrency levels here; drop --request-rate or use --sweep rate=…")
+            concurrency, rates = _numbers(values, "--sweep", int), None
+        else:
+            if concurrency:
+                raise UsageError("--sweep rate=… sweeps request rates; drop --concurrency")
+            rates, concurrency = _numbers(values, "--sweep", float), None
+    elif args.sweep is not None and not (concurrency and len(concurrency) > 1) and not (rates and len(rates) > 1):
+        if rates:
+            raise UsageError("--sweep over request rates needs several: --request-rate 1,2,4 or --sweep rate=1,2,4")
+        concurrency = list(DEFAULT_SWEEP)
+    arrivals = args.arrivals or ("poisson" if rates else "closed")
+    if rates and arrivals == "closed":
+        raise UsageError("--arrivals closed is a closed loop: give --concurrency, not --request-rate")
+    if not rates and arrivals != "closed":
+        raise UsageError(f"--arrivals {arrivals} needs --request-rate")
+    if rates:
+        return [Load(rate=r, arrivals=arrivals) for r in rates]
+    return [Load(concurrency=c) for c in (concurrency or [1])]
+
+
+# -- targets ---------------------------------------------------------------------------------------
+
+@dataclass
+class Source:
+    """One thing compared: a repository to serve, or a running server, and the model asked there."""
+
+    spec: str  # as given
+    where: str  # path or URL, without #MODEL
+    repo: Path | None
+    url: str | None
+    model: str = ""
+    model_given: bool = False
+    token_mode: bool = False
+    max_input: int | None = None
+    vocab: int | None = None
+    tokenizer_dir: Path | None = None
+    streamable: bool = False
+    label: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def _split(spec: str) -> tuple[str, str | None]:
+    if "#" in spec and not Path(spec).exists():
+        where, model = spec.rsplit("#", 1)
+        return where, model or None
+    return spec, None
+
+
+def _protocol(args: argparse.Namespace, specs: list[str]) -> str:
+    schemes = {("http" if s.startswith(("http://", "https://")) else "grpc") for s in specs
+               if s.startswith(("http://", "https://", "grpc://"))}
+    if args.protocol:
+        if schemes - {args.protocol}:
+            raise UsageError(f"--protocol {args.protocol} disagrees with a URL's scheme ({', '.join(sorted(schemes))}://)")
+        return args.protocol
+    if len(schemes) > 1:
+        raise UsageError("the URLs mix http:// and grpc://; one protocol measures every target (pass --protocol)")
+    return schemes.pop() if schemes else "grpc"
+
+
+def _source(spec: str) -> Source:
+    where, model = _split(spec)
+    path = Path(where)
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"{where} is not a model repository (not a directory)")
+        return Source(spec, where, path, None, model or "", bool(model))
+    if _URL.match(where):
+        return Source(spec, where, None, where, model or "", bool(model))
+    raise UsageError(f"{where} is neither a model repository directory nor a server's host:port")
+
+
+def _repository_models(repo: Path) -> tuple[dict[str, Any], dict[str, Path]]:
+    from google.protobuf import json_format
+
+    from ..serving.client import ModelInputs
+    from ..validate import load_configs
+
+    configs, dirs, _ = load_configs(repo)
+    return ({name: ModelInputs.from_config(json_format.MessageToDict(config, preserving_proto_field_name=True))
+             for name, config in configs.items()}, dirs)
+
+
+def _connect(url: str, protocol: str):
+    """A session to a running server; an unreachable one is bad input (exit 2), said in one line."""
+    from ..serving.client import grpc_target, session
+
+    client = session(url, protocol)
+    if not client.live(timeout_s=5.0):
+        client.close()
+        shown = url if protocol == "http" else grpc_target(url)
+        raise UsageError(f"cannot reach a Triton server's {'HTTP' if protocol == 'http' else 'gRPC'} endpoint at "
+                         f"{shown}", hint="start one with 'forge serve REPO', check the host:port, or pass "
+                         "--protocol http for an HTTP port")
+    return client
+
+
+def _server_models(url: str, protocol: str) -> dict[str, Any]:
+    with contextlib.closing(_connect(url, protocol)) as client:
+        models = {}
+        for name in client.models():
+            try:
+                models[name] = client.config(name)
+            except ForgeError:
+                continue  # not loaded: nothing to ask there
+        return models
+
+
+def _text_capable(inputs) -> bool:
+    return {"text_input", "max_tokens"} <= set(inputs.inputs)
+
+
+def _token_capable(inputs) -> bool:
+    return {"input_ids", "request_output_len"} <= set(inputs.inputs)
+
+
+def _choose(source: Source, models: dict[str, Any], prefer_tokens: bool) -> None:
+    """The model to ask, and whether it takes token ids; a repository without a text model is refused."""
+    what = "repository" if source.repo is not None else "server"
+    if source.model:
+        inputs = models.get(source.model)
+        if inputs is None:
+            raise UsageError(f"{source.where} has no model {source.model!r} (it has: {', '.join(sorted(models)) or 'none'})")
+        if not (_text_capable(inputs) or _token_capable(inputs)):
+            raise UsageError(f"model {source.model!r} of {source.where} is not a text-generation model: it takes "
+                             f"{', '.join(inputs.inputs) or 'no inputs'} (a text model takes text_input and max_tokens)")
+        source.token_mode = not _text_capable(inputs)
+        return
+    text = sorted(name for name, inputs in models.items() if _text_capable(inputs))
+    if prefer_tokens and "tensorrt_llm" in models and _token_capable(models["tensorrt_llm"]):
+        source.model, source.token_mode = "tensorrt_llm", True
+    elif "ensemble" in text:
+        source.model = "ensemble"
+    elif len(text) == 1:
+        source.model = text[0]
+    elif text:
+        raise UsageError(f"{source.where} serves several text models ({', '.join(text)}); pick one with "
+                         f"--model or {source.where}#MODEL")
+    else:
+        outputs = sorted({o for inputs in models.values() for o in inputs.outputs})
+        raise UsageError(f"{source.where} is not a text-generation {what}: no model takes text_input and max_tokens"
+                         + (f" (its models return {', '.join(outputs[:4])})" if outputs else ""),
+                         hint="compare decoder repositories (forge build --family gpt|llama …)")
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def _describe(source: Source, models: dict[str, Any], dirs: dict[str, Path]) -> None:
+    """Max input, vocabulary, tokenizer and streaming of the chosen model, from configs and the manifest."""
+    chosen = models[source.model]
+    related = [chosen] + [models[s] for s in chosen.steps if s in models]
+    pool = related if any("max_input_len" in m.parameters for m in related) else list(models.values())
+
+    def ints(key: str) -> list[int]:
+        return [int(m.parameters[key]) for m in pool if m.parameters.get(key, "").isdigit()]
+
+    manifest = {}
+    if source.repo is not None:
+        from ..serving import launch
+
+        manifest = launch.manifest(source.repo)
+    limits = (manifest.get("spec") or {}).get("limits") or {}
+    max_inputs = ints("max_input_len") + ([int(limits["max_input_len"])] if limits.get("max_input_len") else [])
+    source.max_input = min(max_inputs) if max_inputs else None
+    vocab = ints("vocab_size") or _engine_vocab(source.model, chosen.steps, dirs)
+    source.vocab = min(vocab) if vocab else None
+    source.streamable = any(m.decoupled for m in related)
+    candidates: list[Path] = []
+    for inputs in related + list(models.values()):
+        for key in ("tokenizer_dir", "model_dir", "hf_model_dir"):
+            value = inputs.parameters.get(key)
+            if not value or "${" in value:
+                continue
+            path = Path(value)
+            if path.is_absolute():
+                candidates.append(path)
+            elif inputs.name in dirs:
+                candidates += [dirs[inputs.name] / "1" / path, dirs[inputs.name] / path]
+    if (manifest.get("spec") or {}).get("model"):
+        candidates.append(Path(manifest["spec"]["model"]))
+    found = next((c for c in candidates if _has_tokenizer(c)), None)
+    source.tokenizer_dir = found.resolve() if found is not None else None
+
+
+def _engine_vocab(model: str, steps: list[str], dirs: dict[str, Path]) -> list[int]:
+    """The vocabulary a TensorRT-LLM engine or Hugging Face config next to the model states."""
+    for name in [model, *steps]:
+        if name not in dirs:
+            continue
+        for candidate in (dirs[name] / "1" / "config.json", dirs[name] / "1" / "hf" / "config.json"):
             try:
                 data = json.loads(candidate.read_text())
-            except ValueError:
+            except (OSError, ValueError):
                 continue
-            vocab = data.get("vocab_size") or data.get("pretrained_config", {}).get("vocab_size")
+            vocab = data.get("vocab_size") or (data.get("pretrained_config") or {}).get("vocab_size")
             if vocab:
-                facts["vocab"] = int(vocab)
-            break
-    if (model_dir / "config.pbtxt").is_file():
-        value = tritonconfig.parameter(tritonconfig.read(model_dir), "max_input_len")
-        if value and value.isdigit():
-            facts["max_input"] = int(value)
-    return facts
+                return [int(vocab)]
+    return []
 
+
+def resolve(specs: list[str], args: argparse.Namespace, protocol: str, prefer_tokens: bool) -> list[Source]:
+    """Every target checked before any server starts: what it is, its model, limits and tokenizer."""
+    from .serve import _check
+
+    sources = [_source(spec) for spec in specs]
+    for source in sources:
+        if not source.model and args.model:
+            source.model = args.model
+        if source.repo is not None:
+            _check(source.repo)
+            models, dirs = _repository_models(source.repo)
+        else:
+            models, dirs = _server_models(source.url, protocol), {}
+        _choose(source, models, prefer_tokens)
+        _describe(source, models, dirs)
+        if protocol == "http" and source.token_mode and models[source.model].decoupled:
+            raise UsageError(f"model {source.model!r} of {source.where} is decoupled, and Triton's HTTP infer route "
+                             "cannot serve decoupled models", hint="use --protocol grpc, or the ensemble (--model ensemble)")
+    if len({s.token_mode for s in sources}) > 1:
+        raise UsageError("the targets' models take different inputs (token ids and text); compare like with like "
+                         "with --model (e.g. --model ensemble)")
+    labels = [_label(s) for s in sources]
+    for source, label in zip(sources, labels):
+        source.label = label if labels.count(label) == 1 else source.spec
+    seen: dict[str, int] = {}
+    for source in sources:
+        seen[source.label] = seen.get(source.label, 0) + 1
+        if seen[source.label] > 1:
+            source.label = f"{source.label} ({seen[source.label]})"
+    return sources
+
+
+def _label(source: Source) -> str:
+    name = source.repo.resolve().name if source.repo is not None else source.where
+    return f"{name}#{source.model}" if source.model_given else name
+
+
+# -- tokenizers and workload -----------------------------------------------------------------------
+
+class Tokenizers:
+    """Hugging Face tokenizers by directory, loaded once."""
+
+    def __init__(self):
+        self._loaded: dict[Path, Any] = {}
+
+    def get(self, path: Path):
+        path = Path(path)
+        if path not in self._loaded:
+            if not path.is_dir():
+                raise UsageError(f"tokenizer {path} is not a directory")
+            try:
+                from transformers import AutoTokenizer
+
+                self._loaded[path] = AutoTokenizer.from_pretrained(str(path))
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
+        return self._loaded[path]
+
+
+def _tokenizer_dirs(sources: list[Source], explicit: Path | None, compare: bool) -> dict[str, Path | None]:
+    """Each target's tokenizer: --tokenizer, its repository's own, else the first one found among the others."""
+    if explicit is not None:
+        return {s.label: explicit for s in sources}
+    found = next((s.tokenizer_dir for s in sources if s.tokenizer_dir is not None), None)
+    result = {}
+    for source in sources:
+        tokenizer = source.tokenizer_dir or found
+        if tokenizer is None and compare and not source.token_mode:
+            raise UsageError(f"no tokenizer to count {source.label}'s generated tokens with",
+                             hint="pass --tokenizer DIR (the model's Hugging Face directory)")
+        if source.tokenizer_dir is None and tokenizer is not None and explicit is None:
+            source.notes.append(f"{source.label}: tokens counted with {tokenizer}")
+        result[source.label] = tokenizer
+    return result
+
+
+def workload_items(args: argparse.Namespace, workload: str, sources: list[Source], tokenizer) -> list:
+    """The requests every target gets (the same list for all)."""
+    from ..serving import bench
+
+    if workload == "token-norm-dist":
+        max_inputs = [s.max_input for s in sources if s.max_input]
+        vocabs = [s.vocab for s in sources if s.vocab]
+        return bench.token_norm_dist(
+            args.num_requests, input_mean=args.input_mean, input_stdev=args.input_stdev,
+            output_mean=args.output_mean, output_stdev=args.output_stdev,
+            vocab=args.vocab_size or (min(vocabs) if vocabs else 1000), seed=args.seed,
+            text=not sources[0].token_mode, max_input=min(max_inputs) if max_inputs else None,
+            tokenizer=tokenizer)
+    if workload == "dataset":
+        return bench.read_dataset(args.dataset, num_requests=args.num_requests,
+                                  op_tokens_per_word=args.op_tokens_per_word)
+    texts = list(args.prompt)
+    if args.prompts_file:
+        if not args.prompts_file.is_file():
+            raise UsageError(f"--prompts-file {args.prompts_file} does not exist")
+        texts += [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
+    return bench.prompts(texts, args.num_requests, args.output_len)
+
+
+def check_lengths(items: list, sources: list[Source], tokenizers: dict[str, Any], *, workload: str,
+                  skip_long: bool) -> list:
+    """Refuse (or, with --skip-long, leave out) prompts longer than a target's max input."""
+    kept = []
+    for number, item in enumerate(items, 1):
+        too_long = None
+        for source in sources:
+            if not source.max_input:
+                continue
+            tokenizer = tokenizers.get(source.label)
+            if item.tokens is not None:
+                length = len(item.tokens)
+            elif tokenizer is not None:
+                length = len(tokenizer.encode(item.text))
+            else:
+                continue
+            if length > source.max_input:
+                too_long = (source, length)
+                break
+        if too_long is None:
+            kept.append(item)
+            continue
+        if skip_long:
+            continue
+        source, length = too_long
+        hint = "shorten it, or rebuild with a larger --max-input-len"
+        if workload == "dataset":
+            hint += "; or pass --skip-long to leave such entries out, as the seed's benchmark does"
+        raise UsageError(f"{workload} request {number} is {length} tokens, longer than {source.label}'s max input "
+                         f"({source.max_input} tokens)", hint=hint)
+    if not kept:
+        raise UsageError(f"every {workload} request is longer than a target's max input")
+    return kept
+
+
+# -- running -----------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _endpoint(target: str) -> Iterator[tuple[str, Path | None]]:
-    path = Path(target)
-    if not path.exists():
-        if "/" in target and ":" not in target:
-            raise UsageError(f"{target} does not exist (give a repository directory or a host:port)")
-        yield target, None
+def _endpoint(source: Source, protocol: str, startup_timeout: float, progress=None) -> Iterator[str]:
+    """The URL to load: a running server's, or that of a tritonserver started on the repository for the run."""
+    if source.repo is None:
+        yield source.url
         return
     from ..serving import launch
     from ..serving.server import TritonServer
-    from .serve import _check
 
-    _check(path)
-    with TritonServer(path, world=launch.layout(path)) as server:
-        yield server.grpc_url, path
+    if progress:
+        progress(f"{source.label}: starting tritonserver on {source.repo}")
+    with TritonServer(source.repo, world=launch.layout(source.repo), startup_timeout=startup_timeout) as server:
+        yield server.http_url if protocol == "http" else server.grpc_url
+
+
+def _measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str, stream: bool, items: list,
+             load_points: list[Load], tokenizer, progress=None) -> list[dict]:
+    from ..serving import bench
+    from ..serving.client import session
+
+    with contextlib.closing(session(url, protocol)) as client:
+        inputs = client.config(source.model)  # the served config is the authority
+    count = None
+    encode = None
+    if tokenizer is not None:
+        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        encode = lambda text: list(tokenizer.encode(text))  # noqa: E731
+    target = bench.Target(inputs, stream=stream, count_text=count, encode=encode)
+    if stream and protocol == "http" and target.token_mode:
+        raise UsageError("--stream over HTTP needs a text model (generate_stream); use --protocol grpc for token ids")
+    if args.warmup > 0:
+        bench.run(url, target, items[: args.warmup], concurrency=1, timeout_s=args.timeout, protocol=protocol)
+    rows = []
+    for load in load_points:
+        samples, wall = bench.run(url, target, items, concurrency=load.concurrency, request_rate=load.rate,
+                                  arrivals=load.arrivals, timeout_s=args.timeout, protocol=protocol)
+        row = {"target": source.label, "load": load.label, "concurrency": load.concurrency,
+               "request_rate": load.rate, "arrivals": load.arrivals, **bench.summarize(samples, wall)}
+        rows.append(row)
+        if progress:
+            progress(f"{source.label}, {load.label}: {row['req_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "
+                     f"{row['errors']} errors")
+    return rows
+
+
+def _baseline(sources: list[Source], wanted: str | None) -> str:
+    if wanted is None:
+        return sources[0].label
+    for source in sources:
+        if wanted in (source.label, source.spec, source.where):
+            return source.label
+    if wanted.isdigit() and 1 <= int(wanted) <= len(sources):
+        return sources[int(wanted) - 1].label
+    raise UsageError(f"--baseline {wanted} is none of the targets ({', '.join(s.label for s in sources)})")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..serving import bench
-    from ..serving.client import GrpcSession
-    from ..ui import emit_json
+    from ..ui import Progress, emit_json
 
     workload = args.workload or "token-norm-dist"
     if workload == "token-norm-dist" and args.workload is None:
         args.num_requests, args.input_mean, args.input_stdev = 32, 128, 0
         args.output_mean, args.output_stdev, args.seed = 20, 0, 0
-    model = args.model or ("tensorrt_llm" if workload == "token-norm-dist" else "ensemble")
-    concurrency = args.concurrency if args.concurrency or args.request_rate else 1
-    count = None
-    if args.tokenizer is not None:
-        from transformers import AutoTokenizer
+    if len(args.target) > 1:
+        raise UsageError(f"one REPO-or-URL, not {len(args.target)}; to measure several use --compare "
+                         f"{' '.join(args.target)}")
+    specs = list(args.target) + list(args.compare)
+    if not specs:
+        raise UsageError("give a repository or a server's host:port (or --compare A B …)")
+    compare = bool(args.compare)
+    load_points = loads(args)
+    sweeping = len(load_points) > 1 or args.sweep is not None
+    legacy = not compare and not sweeping  # one target, one load: today's summary
+    if args.warmup < 0 or args.timeout <= 0:
+        raise UsageError("--warmup must be 0 or more and --timeout positive")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot {args.plot} must name a .png file")
+    protocol = _protocol(args, specs)
+    progress = None if legacy else Progress()
 
-        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
-        count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    sources = resolve(specs, args, protocol, prefer_tokens=legacy and workload == "token-norm-dist")
+    baseline = _baseline(sources, args.baseline)
+    explicit = args.tokenizer or getattr(args, "tokenizer_dir", None)
+    tokenizer_dirs = _tokenizer_dirs(sources, explicit, compare)
+    loaded = Tokenizers()
+    needed = not sources[0].token_mode or workload != "token-norm-dist"  # counting text, or encoding prompts
+    tokenizers = {label: loaded.get(path) if path and needed else None for label, path in tokenizer_dirs.items()}
+    if workload == "dataset" and sources[0].token_mode and tokenizers[sources[0].label] is None:
+        raise UsageError("the dataset workload needs a tokenizer for token ids", hint="pass --tokenizer-dir DIR")
+    streams = {}
+    for source in sources:
+        streams[source.label] = args.stream and source.streamable
+        if args.stream and not source.streamable:
+            if not compare:
+                raise UsageError(f"--stream needs a decoupled model; {source.model!r} of {source.where} is not "
+                                 "(rebuild with --decoupled)")
+            source.notes.append(f"{source.label}: not decoupled, measured without streaming (no TTFT/ITL)")
+    items = workload_items(args, workload, sources, tokenizers[sources[0].label])
+    items = check_lengths(items, sources, tokenizers, workload=workload,
+                          skip_long=bool(getattr(args, "skip_long", False)))
+    plot_path = args.plot
+    if plot_path is None and sweeping:
+        plot_path = Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
 
-    with _endpoint(args.target) as (url, repo):
-        facts = _repo_facts(repo, model) if repo is not None else {}
-        with GrpcSession(url) as session:
-            inputs = session.config(model)
-        for key, fact in (("vocab_size", "vocab"), ("max_input_len", "max_input")):
-            value = inputs.parameters.get(key, "")
-            if value.isdigit():  # forge's python target states them in its config
-                facts.setdefault(fact, int(value))
-        target = bench.Target(inputs, stream=args.stream, count_text=count)
-        if workload == "token-norm-dist":
-            items = bench.token_norm_dist(
-                args.num_requests, input_mean=args.input_mean, input_stdev=args.input_stdev,
-                output_mean=args.output_mean, output_stdev=args.output_stdev,
-                vocab=args.vocab_size or facts.get("vocab", 1000), seed=args.seed,
-                text=not target.token_mode, max_input=facts.get("max_input"))
+    rows: list[dict] = []
+    for source in sources:
+        with _endpoint(source, protocol, args.startup_timeout, progress) as url:
+            rows += _measure(source, url, args=args, protocol=protocol, stream=streams[source.label], items=items,
+                             load_points=load_points, tokenizer=tokenizers[source.label], progress=progress)
+    failed = sum(row["errors"] for row in rows)
+
+    if legacy:
+        summary = {k: v for k, v in rows[0].items() if k not in ("target", "load", "concurrency", "request_rate",
+                                                                 "arrivals")}
+        summary.update({"model": sources[0].model, "workload": workload, "mode": load_points[0].legacy_mode,
+                        "stream": args.stream, "protocol": protocol})
+        if args.json:
+            emit_json(summary)
         else:
-            texts = list(args.prompt)
-            if args.prompts_file:
-                texts += [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
-            items = bench.prompts(texts, args.num_requests, args.output_len)
-        if args.warmup > 0:
-            bench.run(url, target, items[: args.warmup], concurrency=1, timeout_s=args.timeout)
-        samples, wall = bench.run(url, target, items, concurrency=concurrency if args.request_rate is None else None,
-                                  request_rate=args.request_rate, timeout_s=args.timeout)
-    summary = bench.summarize(samples, wall)
-    mode = f"rate {args.request_rate:g}/s" if args.request_rate else f"concurrency {concurrency}"
-    summary.update({"model": model, "workload": workload, "mode": mode, "stream": args.stream})
+            print(bench.format_table([summary], label="mode"))
+            print(f"{summary['succeeded']}/{summary['requests']} requests in {summary['wall_s']:.2f}s, "
+                  f"{summary['output_tokens']} output tokens ({sources[0].model}, {workload})")
+            if summary["first_error"]:
+                print(f"first error: {summary['first_error']}")
+        return 0 if failed == 0 else 1
+
+    bench.add_ratios(rows, baseline)
+    streaming = any(streams.values())
+    title = (f"forge bench: {workload}, {len(items)} requests per load, {protocol}"
+             f"{', streaming' if streaming else ''}; ratios vs {baseline}")
+    if plot_path is not None:
+        plot_path = bench.plot(rows, plot_path, title=title, targets=[s.label for s in sources])
+    notes = [note for source in sources for note in source.notes]
     if args.json:
-        emit_json(summary)
+        emit_json({
+            "workload": _workload_facts(args, workload, len(items)), "protocol": protocol,
+            "arrivals": load_points[0].arrivals, "stream": args.stream, "baseline": baseline,
+            "targets": [{"label": s.label, "source": s.where, "kind": "repository" if s.repo is not None else "server",
+                         "model": s.model, "inputs": "token ids" if s.token_mode else "text",
+                         "max_input_len": s.max_input, "streamed": streams[s.label],
+                         "tokenizer": str(tokenizer_dirs[s.label]) if tokenizer_dirs[s.label] else None}
+                        for s in sources],
+            "runs": rows, "notes": notes, "plot": str(plot_path) if plot_path else None})
     else:
-        print(bench.format_table([summary], label="mode"))
-        print(f"{summary['succeeded']}/{summary['requests']} requests in {summary['wall_s']:.2f}s, "
-              f"{summary['output_tokens']} output tokens ({model}, {workload})")
-        if summary["first_error"]:
-            print(f"first error: {summary['first_error']}")
-    return 0 if summary["errors"] == 0 else 1
+        print(title)
+        print(bench.compare_table(rows, streaming=streaming))
+        for note in notes:
+            print(f"note: {note}")
+        for row in rows:
+            if row["first_error"]:
+                print(f"first error ({row['target']}, {row['load']}): {row['first_error']}")
+        if plot_path is not None:
+            print(f"plot: {plot_path}")
+    return 0 if failed == 0 else 1
+
+
+def _workload_facts(args: argparse.Namespace, workload: str, requests: int) -> dict[str, Any]:
+    facts: dict[str, Any] = {"name": workload, "requests": requests}
+    for key in ("input_mean", "input_stdev", "output_mean", "output_stdev", "seed", "output_len",
+                "op_tokens_per_word"):
+        if hasattr(args, key):
+            facts[key] = getattr(args, key)
+    if workload == "dataset":
+        facts["dataset"] = str(args.dataset)
+    return facts

@@ -3,14 +3,21 @@
 Inputs are typed from the served model's own config, so one client talks to repositories of every
 backend profile (``max_tokens`` is UINT32 for v0.5.0 and INT32 later; ``text_input`` is ``[-1]`` or
 ``[1]``) and to hand-written text models that take ``text_input`` and ``max_tokens``.
+
+``GrpcSession`` and ``HttpSession`` answer the same questions (is the server live, which models, their
+configs) and send one request at a time with ``send``, yielding its responses as they arrive, so a
+load generator is written once for both protocols.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import queue
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -52,16 +59,19 @@ class ModelInputs:
     outputs: list[str] = field(default_factory=list)
     decoupled: bool = False
     parameters: dict[str, str] = field(default_factory=dict)
+    steps: list[str] = field(default_factory=list)  # an ensemble's models, in order
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelInputs":
-        inputs = {i["name"]: (i["data_type"].removeprefix("TYPE_"), [int(d) for d in i.get("dims", [])])
+        """From a model config in Triton's JSON form (the HTTP config route, or MessageToDict of the protobuf)."""
+        inputs = {i["name"]: (i.get("data_type", "TYPE_INVALID").removeprefix("TYPE_"), [int(d) for d in i.get("dims", [])])
                   for i in config.get("input", [])}
         outputs = [o["name"] for o in config.get("output", [])]
         decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        steps = [s.get("model_name", "") for s in config.get("ensemble_scheduling", {}).get("step", [])]
         return cls(config.get("name", ""), inputs, int(config.get("max_batch_size", 0)) > 0, outputs, decoupled,
-                   parameters)
+                   parameters, steps)
 
     def array(self, name: str, value: Any) -> np.ndarray:
         """``value`` as this input's dtype and shape, for a batch of one."""
@@ -160,6 +170,7 @@ class StreamEvent:
     outputs: dict[str, np.ndarray]
     final: bool
     seconds: float  # since the request was sent
+    at: float = 0.0  # when it arrived (time.perf_counter)
 
 
 class GrpcSession:
@@ -261,9 +272,172 @@ class GrpcSession:
             final = bool(response.parameters["triton_final_response"].bool_param) \
                 if "triton_final_response" in response.parameters else True
             outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
-            yield StreamEvent(outputs, final, at - started)
+            yield StreamEvent(outputs, final, at - started, at)
             if final:
                 return
+
+    def live(self, timeout_s: float = 5.0) -> bool:
+        """Whether a Triton server answers on this gRPC endpoint."""
+        try:
+            return bool(self.client.is_server_live(client_timeout=timeout_s))
+        except Exception:
+            return False
+
+    def models(self) -> list[str]:
+        """Names of the models the server knows (its repository index)."""
+        index = self.client.get_model_repository_index(as_json=True)
+        return sorted({m["name"] for m in index.get("models", [])})
+
+    def send(self, inputs: ModelInputs, payload: Mapping[str, Any], *, stream: bool = False,
+             stop_after_s: float | None = None) -> Iterator[StreamEvent]:
+        """One request built from ``payload`` (input name → value), typed by ``inputs``; its responses."""
+        tensors = {name: inputs.array(name, value) for name, value in payload.items()}
+        return self.stream(inputs.name, tensors, stop_after_s=stop_after_s)
+
+
+class HttpSession:
+    """One keep-alive HTTP connection to a Triton server: generate / generate_stream, and plain infer.
+
+    Text models are asked through the generate endpoints (what HTTP users of an LLM ensemble call;
+    ``generate_stream`` is server-sent events); token-id models through the v2 JSON ``infer`` route.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        parts = urllib.parse.urlsplit(http_base(url))
+        self.url = f"{parts.hostname}:{parts.port or 80}"
+        self._secure = parts.scheme == "https"
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or (443 if self._secure else 80)
+        self._timeout = timeout_s
+        self._conn: http.client.HTTPConnection | None = None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> "HttpSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _open(self, path: str, body: Any = None, *, method: str = "POST",
+              timeout_s: float | None = None) -> http.client.HTTPResponse:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._secure else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=timeout_s or self._timeout)
+        self._conn.timeout = timeout_s or self._timeout
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(self._conn.timeout)
+        data = None if body is None else json.dumps(body).encode()
+        try:
+            self._conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            return self._conn.getresponse()
+        except (OSError, http.client.HTTPException):
+            self.close()  # a dropped keep-alive connection: one fresh try
+            cls = http.client.HTTPSConnection if self._secure else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=timeout_s or self._timeout)
+            self._conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            return self._conn.getresponse()
+
+    def _json(self, path: str, body: Any = None, *, method: str = "POST", timeout_s: float | None = None) -> Any:
+        response = self._open(path, body, method=method, timeout_s=timeout_s)
+        text = response.read().decode(errors="replace")
+        if response.status != 200:
+            raise ForgeError(f"the server refused the request: {_json_error(text)}")
+        return json.loads(text) if text else {}
+
+    def live(self, timeout_s: float = 5.0) -> bool:
+        """Whether a Triton server answers on this HTTP endpoint."""
+        try:
+            response = self._open("/v2/health/live", method="GET", timeout_s=timeout_s)
+            response.read()
+            return response.status == 200
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return False
+
+    def models(self) -> list[str]:
+        """Names of the models the server knows (its repository index)."""
+        return sorted({m["name"] for m in self._json("/v2/repository/index", {})})
+
+    def config(self, model: str) -> ModelInputs:
+        try:
+            return ModelInputs.from_config(self._json(f"/v2/models/{model}/config", method="GET", timeout_s=10))
+        except ForgeError as exc:
+            raise ForgeError(f"model {model!r} is not available at {self.url}: "
+                             f"{str(exc).removeprefix('the server refused the request: ')}") from None
+
+    def send(self, inputs: ModelInputs, payload: Mapping[str, Any], *, stream: bool = False,
+             stop_after_s: float | None = None) -> Iterator[StreamEvent]:
+        """One request; text models through generate(_stream), token-id models through infer."""
+        started = time.perf_counter()
+        try:
+            if "text_input" in payload:
+                if stream:
+                    yield from self._generate_stream(inputs.name, payload, started, stop_after_s)
+                    return
+                answer = self._json(f"/v2/models/{inputs.name}/generate", dict(payload), timeout_s=stop_after_s)
+                at = time.perf_counter()
+                yield StreamEvent({k: v for k, v in answer.items() if k not in ("model_name", "model_version")},
+                                  True, at - started, at)
+                return
+            if stream:
+                raise UsageError("streaming over HTTP goes through the generate_stream endpoint of a text model; "
+                                 "use --protocol grpc for token ids")
+            body = {"inputs": [_json_tensor(name, inputs.inputs[name][0], inputs.array(name, value))
+                               for name, value in payload.items()]}
+            answer = self._json(f"/v2/models/{inputs.name}/infer", body, timeout_s=stop_after_s)
+            at = time.perf_counter()
+            outputs = {o["name"]: np.array(o["data"], dtype=_NUMPY.get(o["datatype"], np.object_)).reshape(o["shape"])
+                       for o in answer.get("outputs", [])}
+            yield StreamEvent(outputs, True, at - started, at)
+        except (socket.timeout, TimeoutError):
+            self.close()  # closing the connection is how an HTTP client gives up on a request
+            raise TimeoutError(f"stopped after {stop_after_s * 1000:.0f} ms; request cancelled") from None
+
+    def _generate_stream(self, model: str, payload: Mapping[str, Any], started: float,
+                         stop_after_s: float | None) -> Iterator[StreamEvent]:
+        response = self._open(f"/v2/models/{model}/generate_stream", dict(payload), timeout_s=stop_after_s)
+        if response.status != 200:
+            raise ForgeError(f"the server refused the request: {_json_error(response.read().decode(errors='replace'))}")
+        deadline = None if stop_after_s is None else started + stop_after_s
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                raise TimeoutError
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:].decode("utf-8", errors="replace"))
+            if "error" in event:
+                self.close()
+                raise ForgeError(f"the server refused the request: {event['error']}")
+            at = time.perf_counter()
+            yield StreamEvent({k: v for k, v in event.items() if k not in ("model_name", "model_version")},
+                              False, at - started, at)
+        at = time.perf_counter()
+        yield StreamEvent({}, True, at - started, at)
+
+
+def _json_error(text: str) -> str:
+    try:
+        return json.loads(text).get("error", text)
+    except ValueError:
+        return text or "no answer"
+
+
+def _json_tensor(name: str, dtype: str, array: np.ndarray) -> dict[str, Any]:
+    data = [v.decode() if isinstance(v, bytes) else v for v in array.reshape(-1).tolist()]
+    return {"name": name, "shape": list(array.shape), "datatype": "BYTES" if dtype == "STRING" else dtype,
+            "data": data}
+
+
+def session(url: str, protocol: str = "grpc"):
+    """A ``GrpcSession`` or ``HttpSession`` for ``url``."""
+    return HttpSession(url) if protocol == "http" else GrpcSession(url)
 
 
 def _grpc_message(error: Exception) -> str:
