@@ -88,12 +88,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--op-tokens-per-word", type=float, default=1.3,
                       help="output tokens per word of each entry's output (default 1.3)")
     data.add_argument("--num-requests", type=int, default=None, help="use the first N entries (default: all)")
+    data.add_argument("--chat-template", action="store_true",
+                      help="wrap each prompt as a user message in the tokenizer's chat template")
     data.add_argument("--skip-long", action="store_true",
                       help="leave out entries longer than a target's max input (the seed's behaviour) "
                            "instead of refusing them")
     text = workloads.add_parser("prompts", help="the given prompts, in turn")
     text.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     text.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line")
+    text.add_argument("--chat-template", action="store_true",
+                      help="wrap each prompt as a user message in the tokenizer's chat template")
     text.add_argument("--output-len", type=int, default=32)
     text.add_argument("--num-requests", type=int, default=32)
     for sub in (dist, data, text):  # also accepted after the workload name
@@ -499,6 +503,17 @@ def workload_items(args: argparse.Namespace, workload: str, sources: list[Source
     return bench.prompts(texts, args.num_requests, args.output_len)
 
 
+def chat(items: list, tokenizer, where: Path | None) -> None:
+    """Each prompt as a single user turn in the tokenizer's chat template, ready for the answer."""
+    if tokenizer is None:
+        raise UsageError("--chat-template needs a tokenizer", hint="pass --tokenizer DIR")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"the tokenizer in {where} has no chat template; drop --chat-template")
+    for item in items:
+        item.text = tokenizer.apply_chat_template([{"role": "user", "content": item.text}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+
 def check_lengths(items: list, sources: list[Source], tokenizers: dict[str, Any], *, workload: str,
                   skip_long: bool) -> list:
     """Refuse (or, with --skip-long, leave out) prompts longer than a target's max input."""
@@ -558,12 +573,13 @@ def _measure(source: Source, url: str, *, args: argparse.Namespace, protocol: st
 
     with contextlib.closing(session(url, protocol)) as client:
         inputs = client.config(source.model)  # the served config is the authority
-    count = None
-    encode = None
+    count = encode = echoes = None
     if tokenizer is not None:
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         encode = lambda text: list(tokenizer.encode(text))  # noqa: E731
-    target = bench.Target(inputs, stream=stream, count_text=count, encode=encode)
+        echoes = lambda text: [tokenizer.decode(tokenizer.encode(text), skip_special_tokens=skip)  # noqa: E731
+                               for skip in (True, False)]
+    target = bench.Target(inputs, stream=stream, count_text=count, encode=encode, echoes=echoes)
     if stream and protocol == "http" and target.token_mode:
         raise UsageError("--stream over HTTP needs a text model (generate_stream); use --protocol grpc for token ids")
     if args.warmup > 0:
@@ -635,6 +651,8 @@ def run(args: argparse.Namespace) -> int:
                                  "(rebuild with --decoupled)")
             source.notes.append(f"{source.label}: not decoupled, measured without streaming (no TTFT/ITL)")
     items = workload_items(args, workload, sources, tokenizers[sources[0].label])
+    if getattr(args, "chat_template", False):
+        chat(items, tokenizers[sources[0].label], tokenizer_dirs[sources[0].label])
     items = check_lengths(items, sources, tokenizers, workload=workload,
                           skip_long=bool(getattr(args, "skip_long", False)))
     plot_path = args.plot

@@ -155,15 +155,19 @@ class Target:
     """How items become requests for one served model, and how its answers are counted.
 
     ``count_text`` counts the tokens of generated text (a tokenizer; words without one); ``encode``
-    turns text items into token ids for token-id models.
+    turns text items into token ids for token-id models; ``echoes`` lists the forms in which a model
+    that returns the prompt with its answer may spell it (decoded without special tokens, say).
     """
 
     def __init__(self, inputs: ModelInputs, *, stream: bool, count_text: Callable[[str], int] | None = None,
-                 extra: dict[str, Any] | None = None, encode: Callable[[str], list[int]] | None = None):
+                 extra: dict[str, Any] | None = None, encode: Callable[[str], list[int]] | None = None,
+                 echoes: Callable[[str], list[str]] | None = None):
         self.inputs = inputs
         self.stream = stream
         self.count_text = count_text or (lambda text: len(text.split()))
         self.encode = encode
+        self.echoes = echoes
+        self._encoded: dict[int, list[int]] = {}  # items are shared between targets; their ids are not
         self.extra = extra or {}
         self.token_mode = "input_ids" in inputs.inputs
         if not self.token_mode and not {"text_input", "max_tokens"} <= set(inputs.inputs):
@@ -175,12 +179,7 @@ class Target:
     def payload(self, item: Item) -> dict[str, Any]:
         """The request's inputs by name (python values; sessions type them from the model config)."""
         if self.token_mode:
-            tokens = item.tokens
-            if tokens is None:
-                if self.encode is None:
-                    raise UsageError(f"model {self.inputs.name!r} takes token ids and no tokenizer was found "
-                                     "to encode the prompts", hint="pass --tokenizer DIR")
-                tokens = item.tokens = self.encode(item.text or "")
+            tokens = self.prompt_ids(item)
             payload: dict[str, Any] = {"input_ids": tokens, "input_lengths": len(tokens),
                                        "request_output_len": item.output_len}
             if "streaming" in self.inputs.inputs and (self.stream or self.inputs.decoupled):
@@ -189,6 +188,17 @@ class Target:
             return payload
         text = item.text if item.text is not None else " ".join(_WORDS[t % len(_WORDS)] for t in item.tokens)
         return generate_payload(self.inputs, text, item.output_len, stream=self.stream, **self.extra)
+
+    def prompt_ids(self, item: Item) -> list[int]:
+        """The item's token ids: its own, or its text encoded with this target's tokenizer (once)."""
+        if item.tokens is not None:
+            return item.tokens
+        if id(item) not in self._encoded:
+            if self.encode is None:
+                raise UsageError(f"model {self.inputs.name!r} takes token ids and no tokenizer was found "
+                                 "to encode the prompts", hint="pass --tokenizer DIR")
+            self._encoded[id(item)] = self.encode(item.text or "")
+        return self._encoded[id(item)]
 
     def tensors(self, item: Item) -> dict[str, np.ndarray]:
         """The request as typed arrays (gRPC)."""
@@ -206,7 +216,7 @@ class Target:
             lengths = outputs.get("sequence_length")
             total = int(np.asarray(lengths).reshape(-1)[0]) if lengths is not None else int(ids.shape[-1])
             row = ids.reshape(-1)[:total].tolist()
-            prompt = item.tokens or []
+            prompt = self.prompt_ids(item) if item.tokens is not None or self.encode else []
             return total - len(prompt) if prompt and row[: len(prompt)] == prompt else total
         return self.count_text(self.generated(item, self.text(outputs)))
 
@@ -217,11 +227,17 @@ class Target:
                 return text_of(outputs[name])
         return ""
 
-    @staticmethod
-    def generated(item: Item, text: str) -> str:
+    def generated(self, item: Item, text: str) -> str:
         """The generated part of ``text``: models that echo the prompt (exclude_input_in_output off) lose it."""
         prompt = item.text or ""
-        return text[len(prompt):] if prompt and text.startswith(prompt) else text
+        if not prompt:
+            return text
+        forms = [prompt] + (self.echoes(prompt) if self.echoes else [])
+        for form in sorted({f for f in forms if f}, key=len, reverse=True):
+            for candidate, body in ((form, text), (form.lstrip(), text.lstrip())):
+                if candidate and body.startswith(candidate):
+                    return body[len(candidate):]
+        return text
 
 
 def _one(session, target: Target, item: Item, sample: Sample, timeout_s: float) -> None:
@@ -245,7 +261,7 @@ def _one(session, target: Target, item: Item, sample: Sample, timeout_s: float) 
                 sample.last = at
         sample.output_tokens = tokens
         if not target.token_mode:
-            sample.output_text = target.generated(item, "".join(pieces))
+            sample.output_text = "".join(pieces)
     except (ForgeError, TimeoutError) as exc:
         sample.error = str(exc)
     except Exception as exc:  # a broken connection counts as a failed request, not a crashed bench
@@ -318,8 +334,9 @@ def run(url: str, target: Target, items: list[Item], *, concurrency: int | None 
     finally:
         for session in sessions:
             session.close()
-    for sample in samples:
+    for item, sample in zip(items, samples):  # counted now, so the sending threads only send and time
         if sample.output_text is not None and sample.error is None:
+            sample.output_text = target.generated(item, sample.output_text)
             sample.output_tokens = target.count_text(sample.output_text)
     end = max((s.done for s in samples), default=started)
     return samples, end - min((s.sent for s in samples), default=started)
