@@ -73,12 +73,16 @@ def test_compare_sweep_prints_table_ratios_and_plot(float32_repo, bfloat16_repo,
 
 @pytest.mark.heavy
 def test_compare_json_counts_tokens_with_each_repositorys_tokenizer(float32_repo, bfloat16_repo, tmp_path, capsys):
-    data = _dataset(tmp_path / "seed.json", SEED_DATASET)
+    too_long = {"input": "hello world " * MAX_INPUT_LEN, "instruction": "Summarize:", "output": "no"}
+    data = _dataset(tmp_path / "seed.json", SEED_DATASET + [too_long])
     code = main(["bench", "--compare", str(float32_repo), str(bfloat16_repo), "--baseline", "bfloat16",
-                 "--request-rate", "20", "--arrivals", "constant", "--json", "dataset", "--dataset", str(data)])
+                 "--request-rate", "20", "--arrivals", "constant", "--json",
+                 "dataset", "--dataset", str(data), "--skip-long"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     assert report["baseline"] == "bfloat16" and report["arrivals"] == "constant" and report["plot"] is None
+    assert report["notes"] == ["1 of 4 dataset requests are longer than a target's max input and were left out "
+                               "(--skip-long)"]
     assert report["workload"] == {"name": "dataset", "requests": 3, "op_tokens_per_word": 1.3, "dataset": str(data)}
     for target, repo in zip(report["targets"], (float32_repo, bfloat16_repo)):
         assert target["kind"] == "repository" and target["model"] == "ensemble" and target["inputs"] == "text"
@@ -191,6 +195,8 @@ def test_other_bad_arguments_are_one_line(float32_repo, tmp_path, capsys):
     _refused(capsys, ["--compare", str(float32_repo), "--baseline", "nope", *PROMPTS], plot, "--baseline nope")
     _refused(capsys, ["--compare", str(float32_repo), "--arrivals", "poisson", *PROMPTS], plot, "--request-rate")
     _refused(capsys, ["--compare", str(float32_repo), "--sweep", "--request-rate", "3", *PROMPTS], plot, "several")
+    _refused(capsys, ["--compare", str(float32_repo), *PROMPTS, "--chat-template"], plot, "no chat template")
+    _refused(capsys, ["--compare", str(float32_repo), "--plot", str(tmp_path / "p.svg"), *PROMPTS], plot, ".png")
 
 
 # -- the pieces ------------------------------------------------------------------------------------
@@ -203,6 +209,18 @@ def test_seed_dataset_is_read_like_benchmark_core_model(tmp_path):
                                              "The capital of France is Paris. Answer:", "hello world Continue:"]
     assert [item.output_len for item in items] == [int(4 * 1.3), 1, int(8 * 1.3)]
     assert len(read_dataset(tmp_path / "seed.json", num_requests=2, op_tokens_per_word=2.0)) == 2
+
+
+def test_echoed_prompts_are_not_counted_as_generated():
+    from forge.serving.bench import Item, Target
+    from forge.serving.client import ModelInputs
+
+    inputs = ModelInputs("ensemble", {"text_input": ("STRING", [1]), "max_tokens": ("INT32", [1])}, True)
+    target = Target(inputs, stream=False, echoes=lambda text: [text.replace("<s>", "")])
+    item = Item(4, text="<s>user: hi")
+    assert target.generated(item, "<s>user: hi there") == " there"  # the prompt as sent
+    assert target.generated(item, "user: hi there") == " there"  # decoded without special tokens
+    assert target.generated(item, "only the answer") == "only the answer"  # exclude_input_in_output
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

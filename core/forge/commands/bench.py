@@ -625,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
     compare = bool(args.compare)
     load_points = loads(args)
     sweeping = len(load_points) > 1 or args.sweep is not None
-    legacy = not compare and not sweeping  # one target, one load: today's summary
+    legacy = not compare and not sweeping and args.plot is None  # one target, one load: today's summary
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError("--warmup must be 0 or more and --timeout positive")
     if args.plot is not None and args.plot.suffix.lower() != ".png":
@@ -653,11 +653,17 @@ def run(args: argparse.Namespace) -> int:
     items = workload_items(args, workload, sources, tokenizers[sources[0].label])
     if getattr(args, "chat_template", False):
         chat(items, tokenizers[sources[0].label], tokenizer_dirs[sources[0].label])
+    offered = len(items)
     items = check_lengths(items, sources, tokenizers, workload=workload,
                           skip_long=bool(getattr(args, "skip_long", False)))
+    if len(items) < offered:
+        sources[0].notes.append(f"{offered - len(items)} of {offered} {workload} requests are longer than a "
+                                "target's max input and were left out (--skip-long)")
     plot_path = args.plot
     if plot_path is None and sweeping:
         plot_path = Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
+    if plot_path is not None:
+        plot_path = plot_path.absolute()
 
     rows: list[dict] = []
     for source in sources:
