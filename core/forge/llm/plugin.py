@@ -9,6 +9,7 @@ from forge import hookimpl
 from forge.components import Component, Family
 
 from .adapter import DecoderAdapter
+from .options import decoder_options
 
 TARGETS = ("tensorrtllm", "python")
 QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
@@ -41,7 +42,8 @@ class DecoderPlugin:
         a = self.adapter
         register(Family(name=a.family, kind="decoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
-                        components=self._components, quants=QUANTS))
+                        components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm",),
+                        options=decoder_options()))
 
     @hookimpl
     def forge_export(self, component, ctx):

@@ -1,0 +1,91 @@
+"""Every ``-o`` option a decoder build reads, declared as data (``forge options --family gpt`` prints it).
+
+Two sources: forge's own options (its python models, the export, quantization and ``trtllm-build``),
+and the template parameters of every tensorrtllm_backend profile (``fill_template.py`` keys). A
+``tensorrt_llm`` engine parameter is read by the ``tensorrtllm`` target only; preprocessing,
+postprocessing and BLS parameters go into forge's python models on every target. Which profile has
+which parameter stays the family's check (:func:`forge.llm.repository.check_options`).
+"""
+
+from __future__ import annotations
+
+from forge.components import Option
+
+from . import profiles
+
+TRTLLM = ("tensorrtllm",)
+PYTHON = ("python",)
+ALL = ()  # every target of the family
+
+_KINDS = {"str": "str", "bool": "bool", "int": "int", "float": "float"}
+DTYPE_CHOICES = ("TYPE_FP32", "TYPE_FP16", "TYPE_BF16", "FP32", "FP16", "BF16", "float32", "float16", "bfloat16")
+
+#: forge's own options: its python models, export, quantization and the trtllm-build command line.
+FORGE = (
+    Option("decoupled", "bool", "streaming (decoupled) tensorrt_llm / BLS models", False, flag="--decoupled"),
+    Option("bls", "bool", "add the tensorrt_llm_bls model (tensorrtllm_backend v0.7+)", False),
+    Option("instances", "int", "instance count of every served model", 1, minimum=1, flag="--instances"),
+    Option("preprocessing_instance_count", "int", "instance count of preprocessing (default: --instances)",
+           None, minimum=1),
+    Option("postprocessing_instance_count", "int", "instance count of postprocessing (default: --instances)",
+           None, minimum=1),
+    Option("bls_instance_count", "int", "instance count of the BLS model (default: --instances)", None, minimum=1),
+    Option("max_queue_delay_microseconds", "int", "dynamic batching delay of forge's models", 0, minimum=0),
+    Option("max_queue_size", "int", "dynamic batching queue bound (0: unbounded)", 0, minimum=0),
+    Option("add_special_tokens", "bool", "preprocessing adds the tokenizer's special tokens", True),
+    Option("skip_special_tokens", "bool", "postprocessing drops special tokens from the text", True),
+    Option("end_id", "int", "end-of-sequence token id (default: the tokenizer's)", None, minimum=0),
+    Option("pad_id", "int", "padding token id (default: the tokenizer's, else end_id)", None, minimum=0),
+    Option("stop_token_ids", "str", "extra end-of-turn token ids, comma-separated (default: generation_config)"),
+    Option("logits_datatype", "choice", "dtype of context/generation logits outputs", None, choices=DTYPE_CHOICES),
+    Option("prompt_embedding_table_data_type", "choice", "dtype of prompt_embedding_table", None,
+           choices=DTYPE_CHOICES),
+    Option("encoder_input_features_data_type", "choice", "dtype of encoder_input_features", None,
+           choices=DTYPE_CHOICES),
+    Option("parity", "bool", "check the exported checkpoint's logits against transformers", False),
+    Option("parity_tolerance", "float", "max relative |Δlogit| of -o parity (default: the family's)", None,
+           minimum=0, flag="--parity-tolerance"),
+    Option("calib_data", "path", "calibration text, one sample a line (int4_awq, fp8, int8_kv)", None,
+           flag="--calib-data"),
+    Option("calib_size", "int", "calibration samples", 64, minimum=1),
+    Option("calib_seq_len", "int", "tokens per calibration sample", 256, minimum=1),
+    Option("group_size", "int", "quantization group size (int4_awq, w4a16)", None, minimum=1, flag="--group-size"),
+    # trtllm-build
+    Option("context_fmha", "bool", "trtllm-build --context_fmha (fused attention; not for float32)", True, TRTLLM),
+    Option("paged_context_fmha", "bool", "trtllm-build --use_paged_context_fmha", True, TRTLLM),
+    Option("multiple_profiles", "bool", "trtllm-build --multiple_profiles", True, TRTLLM),
+    Option("workers", "int", "trtllm-build --workers (default: the world size)", None, TRTLLM, minimum=1),
+    Option("trtllm_build_args", "str", "extra trtllm-build arguments, appended verbatim", None, TRTLLM),
+    # the python target's runtime
+    Option("device", "str", "python target: auto, cpu, cuda or cuda:N", "auto", PYTHON),
+    Option("cpu_threads", "int", "python target: torch intra-op threads (0: automatic)", 0, PYTHON, minimum=0),
+)
+
+#: tensorrt_llm parameters the python target honours too (same name, same meaning).
+_PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms"}
+
+
+def _from_parameter(p: profiles.Parameter) -> Option:
+    kind = "choice" if p.choices else _KINDS.get(p.kind, "str")
+    if p.model == "tensorrt_llm" and p.name not in _PYTHON_READS:
+        targets = TRTLLM
+    else:
+        targets = ALL
+    where = p.model if p.model != "tensorrt_llm" else "tensorrt_llm"
+    text = p.help or f"{where} parameter {p.key}"
+    versions = [profile.version for profile in profiles.PROFILES.values()
+                if any(q.name == p.name and not q.fixed for q in profile.parameters)]
+    if versions and len(versions) < len(profiles.PROFILES):
+        text += f" (backend {versions[0]}–{versions[-1]})" if len(versions) > 1 else f" (backend {versions[0]})"
+    return Option(p.name, kind, text, p.default, targets, choices=tuple(p.choices))
+
+
+def decoder_options() -> tuple[Option, ...]:
+    """forge's own options plus every profile's settable template parameters, one entry per name."""
+    options = {o.name: o for o in FORGE}
+    for profile in profiles.PROFILES.values():
+        for p in profile.parameters:
+            if p.fixed or p.name in options:
+                continue
+            options[p.name] = _from_parameter(p)
+    return tuple(options.values())

@@ -1,0 +1,54 @@
+"""The decoder families' -o contract: every fill_template key is declared, per target; nothing is dropped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forge.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "enable_kv_cach_reuse=true"], "did you mean enable_kv_cache_reuse?"),
+    (["-o", "triton_max_batch_size=8"], "unknown -o triton_max_batch_size for family gpt"),
+    (["--target", "python", "-o", "enable_kv_cache_reuse=true"],
+     "-o enable_kv_cache_reuse has no effect on --target python of family gpt; it is read by --target tensorrtllm"),
+    (["--target", "python", "-o", "batching_strategy=V1"], "-o batching_strategy has no effect on --target python"),
+    (["--target", "python", "-o", "kv_cache_free_gpu_mem_fraction=0.5"], "has no effect on --target python"),
+    (["--target", "python", "--tp", "2"], "family 'gpt' cannot split across ranks for --target python"),
+    (["-o", "batching_strategy=V2"], "-o batching_strategy=V2 is not valid; choose one of"),
+    (["-o", "max_queue_delay_microseconds=soon"], "-o max_queue_delay_microseconds takes an integer"),
+    (["--target", "tensorrtllm", "-o", "device=cuda"], "-o device has no effect on --target tensorrtllm"),
+    (["--backend-version", "v0.5.0", "-o", "enable_kv_cache_reuse=true"],
+     "-o enable_kv_cache_reuse is not a parameter of tensorrtllm_backend"),
+])
+def test_undeclared_or_ignored_options_are_refused(tiny_gpt2, tmp_path, capsys, args, message):
+    """Bad inputs tried: misspelled keys, a Triton config field, engine parameters on the python target,
+    --tp on the python target, a bad choice, a word for an integer, a key of another backend version."""
+    out = tmp_path / "repo"
+    code = main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--dry-run", *args])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1
+
+
+def test_options_lists_fill_template_keys_per_target(capsys):
+    assert main(["options", "--family", "llama", "--target", "python", "--json"]) == 0
+    python = {row["name"] for row in json.loads(capsys.readouterr().out)}
+    assert {"exclude_input_in_output", "decoupled", "device", "end_id", "max_queue_delay_microseconds"} <= python
+    assert not {"enable_kv_cache_reuse", "batching_strategy", "kv_cache_free_gpu_mem_fraction"} & python
+    assert main(["options", "--family", "llama", "--target", "tensorrtllm", "--json"]) == 0
+    engine = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert engine["batching_strategy"]["choices"] == ["inflight_fused_batching", "inflight_batching", "V1"]
+    assert "device" not in engine
+
+
+def test_encoders_refuse_tensor_parallelism(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    code = main(["build", "--family", "minilm", "--model", str(model), "--out", str(tmp_path / "o"), "--tp", "2"])
+    assert code == 2
+    assert "family 'minilm' cannot split across ranks" in capsys.readouterr().err
