@@ -254,7 +254,8 @@ def _protocol(args: argparse.Namespace, specs: list[str]) -> str:
                if s.startswith(("http://", "https://", "grpc://"))}
     if args.protocol:
         if schemes - {args.protocol}:
-            raise UsageError(f"--protocol {args.protocol} disagrees with a URL's scheme ({', '.join(sorted(schemes))}://)")
+            raise UsageError(f"--protocol {args.protocol} disagrees with a URL's scheme "
+                             f"({', '.join(sorted(schemes))}://)")
         return args.protocol
     if len(schemes) > 1:
         raise UsageError("the URLs mix http:// and grpc://; one protocol measures every target (pass --protocol)")
@@ -323,10 +324,12 @@ def _choose(source: Source, models: dict[str, Any], prefer_tokens: bool) -> None
     if source.model:
         inputs = models.get(source.model)
         if inputs is None:
-            raise UsageError(f"{source.where} has no model {source.model!r} (it has: {', '.join(sorted(models)) or 'none'})")
+            raise UsageError(f"{source.where} has no model {source.model!r} "
+                             f"(it has: {', '.join(sorted(models)) or 'none'})")
         if not (_text_capable(inputs) or _token_capable(inputs)):
             raise UsageError(f"model {source.model!r} of {source.where} is not a text-generation model: it takes "
-                             f"{', '.join(inputs.inputs) or 'no inputs'} (a text model takes text_input and max_tokens)")
+                             f"{', '.join(inputs.inputs) or 'no inputs'} "
+                             "(a text model takes text_input and max_tokens)")
         source.token_mode = not _text_capable(inputs)
         return
     text = sorted(name for name, inputs in models.items() if _text_capable(inputs))
@@ -420,7 +423,8 @@ def resolve(specs: list[str], args: argparse.Namespace, protocol: str, prefer_to
         _describe(source, models, dirs)
         if protocol == "http" and source.token_mode and models[source.model].decoupled:
             raise UsageError(f"model {source.model!r} of {source.where} is decoupled, and Triton's HTTP infer route "
-                             "cannot serve decoupled models", hint="use --protocol grpc, or the ensemble (--model ensemble)")
+                             "cannot serve decoupled models",
+                             hint="use --protocol grpc, or the ensemble (--model ensemble)")
     if len({s.token_mode for s in sources}) > 1:
         raise UsageError("the targets' models take different inputs (token ids and text); compare like with like "
                          "with --model (e.g. --model ensemble)")

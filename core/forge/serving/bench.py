@@ -172,7 +172,8 @@ class Target:
         self.token_mode = "input_ids" in inputs.inputs
         if not self.token_mode and not {"text_input", "max_tokens"} <= set(inputs.inputs):
             raise UsageError(f"model {inputs.name!r} is not a text-generation model (it takes neither input_ids "
-                             "nor text_input and max_tokens)", hint="bench the tensorrt_llm model, the ensemble or a text model")
+                             "nor text_input and max_tokens)",
+                             hint="bench the tensorrt_llm model, the ensemble or a text model")
         if stream and not inputs.decoupled and self.token_mode:
             raise UsageError(f"--stream needs a decoupled model; {inputs.name!r} is not (rebuild with --decoupled)")
 
@@ -269,7 +270,8 @@ def _one(session, target: Target, item: Item, sample: Sample, timeout_s: float) 
     sample.done = time.perf_counter()
 
 
-def arrival_times(n: int, start: float, *, request_rate: float, arrivals: str = "poisson", seed: int = 0) -> list[float]:
+def arrival_times(n: int, start: float, *, request_rate: float, arrivals: str = "poisson",
+                  seed: int = 0) -> list[float]:
     """Send times of ``n`` open-loop requests: Poisson (exponential gaps) or constant gaps of 1/rate."""
     if arrivals == "constant":
         return [start + i / request_rate for i in range(n)]

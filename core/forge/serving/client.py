@@ -64,7 +64,8 @@ class ModelInputs:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "ModelInputs":
         """From a model config in Triton's JSON form (the HTTP config route, or MessageToDict of the protobuf)."""
-        inputs = {i["name"]: (i.get("data_type", "TYPE_INVALID").removeprefix("TYPE_"), [int(d) for d in i.get("dims", [])])
+        inputs = {i["name"]: (i.get("data_type", "TYPE_INVALID").removeprefix("TYPE_"),
+                              [int(d) for d in i.get("dims", [])])
                   for i in config.get("input", [])}
         outputs = [o["name"] for o in config.get("output", [])]
         decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
