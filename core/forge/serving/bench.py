@@ -479,6 +479,9 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str, targets: Sequenc
     os.close(handle)
     try:
         figure.savefig(scratch, format="png", dpi=120)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(scratch, 0o666 & ~umask)  # mkstemp's 0600 is for the scratch file, not the plot
         os.replace(scratch, path)
     finally:
         plt.close(figure)
