@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 
-from forge.encoder.models.image import ImagePreprocessor, decode_images
+from forge.served.encoder.image import ImagePreprocessor, decode_images
 from forge.encoder.samples import synthetic_image
 
 

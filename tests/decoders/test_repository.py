@@ -11,7 +11,7 @@ import helpers
 from forge import tritonconfig as tc
 from forge.errors import ForgeError, UsageError
 from forge.llm import profiles, repository
-from forge.llm.models import PREPROCESSING
+from forge.served import PREPROCESSING
 
 # The ensembles' interfaces as read from tensorrtllm_backend's ensemble/config.pbtxt at each tag:
 # (name, dtype, dims, optional).

@@ -22,7 +22,7 @@ CONTINUATION = "Paris. héllo 日本語 🙂 naïve"  # multi-byte characters ar
 
 
 def _tokenizer(path):
-    from forge.llm.models import forge_text
+    from forge.served import forge_text
 
     return forge_text.load_tokenizer(str(path))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forge.encoder.models.onnx_encoder import check_request, merge
-from forge.encoder.models.tokenizer import TextTokenizer, decode_texts
+from forge.served.encoder.onnx_encoder import check_request, merge
+from forge.served.encoder.tokenizer import TextTokenizer, decode_texts
 from forge.encoder.quantize import trt_cache_header, write_trt_cache
 
 

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from forge.llm.pytarget.runtime.engine import Engine, Sequence, load_model  # noqa: E402
-from forge.llm.pytarget.runtime.request import GenerationRequest, Limits, SamplingParams  # noqa: E402
+from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
+from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits, SamplingParams  # noqa: E402
 
 VOCAB = 200
 

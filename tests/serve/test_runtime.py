@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forge.llm.pytarget.runtime import request as rq
-from forge.llm.pytarget.runtime.responses import OutputSpec, RowResult, assemble
+from forge.served.decoder_engine.forge_decoder import request as rq
+from forge.served.decoder_engine.forge_decoder.responses import OutputSpec, RowResult, assemble
 
 LIMITS = rq.Limits(vocab_size=100, max_input_len=16, max_seq_len=32)
 

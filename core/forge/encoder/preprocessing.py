@@ -1,6 +1,6 @@
 """The preprocessing models' settings, as Triton config parameters and as in-process objects.
 
-The build runs the very code the server runs (``forge.encoder.models``), configured from the same
+The build runs the very code the server runs (``forge.served.encoder``), configured from the same
 string parameters, so parity samples are prepared exactly as served requests will be.
 """
 
@@ -51,13 +51,13 @@ def parameters(iface: TowerInterface, opts: EncoderOptions) -> dict[str, str]:
 
 def text_tokenizer(iface: TowerInterface, opts: EncoderOptions, assets: Path):
     """The served tokenizer, in process."""
-    from .models import tokenizer
+    from ..served.encoder import tokenizer
 
     return tokenizer.from_parameters(text_parameters(iface, opts), str(assets))
 
 
 def image_preprocessor(iface: TowerInterface):
     """The served image preprocessing, in process."""
-    from .models import image
+    from ..served.encoder import image
 
     return image.from_parameters(image_parameters(iface))

@@ -12,7 +12,8 @@ from __future__ import annotations
 from .. import tritonconfig as tc
 from ..components import Artifact, Component, Edge, TritonModel
 from ..context import BuildContext
-from . import layout, models, preprocessing
+from .. import served
+from . import layout, preprocessing
 from .adapter import EMBEDDING, IMAGE, TEXT, TowerInterface
 from .options import EncoderOptions
 
@@ -50,7 +51,7 @@ def _preprocessing(component: Component, iface: TowerInterface, artifact: Artifa
                              parameters=preprocessing.parameters(iface, opts),
                              instances=opts.preprocessing_instances, instance_kind="KIND_CPU",
                              dynamic_batching=True)
-    files: dict = {"1/model.py": models.TOKENIZER if text else models.IMAGE}
+    files: dict = {"1/model.py": served.TOKENIZER if text else served.IMAGE, **served.glue_files()}
     if text:
         files[f"1/{preprocessing.TOKENIZER_FILE}"] = artifact.path / layout.ASSETS / preprocessing.TOKENIZER_FILE
     return TritonModel(config, files)
@@ -79,7 +80,7 @@ def _encoder(component: Component, iface: TowerInterface, artifact: Artifact, op
                              parameters={"model_file": layout.ONNX_FILE, "device": opts.device,
                                          "intra_op_threads": opts.intra_op_threads,
                                          "precision": artifact.meta.get("precision", "float32")}, **common)
-    return TritonModel(config, {"1": onnx_dir, "1/model.py": models.ONNX_ENCODER})
+    return TritonModel(config, {"1": onnx_dir, "1/model.py": served.ONNX_ENCODER, **served.glue_files()})
 
 
 def edges(component: Component, models_by_name: dict[str, TritonModel]) -> list[Edge]:

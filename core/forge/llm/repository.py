@@ -18,19 +18,13 @@ from forge import tritonconfig as tc
 from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import ForgeError, UsageError
 
-from . import models as model_files
+from forge import served
+from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
 from . import profiles
 from .profiles import Parameter, Profile, Tensor
 
 PRE, LLM, POST, BLS = "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"
 TOKENIZER_DIR = "tokenizer"  # inside each python model's version directory
-#: Files of a Hugging Face checkpoint that make up its tokenizer (and its chat/generation defaults).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model", "generation_config.json", "chat_template.jinja",
-                   "chat_template.json", "config.json")
-_TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                   "vocab.json", "vocab.txt")
 _DTYPES = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
 _TYPE_OPTIONS = {  # -o options that choose a dtype the templates leave open
     profiles.LOGITS: "logits_datatype",
@@ -247,7 +241,7 @@ def tokenizer_files(source: Path) -> dict[str, bytes]:
 
 def _tokenizer_defaults(source: Path, spec) -> dict[str, Any]:
     """End/pad ids and extra end-of-turn ids, read once at build time (and proving the tokenizer loads)."""
-    from .models import forge_text
+    from forge.served import forge_text
 
     try:
         tokenizer = forge_text.load_tokenizer(str(source), trust_remote_code=spec.trust_remote_code)
@@ -277,7 +271,7 @@ def _python_files(model_py: Path, tokenizer: Mapping[str, bytes]) -> dict[str, P
     # Contents, not paths: the driver hard-links paths, and a repository must never share inodes
     # with forge's own sources or the user's checkpoint (editing one would change the other).
     files: dict[str, Path | bytes | str] = {"1/model.py": model_py.read_bytes(),
-                                            "1/forge_text.py": model_files.TEXT.read_bytes()}
+                                            "1/forge_text.py": served.TEXT.read_bytes(), **served.glue_files()}
     files.update({f"1/{TOKENIZER_DIR}/{name}": data for name, data in tokenizer.items()})
     return files
 
@@ -322,7 +316,7 @@ def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: 
         outputs=[tc.model_output(t.name, t.dtype, t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "preprocessing_instance_count"),
         dynamic_batching=batching)
-    return TritonModel(config, _python_files(model_files.PREPROCESSING, tokenizer))
+    return TritonModel(config, _python_files(served.PREPROCESSING, tokenizer))
 
 
 def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[str, bytes],
@@ -346,7 +340,7 @@ def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer:
         outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "postprocessing_instance_count"),
         dynamic_batching=POST in profile.dynamic_batching)
-    return TritonModel(config, _python_files(model_files.POSTPROCESSING, tokenizer))
+    return TritonModel(config, _python_files(served.POSTPROCESSING, tokenizer))
 
 
 def bls_routes(profile: Profile) -> dict[str, Any]:
@@ -393,7 +387,7 @@ def bls_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[st
         outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)
                  for t in spec_io.outputs],
         parameters=params, instances=_instances(ctx, "bls_instance_count"), decoupled=decoupled)
-    return TritonModel(config, _python_files(model_files.BLS, tokenizer))
+    return TritonModel(config, _python_files(served.BLS, tokenizer))
 
 
 def engine_files(engine_dir: Path) -> dict[str, Path]:

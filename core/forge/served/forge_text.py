@@ -1,7 +1,7 @@
 """Tokenizer helpers shared by forge's preprocessing, postprocessing and BLS models.
 
-Copied next to each python-backend ``model.py`` in a built repository (``1/forge_text.py``), so it
-imports nothing from forge: only numpy and transformers, which the Triton python backend provides.
+Copied next to each python-backend ``model.py`` in a built repository (``1/forge_text.py``, beside
+``1/forge_glue.py``), so it imports nothing from forge: only numpy and transformers.
 
 The streaming part solves the classic detokenizer bugs: decoding each streamed token on its own
 drops the space that SentencePiece tokenizers encode in the token ("▁Paris" decodes to "Paris"
@@ -21,31 +21,16 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-TRUE = ("true", "1", "t", "y", "yes", "on")
-FALSE = ("false", "0", "f", "n", "no", "off")
+try:  # the build and tests import this module as part of forge.served
+    from . import forge_glue
+except ImportError:  # inside a repository it sits next to forge_glue.py
+    import forge_glue
+
+parse_bool, parameters = forge_glue.parse_bool, forge_glue.parameters
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # Text whose tokenization exercises spaces, punctuation, newlines and multi-byte characters;
 # TokenBytes checks its own mapping against the tokenizer's decode on it.
 _PROBE = "Hello world, it's  a test:\n\tdone. héllo wörld — 日本語 🙂 x"
-
-
-def parse_bool(value: Any, default: bool) -> bool:
-    """A Triton parameter string (or a bool) as a bool; unset or unknown → ``default``."""
-    if isinstance(value, bool):
-        return value
-    if value is None:
-        return default
-    text = str(value).strip().lower()
-    if text in TRUE:
-        return True
-    if text in FALSE:
-        return False
-    return default
-
-
-def parameters(model_config: dict) -> dict[str, str]:
-    """The ``parameters`` of a Triton model config (a json dict) as plain strings."""
-    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
 
 def resolve_dir(value: str, model_repository: str, model_version: str) -> str:
@@ -64,7 +49,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 def model_setup(args: dict) -> tuple[dict, dict[str, str], Any]:
     """For a model's ``initialize``: its config (json), its parameters and its tokenizer."""
-    config = json.loads(args["model_config"])
+    config = forge_glue.model_config(args)
     params = parameters(config)
     path = resolve_dir(params.get("tokenizer_dir") or "tokenizer", args["model_repository"], args["model_version"])
     tokenizer = load_tokenizer(path, trust_remote_code=parse_bool(params.get("trust_remote_code"), False))

@@ -1,8 +1,8 @@
 """``--target python`` for decoders: a Triton python-backend model with the tensorrt_llm interface.
 
 :func:`emit_model` builds the ``tensorrt_llm`` model of a repository as a python-backend model that
-forge writes itself: ``1/model.py`` (this package's ``model.py``), ``1/forge_decoder/`` (the
-``runtime`` package: request checks, continuous-batching engine, sampling, responses) and ``1/hf/``
+forge writes itself: ``1/model.py`` and ``1/forge_decoder/`` from ``forge.served.decoder_engine`` (the
+runtime package: request checks, continuous-batching engine, sampling, responses) and ``1/hf/``
 (the Hugging Face config and safetensors, linked from the source checkpoint). Its inputs and outputs
 are exactly those of the C++ tensorrt_llm model of the chosen backend profile, so the preprocessing,
 postprocessing, BLS and ensemble of the tensorrtllm target work unchanged in front of it.
@@ -15,10 +15,9 @@ from typing import Any, Iterable
 
 from ...components import Artifact, Component, TritonModel
 from ...errors import UsageError
+from ... import served
 from ... import tritonconfig as tc
 
-HERE = Path(__file__).resolve().parent
-RUNTIME = HERE / "runtime"
 RUNTIME_PACKAGE = "forge_decoder"  # the runtime's package name inside the model directory
 WEIGHTS_DIR = "hf"
 _HF_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
@@ -30,8 +29,8 @@ def runtime_files() -> dict[str, bytes]:
     Contents, not paths: the driver hard-links paths, and editing a repository's model.py must not
     edit forge's own source.
     """
-    files = {"1/model.py": (HERE / "model.py").read_bytes()}
-    for path in sorted(RUNTIME.glob("*.py")):
+    files = {"1/model.py": served.DECODER_MODEL.read_bytes(), **served.glue_files()}
+    for path in sorted(served.DECODER_RUNTIME.glob("*.py")):
         files[f"1/{RUNTIME_PACKAGE}/{path.name}"] = path.read_bytes()
     return files
 

@@ -15,7 +15,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import forge_text  # noqa: E402  (shipped next to this file)
+import forge_glue  # noqa: E402  (shipped next to this file)
+import forge_text  # noqa: E402
 
 # Inputs of the real BLS interface that forge's text decoders do not serve.
 UNSUPPORTED = ("image_input", "image_bytes_input", "image_url_input", "video_bytes_input")
@@ -45,27 +46,26 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             sender = request.get_response_sender() if self.decoupled else None
+            wanted = forge_glue.requested(request)
             try:
-                result = self._serve(request, sender)
+                result, failure = self._serve(request, sender), None
             except RequestError as exc:
-                result = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc)))
+                result, failure = None, exc
             except Exception as exc:  # noqa: BLE001 - a decoupled request must still get its final flag
-                message = f"tensorrt_llm_bls failed: {type(exc).__name__}: {exc}"
-                result = pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+                result, failure = None, RuntimeError(f"tensorrt_llm_bls failed: {type(exc).__name__}: {exc}")
             if sender is not None:
-                if result is not None:
-                    sender.send(result)
+                if failure is not None or result is not None:
+                    forge_glue.send(sender, result, wanted=wanted, exc=failure)
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            elif failure is not None:
+                responses.append(forge_glue.error_response(failure))
             else:
-                responses.append(result)
+                responses.append(forge_glue.response(request, result))
         return None if self.decoupled else responses
 
     # -- one request -----------------------------------------------------------------------
     def _get(self, request, name):
-        if name not in self.inputs:
-            return None
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
+        return forge_glue.get(request, name, self.inputs)
 
     def _flag(self, request, name):
         value = self._get(request, name)
@@ -85,8 +85,8 @@ class TritonPythonModel:
         pre_outputs = self._preprocess(request)
         llm_request = self._llm_request(request, pre_outputs, stream)
         if stream:
-            return self._stream(llm_request, sender)
-        return self._response(self._single(llm_request), None)
+            return self._stream(request, llm_request, sender)
+        return self._outputs(self._single(llm_request), None)
 
     def _single(self, llm_request):
         """The one response of a non-streaming request (a decoupled model sends it, then a final flag)."""
@@ -135,7 +135,7 @@ class TritonPythonModel:
         wanted = ["output_ids", "sequence_length"] + [llm for llm, _ in self.routes["outputs"]]
         return pb_utils.InferenceRequest(model_name=self.llm, requested_output_names=wanted, inputs=inputs)
 
-    def _stream(self, llm_request, sender):
+    def _stream(self, request, llm_request, sender):
         detokenizers = {}
         sent_any = False
         for response in llm_request.exec(decoupled=True):
@@ -144,12 +144,12 @@ class TritonPythonModel:
             tokens = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if tokens is None:
                 continue  # the empty final response of a decoupled model
-            sender.send(self._response(response, detokenizers))
+            forge_glue.send(sender, self._outputs(response, detokenizers), wanted=forge_glue.requested(request))
             sent_any = True
         tail = [d.flush() for d in detokenizers.values()]
         if any(tail):
             texts = np.array([[piece.encode("utf-8") for piece in tail]], dtype=object)
-            return pb_utils.InferenceResponse(output_tensors=[self._text_tensor(texts)])
+            return [self._text_tensor(texts)]
         if not sent_any:
             raise RequestError(f"{self.llm} finished without returning tokens")
         return None
@@ -159,7 +159,8 @@ class TritonPythonModel:
             texts = texts[:, :, None]
         return pb_utils.Tensor("text_output", texts)
 
-    def _response(self, response, detokenizers):
+    def _outputs(self, response, detokenizers):
+        """The BLS outputs (text and passed-through tensors) of one tensorrt_llm response."""
         tokens = pb_utils.get_output_tensor_by_name(response, "output_ids").as_numpy()
         if tokens.ndim == 2:
             tokens = tokens[:, None, :]
@@ -176,7 +177,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_output_tensor_by_name(response, llm_name)
             if tensor is not None and bls_name in self.outputs:
                 out.append(pb_utils.Tensor(bls_name, tensor.as_numpy()))
-        return pb_utils.InferenceResponse(output_tensors=out)
+        return out
 
     def _text(self, ids, detokenizers, key):
         if detokenizers is None:

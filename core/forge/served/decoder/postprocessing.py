@@ -20,7 +20,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import forge_text  # noqa: E402  (shipped next to this file)
+import forge_glue  # noqa: E402  (shipped next to this file)
+import forge_text  # noqa: E402
 
 
 class TritonPythonModel:
@@ -37,19 +38,10 @@ class TritonPythonModel:
                             if name.startswith("OUT_") and name[len("OUT_"):] in self.inputs]
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                responses.append(pb_utils.InferenceResponse(output_tensors=self._process(request)))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
-        return responses
+        return forge_glue.run_each(requests, self._process)
 
     def _get(self, request, name):
-        if name not in self.inputs:
-            return None
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
+        return forge_glue.get(request, name, self.inputs)
 
     def _text(self, ids):
         whole = len(ids) > 0 and self.bos_id is not None and int(ids[0]) == self.bos_id

@@ -13,7 +13,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import forge_text  # noqa: E402  (shipped next to this file)
+import forge_glue  # noqa: E402  (shipped next to this file)
+import forge_text  # noqa: E402
 
 
 class TritonPythonModel:
@@ -31,21 +32,11 @@ class TritonPythonModel:
         self.dtypes = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                tensors = self._process(request)
-                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))))
-        return responses
+        return forge_glue.run_each(requests, self._process)
 
     # -- one request -----------------------------------------------------------------------
     def _get(self, request, name):
-        if name not in self.inputs:
-            return None
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
+        return forge_glue.get(request, name, self.inputs)
 
     def _out(self, name, value):
         return pb_utils.Tensor(name, np.ascontiguousarray(value, dtype=self.dtypes[name]))

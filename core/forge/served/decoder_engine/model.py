@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
@@ -32,21 +33,14 @@ def _parameter(config: dict, key: str, default: str = "") -> str:
     return default if value == "" or value.startswith("${") else value
 
 
-def _tensor(name: str, value: np.ndarray):
-    if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
-        # numpy-2 builds of the stub reject numpy-made tensors; DLPack works everywhere
-        import torch
-
-        return pb_utils.Tensor.from_dlpack(name, torch.from_numpy(value))
-    return pb_utils.Tensor(name, value)
-
-
 class _Request:
     """One Triton request being served: its rows, response sender and what was sent so far."""
 
-    def __init__(self, model: "TritonPythonModel", sender, request_id: str, rows: list[GenerationRequest]):
+    def __init__(self, model: "TritonPythonModel", sender, request_id: str, rows: list[GenerationRequest],
+                 wanted: set[str] | None = None):
         self.model = model
         self.sender = sender
+        self.wanted = wanted  # the outputs the client asked for (read in execute; None: all)
         self.request_id = request_id
         self.rows = rows
         self.streaming = any(r.streaming for r in rows)
@@ -72,14 +66,15 @@ class _Request:
     def _send(self, results: list[RowResult] | None, final: bool, error: str | None = None) -> None:
         try:
             if error is not None:
-                self.sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(error)),
-                                 flags=FINAL)
+                forge_glue.send(self.sender, exc=RuntimeError(error), flags=FINAL)
             elif results is None:
-                self.sender.send(flags=FINAL)
+                forge_glue.send(self.sender, flags=FINAL)
             else:
-                tensors = assemble(results, self.model.output_specs, self._pad())
-                response = pb_utils.InferenceResponse([_tensor(k, v) for k, v in tensors.items()])
-                self.sender.send(response, flags=FINAL if final else 0)
+                specs = self.model.output_specs
+                if self.wanted is not None:  # only what the client asked for (see forge_glue)
+                    specs = {name: spec for name, spec in specs.items() if name in self.wanted}
+                tensors = assemble(results, specs, self._pad())
+                forge_glue.send(self.sender, tensors, wanted=self.wanted, flags=FINAL if final else 0)
         except Exception as exc:  # the client went away; nothing else to do for it
             self.model.log_warn(f"could not send a response for request {self.request_id!r}: {exc}")
         if final:
@@ -133,7 +128,7 @@ class TritonPythonModel:
     """The tensorrt_llm model of a forge ``--target python`` repository."""
 
     def initialize(self, args):
-        config = json.loads(args["model_config"])
+        config = forge_glue.model_config(args)
         self.name = args["model_name"]
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.output_specs = {
@@ -206,14 +201,14 @@ class TritonPythonModel:
     def _stop(self, request_id: str, sender) -> None:
         """TensorRT-LLM's ``stop`` input: cancel the running request with the same id."""
         if not request_id:
-            sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                "a stop request needs the request id of the request to stop")), flags=FINAL)
+            forge_glue.send(sender, exc=ValueError("a stop request needs the request id of the request to stop"),
+                            flags=FINAL)
             return
         with self.lock:
             victims = [r for r in self.requests.values() if r.request_id == request_id]
         for victim in victims:
             victim.cancel(stopped=True)
-        sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
+        forge_glue.send(sender, {}, flags=FINAL)
 
     def execute(self, requests):
         for request in requests:
@@ -226,14 +221,12 @@ class TritonPythonModel:
                     continue
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input)
             except RequestError as exc:
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))),
-                            flags=FINAL)
+                forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue
             except Exception as exc:  # malformed tensors: still one clear error, never a dead model
-                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                    f"invalid request: {type(exc).__name__}: {exc}")), flags=FINAL)
+                forge_glue.send(sender, exc=ValueError(f"invalid request: {type(exc).__name__}: {exc}"), flags=FINAL)
                 continue
-            pending = _Request(self, sender, request_id, rows)
+            pending = _Request(self, sender, request_id, rows, forge_glue.requested(request))
             pending.sequences = [engine_mod.Sequence(row, pending.on_update, pending.is_cancelled, pending)
                                  for row in rows]
             with self.lock:

@@ -10,15 +10,14 @@ the only difference between the two is where the RGB conversion happens and how 
 from __future__ import annotations
 
 import io
-import json
 import warnings
 
 import numpy as np
 
-try:  # only present inside tritonserver's python stub
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # imported by forge itself for parity checks
-    pb_utils = None
+try:  # the build imports this module as part of forge.served
+    from .. import forge_glue
+except ImportError:  # inside a repository it sits next to forge_glue.py
+    import forge_glue
 
 RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}
 
@@ -146,34 +145,22 @@ def from_parameters(params: dict[str, str]) -> ImagePreprocessor:
         std=_floats(params["std"]), max_pixels=int(params.get("max_pixels", "89478485")))
 
 
-def error(exc: Exception):
-    """A Triton error for ``exc``: INVALID_ARG for bad input (ValueError), INTERNAL otherwise."""
-    codes = pb_utils.TritonError
-    code = getattr(codes, "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL", None)
-    return codes(f"image preprocessing: {exc}", code) if code is not None else codes(f"image preprocessing: {exc}")
 
 
 class TritonPythonModel:
     """Triton's entry point."""
 
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        self.preprocess = from_parameters({k: v["string_value"] for k, v in config.get("parameters", {}).items()})
+        self.preprocess = from_parameters(forge_glue.parameters(forge_glue.model_config(args)))
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                images = decode_images(pb_utils.get_input_tensor_by_name(request, "image").as_numpy())
-                pixels = []
-                for row, data in enumerate(images):
-                    try:
-                        pixels.append(self.preprocess(data))
-                    except ValueError as exc:
-                        raise ValueError(f"image {row}: {exc}") from None
-                responses.append(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor("pixel_values", np.stack(pixels).astype(np.float32))]))
-            except Exception as exc:  # one bad request must not fail the others of the batch
-                responses.append(pb_utils.InferenceResponse(error=error(exc)))
-        return responses
+        return forge_glue.run_each(requests, self._preprocess, "image preprocessing")
 
+    def _preprocess(self, request):
+        pixels = []
+        for row, data in enumerate(decode_images(forge_glue.get(request, "image"))):
+            try:
+                pixels.append(self.preprocess(data))
+            except ValueError as exc:
+                raise ValueError(f"image {row}: {exc}") from None
+        return {"pixel_values": np.stack(pixels).astype(np.float32)}

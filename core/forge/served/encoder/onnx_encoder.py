@@ -9,15 +9,14 @@ to the longest, run as one batch, and split again.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
-try:  # only present inside tritonserver's python stub
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # imported by forge itself for parity checks
-    pb_utils = None
+try:  # the build imports this module as part of forge.served
+    from .. import forge_glue
+except ImportError:  # inside a repository it sits next to forge_glue.py
+    import forge_glue
 
 
 def providers_for(device: str, device_id: int = 0) -> list:
@@ -80,19 +79,14 @@ def check_request(feeds: dict[str, np.ndarray]) -> None:
         raise ValueError(f"inputs have different batch sizes: {sizes}")
 
 
-def error(exc: Exception):
-    """A Triton error for ``exc``: INVALID_ARG for bad input (ValueError), INTERNAL otherwise."""
-    codes = pb_utils.TritonError
-    code = getattr(codes, "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL", None)
-    return codes(f"encoder: {exc}", code) if code is not None else codes(f"encoder: {exc}")
 
 
 class TritonPythonModel:
     """Triton's entry point."""
 
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        config = forge_glue.model_config(args)
+        params = forge_glue.parameters(config)
         directory = os.path.join(args["model_repository"], args["model_version"])
         self.encoder = OnnxEncoder(
             os.path.join(directory, params.get("model_file", "model.onnx")), device=params.get("device", "auto"),
@@ -104,7 +98,7 @@ class TritonPythonModel:
         feeds, errors = [], {}
         for index, request in enumerate(requests):
             try:
-                f = {name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.encoder.inputs}
+                f = {name: forge_glue.get(request, name) for name in self.encoder.inputs}
                 check_request(f)
                 feeds.append(f)
             except Exception as exc:
@@ -124,8 +118,8 @@ class TritonPythonModel:
         responses = []
         for index in range(len(requests)):
             if index in outputs:
-                responses.append(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor(self.output, np.ascontiguousarray(outputs[index], dtype=np.float32))]))
+                responses.append(forge_glue.response(
+                    requests[index], {self.output: np.ascontiguousarray(outputs[index], dtype=np.float32)}))
             else:
-                responses.append(pb_utils.InferenceResponse(error=error(errors[index])))
+                responses.append(forge_glue.error_response(errors[index], "encoder"))
         return responses

@@ -9,15 +9,14 @@ Padding is to the longest text of the request (``padding=longest``) or to ``max_
 from __future__ import annotations
 
 import html
-import json
 import os
 
 import numpy as np
 
-try:  # only present inside tritonserver's python stub
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # imported by forge itself for parity checks
-    pb_utils = None
+try:  # the build imports this module as part of forge.served
+    from .. import forge_glue
+except ImportError:  # inside a repository it sits next to forge_glue.py
+    import forge_glue
 
 
 def _open_clip_cleaner():
@@ -101,30 +100,19 @@ def from_parameters(params: dict[str, str], directory: str) -> TextTokenizer:
         outputs=tuple(params.get("outputs", "input_ids,attention_mask").split(",")))
 
 
-def error(exc: Exception):
-    """A Triton error for ``exc``: INVALID_ARG for bad input (ValueError), INTERNAL otherwise."""
-    codes = pb_utils.TritonError
-    code = getattr(codes, "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL", None)
-    return codes(f"tokenizer: {exc}", code) if code is not None else codes(f"tokenizer: {exc}")
 
 
 class TritonPythonModel:
     """Triton's entry point."""
 
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        config = forge_glue.model_config(args)
+        params = forge_glue.parameters(config)
         directory = os.path.join(args["model_repository"], args["model_version"])
         self.tokenizer = from_parameters(params, directory)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                texts = decode_texts(pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy())
-                arrays = self.tokenizer(texts)
-                responses.append(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor(name, array) for name, array in arrays.items()]))
-            except Exception as exc:  # one bad request must not fail the others of the batch
-                responses.append(pb_utils.InferenceResponse(error=error(exc)))
-        return responses
+        return forge_glue.run_each(requests, self._tokenize, "tokenizer")
+
+    def _tokenize(self, request):
+        return self.tokenizer(decode_texts(forge_glue.get(request, "text_input")))

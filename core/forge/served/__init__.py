@@ -1,0 +1,29 @@
+"""The one home of code that runs inside tritonserver (python backend); it imports nothing from forge.
+
+Every python model forge writes ships ``forge_glue.py`` (parameters, per-request errors, the request
+loop, responses holding only the requested outputs) beside its ``model.py``; decoder text models also
+ship ``forge_text.py``. The build imports these files for parity checks, never the other way round.
+
+    decoder/          preprocessing, postprocessing, tensorrt_llm_bls  →  <model>/1/model.py
+    decoder_engine/   the python target's tensorrt_llm model (model.py) and its engine (forge_decoder/)
+    encoder/          tokenizer, image preprocessing, ONNX Runtime encoder
+"""
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GLUE = HERE / "forge_glue.py"  # shipped as 1/forge_glue.py with every python model
+TEXT = HERE / "forge_text.py"  # shipped as 1/forge_text.py with the decoder text models
+PREPROCESSING = HERE / "decoder" / "preprocessing.py"
+POSTPROCESSING = HERE / "decoder" / "postprocessing.py"
+BLS = HERE / "decoder" / "bls.py"
+DECODER_MODEL = HERE / "decoder_engine" / "model.py"
+DECODER_RUNTIME = HERE / "decoder_engine" / "forge_decoder"  # shipped as 1/forge_decoder/
+TOKENIZER = HERE / "encoder" / "tokenizer.py"
+IMAGE = HERE / "encoder" / "image.py"
+ONNX_ENCODER = HERE / "encoder" / "onnx_encoder.py"
+
+
+def glue_files() -> dict[str, bytes]:
+    """The files every python model directory carries besides its model.py (contents, not links)."""
+    return {"1/forge_glue.py": GLUE.read_bytes()}

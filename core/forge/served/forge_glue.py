@@ -1,0 +1,150 @@
+"""The glue every forge python-backend model shares; copied next to each ``model.py`` as ``forge_glue.py``.
+
+It runs inside tritonserver's python stub and imports nothing from forge (numpy and, when present,
+``triton_python_backend_utils``), so it is importable without Triton for tests. One home for: model
+config parameters, per-request errors, the request loop, and building/sending responses.
+
+Responses carry only the outputs the client asked for. The python backend of tritonserver 2.51
+(Triton r24.06–r24.11, what nvidia-pytriton 0.7 bundles) drops unrequested output tensors without
+holding the GIL when a response is sent through a response sender; on Python 3.12 that crashes the
+stub (python_backend PR #390 fixed it in r24.12). Never handing it an unrequested tensor, and
+keeping the tensors referenced until ``send`` returns, avoids the crash on every version.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # imported by the build (parity checks) and tests, outside Triton
+    pb_utils = None
+
+#: Files of a Hugging Face checkpoint that make up its tokenizer (and its chat/generation defaults).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "generation_config.json", "chat_template.jinja",
+                   "chat_template.json", "config.json")
+#: The files of which at least one must exist for a tokenizer to load.
+TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                  "vocab.json", "vocab.txt")
+
+TRUE = ("true", "1", "t", "y", "yes", "on")
+FALSE = ("false", "0", "f", "n", "no", "off")
+
+
+def parse_bool(value: Any, default: bool) -> bool:
+    """A Triton parameter string (or a bool) as a bool; unset or unknown → ``default``."""
+    if isinstance(value, bool):
+        return value
+    if value is None:
+        return default
+    text = str(value).strip().lower()
+    if text in TRUE:
+        return True
+    if text in FALSE:
+        return False
+    return default
+
+
+def model_config(args: Mapping[str, Any]) -> dict:
+    """The model config Triton passes to ``initialize`` (a json string) as a dict."""
+    return json.loads(args["model_config"])
+
+
+def parameters(config: Mapping[str, Any]) -> dict[str, str]:
+    """The ``parameters`` of a Triton model config (a json dict) as plain strings."""
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
+def error(exc: BaseException, where: str = "") -> Any:
+    """A Triton error for ``exc``: INVALID_ARG for bad input (ValueError), INTERNAL otherwise."""
+    codes = pb_utils.TritonError
+    text = f"{where}: {exc}" if where else str(exc)
+    code = getattr(codes, "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL", None)
+    return codes(text, code) if code is not None else codes(text)
+
+
+def get(request, name: str, accepted: Iterable[str] | None = None) -> np.ndarray | None:
+    """Input ``name`` of ``request`` as numpy (None when absent or not an input of this model)."""
+    if accepted is not None and name not in accepted:
+        return None
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def requested(request) -> set[str] | None:
+    """The output names the client asked for (None: this Triton cannot tell, send every output).
+
+    Read it inside ``execute``: a response sent later from another thread uses the saved set.
+    """
+    names = getattr(request, "requested_output_names", None)
+    if names is None:
+        return None
+    try:
+        return set(names())
+    except Exception:  # noqa: BLE001 - an older stub without the call
+        return None
+
+
+_NUMPY2 = int(np.__version__.split(".")[0]) >= 2
+
+
+def tensor(name: str, value: np.ndarray):
+    """A Triton output tensor; under numpy 2 through DLPack (numpy-2 stubs reject numpy-made tensors)."""
+    if _NUMPY2:
+        import torch
+
+        return pb_utils.Tensor.from_dlpack(name, torch.from_numpy(np.ascontiguousarray(value)))
+    return pb_utils.Tensor(name, value)
+
+
+def select(outputs: Mapping[str, np.ndarray] | Iterable[Any], wanted: set[str] | None) -> list:
+    """Triton tensors for the outputs in ``wanted`` (None: all); ``pb_utils.Tensor`` items pass through."""
+    items = outputs.items() if isinstance(outputs, Mapping) else ((t.name(), t) for t in outputs)
+    return [value if not isinstance(value, np.ndarray) else tensor(name, value)
+            for name, value in items if wanted is None or name in wanted]
+
+
+def response(request, outputs: Mapping[str, np.ndarray] | Iterable[Any]):
+    """An InferenceResponse of ``request`` holding only the outputs it asked for."""
+    return pb_utils.InferenceResponse(output_tensors=select(outputs, requested(request)))
+
+
+def error_response(exc: BaseException, where: str = ""):
+    """An InferenceResponse carrying only ``exc`` as a Triton error."""
+    return pb_utils.InferenceResponse(output_tensors=[], error=error(exc, where))
+
+
+def send(sender, outputs: Mapping[str, np.ndarray] | Iterable[Any] | None = None, *,
+         wanted: set[str] | None = None, flags: int = 0, exc: BaseException | None = None,
+         where: str = "") -> None:
+    """Send one response through ``sender``: the ``wanted`` outputs, ``exc`` as an error, or only ``flags``.
+
+    The tensors stay referenced here until ``send`` returns (see the module docstring).
+    """
+    kept = [] if outputs is None or exc is not None else select(outputs, wanted)
+    if exc is not None:
+        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error(exc, where)), flags=flags)
+    elif outputs is None:
+        sender.send(flags=flags)
+    else:
+        sender.send(pb_utils.InferenceResponse(output_tensors=kept), flags=flags)
+    del kept
+
+
+def run_each(requests, handle: Callable[[Any], Any], where: str = "") -> list:
+    """``handle`` each request on its own: one bad request answers with its error, the others still run.
+
+    ``handle`` returns a mapping of output name → array (or a list of ``pb_utils.Tensor``).
+    """
+    responses = []
+    for request in requests:
+        try:
+            responses.append(response(request, handle(request)))
+        except Exception as exc:  # noqa: BLE001 - one bad request must not fail the batch
+            responses.append(error_response(exc, where))
+    return responses
