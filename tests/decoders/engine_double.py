@@ -98,7 +98,7 @@ def generating_model(name: str, profile, spec, tokenizer_dir: Path, continuation
     """A TritonModel standing in for the C++ tensorrt_llm model (same interface, fixed output text)."""
     from forge import tritonconfig as tc
     from forge.components import TritonModel
-    from forge.llm.repository import tensorrt_llm_io
+    from forge.llm.interface import tensorrt_llm_io
 
     inputs, outputs = tensorrt_llm_io(profile, spec)
     config = tc.model_config(name, backend="python", max_batch_size=spec.limits.max_batch_size,

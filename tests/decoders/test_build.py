@@ -10,7 +10,7 @@ from forge import tritonconfig as tc
 from forge.cli import main
 from forge.components import Artifact
 from forge.llm import profiles
-from forge.llm.repository import tensorrt_llm_io
+from forge.llm.interface import tensorrt_llm_io
 from forge.testing import use_plugins
 from forge.validate import validate_repository
 

@@ -253,7 +253,7 @@ def test_tensor_parallel_engine(hf_dir, tmp_path):
     ({"FORCE_CPU_ONLY_INPUT_TENSORS": "yes"}, "set by forge"),
     ({"tensorrt_llm_model_name": "other"}, "set by forge"),
     ({"instances": 0}, "at least 1"),
-    ({"max_queue_size": -1}, "must not be negative"),
+    ({"max_queue_size": -1}, "must be at least 0"),
     ({"logits_datatype": "TYPE_INT8"}, "TYPE_FP32, TYPE_FP16 or TYPE_BF16"),
     ({"max_beam_width": 4}, "exceeds the engine's beam width"),
 ])

@@ -11,7 +11,7 @@ import pytest
 from gpt_models import hf_logits, make_gpt2
 
 from forge.cli import main
-from forge.llm.checkpoint import SafetensorsFile
+from forge.llm.tensorio import SafetensorsFile
 from forge.llm.reference import ReferenceModel, load_rank, max_abs_diff
 
 IDS = [3, 17, 42, 99, 5, 8, 64, 100, 0, 31]

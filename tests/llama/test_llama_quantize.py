@@ -206,7 +206,7 @@ def test_fp8_checkpoint_evaluates_close_to_fake_quantized_model(calib_llama, tmp
     out = tmp_path / "fp8"
     config = quantize.export_modelopt(ADAPTER, model, out, "float16", 1, 1)
     assert config["quantization"]["quant_algo"] == "FP8"
-    from forge.llm.checkpoint import SafetensorsFile
+    from forge.llm.tensorio import SafetensorsFile
 
     f = SafetensorsFile(out / "rank0.safetensors")
     assert f.refs["transformer.layers.0.mlp.fc.weight"].tag == "F8_E4M3"

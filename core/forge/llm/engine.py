@@ -8,36 +8,16 @@ newest when absent) and is run through ``ctx.run_tool``, so it lands in the mani
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
 from forge.components import Artifact
-from forge.errors import ForgeError, UsageError
+from forge.errors import ForgeError
+
+from .profiles import BUILD_FLAGS, parse_version
 
 ARTIFACT_KIND = "trtllm-engine"
-NEWEST = (99, 0, 0)  # no --backend-version: the newest trtllm-build flag set
-
-# Flag history of trtllm-build, as (first version, meaning).
-_SEQ_LEN = (0, 11)  # --max_seq_len replaced --max_output_len
-_PAGED_CONTEXT_FMHA = (0, 9)  # --use_paged_context_fmha
-_MULTIPLE_PROFILES = (0, 11)  # --multiple_profiles
-_KV_CACHE_TYPE = (1, 0)  # --kv_cache_type paged supersedes --paged_kv_cache enable
-_TRTLLM_BUILD = (0, 8)  # trtllm-build and the unified checkpoint first shipped here
-UNEVEN_PP = (0, 11)  # pipeline stages with unequal layer counts (earlier releases drop the remainder)
-
-
-def parse_version(text: str | None) -> tuple[int, int, int]:
-    """``"v0.13.0"`` → (0, 13, 0); None → the newest flag set."""
-    if text is None:
-        return NEWEST
-    match = re.fullmatch(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.-]?\w*)?", text.strip())
-    if not match:
-        raise UsageError(f"cannot read --backend-version {text!r}; write it like v0.13.0")
-    return tuple(int(part or 0) for part in match.groups())  # type: ignore[return-value]
-
-
 def _switch(value: bool) -> str:
     return "enable" if value else "disable"
 
@@ -63,7 +43,7 @@ def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any
     quant = meta.get("quant") or {}
     argv = ["trtllm-build", "--checkpoint_dir", str(checkpoint_dir), "--output_dir", str(output_dir),
             "--max_batch_size", str(lim.max_batch_size), "--max_input_len", str(max_input_len)]
-    if version >= _SEQ_LEN:
+    if version >= BUILD_FLAGS["max_seq_len"]:
         argv += ["--max_seq_len", str(max_seq_len)]
     else:  # older builds bound the generated tokens instead of the whole sequence
         argv += ["--max_output_len", str(max_seq_len - max_input_len)]
@@ -73,16 +53,16 @@ def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any
     argv += ["--gpt_attention_plugin", dtype]
     if quant.get("quant_algo") != "FP8":  # FP8 GEMMs run in TensorRT itself, not the gemm plugin
         argv += ["--gemm_plugin", dtype]
-    if version >= _KV_CACHE_TYPE:
+    if version >= BUILD_FLAGS["kv_cache_type"]:
         argv += ["--kv_cache_type", "paged"]
     else:
         argv += ["--paged_kv_cache", "enable"]
     argv += ["--remove_input_padding", "enable"]
     fmha = dtype != "float32" and bool(options.get("context_fmha", True))  # fused MHA has no fp32 kernels
     argv += ["--context_fmha", _switch(fmha)]
-    if version >= _PAGED_CONTEXT_FMHA:
+    if version >= BUILD_FLAGS["paged_context_fmha"]:
         argv += ["--use_paged_context_fmha", _switch(fmha and bool(options.get("paged_context_fmha", True)))]
-    if version >= _MULTIPLE_PROFILES:
+    if version >= BUILD_FLAGS["multiple_profiles"]:
         argv += ["--multiple_profiles", _switch(bool(options.get("multiple_profiles", True)))]
     workers = int(options.get("workers") or meta.get("world_size", 1))
     if workers > 1:
@@ -107,7 +87,7 @@ def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stag
         ctx.note("limits", f"max_seq_len {spec.limits.max_seq_len} → {max_seq_len} and max_input_len "
                            f"{spec.limits.max_input_len} → {max_input_len}: the model has "
                            f"{meta['max_position_embeddings']} positions")
-    if version < _TRTLLM_BUILD:
+    if version < BUILD_FLAGS["trtllm_build"]:
         ctx.note("compatibility", f"TensorRT-LLM {spec.backend_version} predates trtllm-build and the unified "
                                   "checkpoint (0.8); the recorded command uses the oldest trtllm-build flags")
     ctx.run_tool(argv, purpose="--target tensorrtllm (building TensorRT-LLM engines)", cwd=ctx.workdir)

@@ -4,21 +4,27 @@ Two sources: forge's own options (its python models, the export, quantization an
 and the template parameters of every tensorrtllm_backend profile (``fill_template.py`` keys). A
 ``tensorrt_llm`` engine parameter is read by the ``tensorrtllm`` target only; preprocessing,
 postprocessing and BLS parameters go into forge's python models on every target. Which profile has
-which parameter stays the family's check (:func:`forge.llm.repository.check_options`).
+which parameter stays the family's check (:func:`check_options`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from forge.components import Option
+from forge.contract import check_value
+from forge.errors import UsageError
 
 from . import profiles
+from .interface import BLS, _bool, profile_of
+from .profiles import Parameter, Profile
 
 TRTLLM = ("tensorrtllm",)
 PYTHON = ("python",)
 ALL = ()  # every target of the family
 
 _KINDS = {"str": "str", "bool": "bool", "int": "int", "float": "float"}
-DTYPE_CHOICES = ("TYPE_FP32", "TYPE_FP16", "TYPE_BF16", "FP32", "FP16", "BF16", "float32", "float16", "bfloat16")
+DTYPES = "TYPE_FP32, TYPE_FP16 or TYPE_BF16"
 
 #: forge's own options: its python models, export, quantization and the trtllm-build command line.
 FORGE = (
@@ -37,11 +43,9 @@ FORGE = (
     Option("end_id", "int", "end-of-sequence token id (default: the tokenizer's)", None, minimum=0),
     Option("pad_id", "int", "padding token id (default: the tokenizer's, else end_id)", None, minimum=0),
     Option("stop_token_ids", "str", "extra end-of-turn token ids, comma-separated (default: generation_config)"),
-    Option("logits_datatype", "choice", "dtype of context/generation logits outputs", None, choices=DTYPE_CHOICES),
-    Option("prompt_embedding_table_data_type", "choice", "dtype of prompt_embedding_table", None,
-           choices=DTYPE_CHOICES),
-    Option("encoder_input_features_data_type", "choice", "dtype of encoder_input_features", None,
-           choices=DTYPE_CHOICES),
+    Option("logits_datatype", "str", f"dtype of context/generation logits outputs: {DTYPES}"),
+    Option("prompt_embedding_table_data_type", "str", f"dtype of prompt_embedding_table: {DTYPES}"),
+    Option("encoder_input_features_data_type", "str", f"dtype of encoder_input_features: {DTYPES}"),
     Option("parity", "bool", "check the exported checkpoint's logits against transformers", False),
     Option("parity_tolerance", "float", "max relative |Δlogit| of -o parity (default: the family's)", None,
            minimum=0, flag="--parity-tolerance"),
@@ -89,3 +93,63 @@ def decoder_options() -> tuple[Option, ...]:
                 continue
             options[p.name] = _from_parameter(p)
     return tuple(options.values())
+
+
+# -- per-version semantics (the driver has checked keys, targets and kinds) ------------------------
+
+def check_options(spec) -> Profile:
+    """Check ``-o`` values against the chosen backend version; return the profile. Cheap: call it at plan time.
+
+    Keys, targets and kinds were checked by the driver against :func:`decoder_options`; what is
+    left depends on the version: parameters of other releases, fixed ones, per-version choices.
+    """
+    profile = profile_of(spec)
+    options = spec.options
+    by_name = {p.name: p for p in profile.parameters if not p.fixed}
+    fixed = {p.name for p in profile.parameters if p.fixed}
+    elsewhere = _options_of_other_versions(profile)
+    declared = {o.name: o for o in decoder_options()}
+    for name, value in options.items():
+        if name in declared:  # the driver checked them already; callers without a driver get the same
+            check_value(declared[name], value)
+        if name in by_name:
+            _check_parameter(by_name[name], value, profile)
+        elif name in fixed:
+            raise UsageError(f"-o {name} is set by forge for backend {profile.version} and cannot be changed")
+        elif name in elsewhere:
+            raise UsageError(f"-o {name} is not a parameter of tensorrtllm_backend {profile.version} "
+                             f"(it exists in {elsewhere[name]})",
+                             hint="drop it, or choose a --backend-version that has it")
+    _check_beam_width(spec)
+    if _bool(options.get("bls", False)) and not profile.has_model(BLS):
+        first = next(p.version for p in profiles.PROFILES.values() if p.has_model(BLS))
+        raise UsageError(f"-o bls=true needs tensorrtllm_backend {first} or newer; "
+                         f"--backend-version {profile.version} has no tensorrt_llm_bls model")
+    return profile
+
+
+def _options_of_other_versions(profile: Profile) -> dict[str, str]:
+    seen: dict[str, list[str]] = {}
+    for other in profiles.PROFILES.values():
+        for p in other.parameters:
+            if not p.fixed:
+                seen.setdefault(p.name, []).append(other.version)
+    mine = {p.name for p in profile.parameters}
+    return {name: (versions[0] if len(versions) == 1 else f"{versions[0]}–{versions[-1]}")
+            for name, versions in seen.items() if name not in mine}
+
+
+def _check_parameter(p: Parameter, value: Any, profile: Profile) -> None:
+    if p.choices and str(value) not in p.choices:
+        raise UsageError(f"-o {p.name}={value} is not valid for tensorrtllm_backend {profile.version}; "
+                         f"choose one of {', '.join(p.choices)}")
+    if p.name == "kv_cache_free_gpu_mem_fraction" and not 0 < float(value) <= 1:
+        raise UsageError(f"-o kv_cache_free_gpu_mem_fraction must be in (0, 1], got {value}")
+
+
+def _check_beam_width(spec) -> None:
+    value = spec.options.get("max_beam_width")
+    if value is not None and not 1 <= int(value) <= spec.limits.max_beam_width:
+        raise UsageError(f"-o max_beam_width={value} exceeds the engine's beam width "
+                         f"(--max-beam-width {spec.limits.max_beam_width})",
+                         hint="raise --max-beam-width so the engine is built for it")

@@ -25,7 +25,7 @@ class DecoderPlugin:
         return component.family == self.adapter.family
 
     def _components(self, spec) -> list[Component]:
-        from .repository import check_options
+        from .options import check_options
 
         check_options(spec)  # bad -o values / --backend-version fail before any stage runs
         if spec.target == "python":

@@ -16,6 +16,7 @@ becomes. The ensemble of a profile is therefore derived, never listed twice.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
@@ -267,6 +268,28 @@ V0_5_0 = (
     param("tokenizer_type", "auto", model="preprocessing", fixed=True),
     param("tokenizer_type", "auto", model="postprocessing", fixed=True),
 )
+
+#: trtllm-build's flag history (and the checkpoint layout it reads): feature → first release that has it.
+BUILD_FLAGS: Mapping[str, tuple[int, int]] = {
+    "trtllm_build": (0, 8),  # trtllm-build and the unified checkpoint first shipped here
+    "paged_context_fmha": (0, 9),  # --use_paged_context_fmha
+    "max_seq_len": (0, 11),  # --max_seq_len replaced --max_output_len
+    "multiple_profiles": (0, 11),  # --multiple_profiles
+    "uneven_pp": (0, 11),  # pipeline stages with unequal layer counts (earlier releases drop the remainder)
+    "kv_cache_type": (1, 0),  # --kv_cache_type paged supersedes --paged_kv_cache enable
+}
+_NEWEST_FLAGS = (99, 0, 0)  # no --backend-version: the newest flag set
+
+
+def parse_version(text: str | None) -> tuple[int, int, int]:
+    """``"v0.13.0"`` → (0, 13, 0); None → the newest flag set."""
+    if text is None:
+        return _NEWEST_FLAGS
+    match = re.fullmatch(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.-]?\w*)?", text.strip())
+    if not match:
+        raise UsageError(f"cannot read --backend-version {text!r}; write it like v0.13.0")
+    return tuple(int(part or 0) for part in match.groups())  # type: ignore[return-value]
+
 
 RELEASES: tuple[Release, ...] = (
     Release("v0.5.0", "23.10", V0_5_0, notes="first release; UINT32 lengths and ids"),

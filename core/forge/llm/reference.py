@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .checkpoint import SafetensorsFile, to_float32
+from .tensorio import SafetensorsFile, to_float32
 
 _RMSNORM_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 _TANH_GELU = {"gelu_new", "gelu_fast", "gelu_pytorch_tanh", "openai-gelu"}

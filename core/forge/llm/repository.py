@@ -12,198 +12,19 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from tritonclient.grpc import model_config_pb2 as mc
-
+from forge import served
 from forge import tritonconfig as tc
 from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import ForgeError, UsageError
-
-from forge import served
 from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
+
 from . import profiles
-from .profiles import Parameter, Profile, Tensor
+from .interface import (BLS, LLM, POST, PRE, _bool, _message_input, _parameter_value, profile_of,
+                        resolve_dtype, tensorrt_llm_io, tensorrt_llm_parameters)
+from .options import check_options
+from .profiles import Profile, Tensor
 
-PRE, LLM, POST, BLS = "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"
 TOKENIZER_DIR = "tokenizer"  # inside each python model's version directory
-_DTYPES = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
-_TYPE_OPTIONS = {  # -o options that choose a dtype the templates leave open
-    profiles.LOGITS: "logits_datatype",
-    profiles.PROMPT_TABLE: "prompt_embedding_table_data_type",
-    profiles.ENCODER_FEATURES: "encoder_input_features_data_type",
-}
-#: -o options of forge's own models (every backend version) with their kind.
-FORGE_OPTIONS = {
-    "bls": "bool", "decoupled": "bool", "instances": "int", "preprocessing_instance_count": "int",
-    "postprocessing_instance_count": "int", "bls_instance_count": "int",
-    "max_queue_delay_microseconds": "int", "max_queue_size": "int",
-    "add_special_tokens": "bool", "skip_special_tokens": "bool", "end_id": "int", "pad_id": "int",
-    "stop_token_ids": "str", **{name: "dtype" for name in _TYPE_OPTIONS.values()},
-}
-Log = Callable[[str], None]
-
-
-# -- profile and options ------------------------------------------------------------------------
-
-def profile_of(spec) -> Profile:
-    """The backend profile of a build (``--backend-version``, newest when absent)."""
-    return profiles.resolve(spec.backend_version)
-
-
-def check_options(spec) -> Profile:
-    """Check every ``-o`` option the Triton side reads; return the profile. Cheap: call it at plan time."""
-    profile = profile_of(spec)
-    options = spec.options
-    by_name = {p.name: p for p in profile.parameters if not p.fixed}
-    fixed = {p.name for p in profile.parameters if p.fixed}
-    elsewhere = _options_of_other_versions(profile)
-    for name, value in options.items():
-        if name in FORGE_OPTIONS:
-            _check_value(name, value, FORGE_OPTIONS[name])
-        elif name in by_name:
-            _check_parameter(by_name[name], value, profile)
-        elif name in fixed:
-            raise UsageError(f"-o {name} is set by forge for backend {profile.version} and cannot be changed")
-        elif name in elsewhere:
-            raise UsageError(f"-o {name} is not a parameter of tensorrtllm_backend {profile.version} "
-                             f"(it exists in {elsewhere[name]})",
-                             hint="drop it, or choose a --backend-version that has it")
-    for name in ("instances", "preprocessing_instance_count", "postprocessing_instance_count", "bls_instance_count"):
-        if name in options and int(options[name]) < 1:
-            raise UsageError(f"-o {name} must be at least 1, got {options[name]}")
-    for name in ("max_queue_delay_microseconds", "max_queue_size"):
-        if name in options and int(options[name]) < 0:
-            raise UsageError(f"-o {name} must not be negative, got {options[name]}")
-    _check_beam_width(spec)
-    if _bool(options.get("bls", False)) and not profile.has_model(BLS):
-        first = next(p.version for p in profiles.PROFILES.values() if p.has_model(BLS))
-        raise UsageError(f"-o bls=true needs tensorrtllm_backend {first} or newer; "
-                         f"--backend-version {profile.version} has no tensorrt_llm_bls model")
-    return profile
-
-
-def _options_of_other_versions(profile: Profile) -> dict[str, str]:
-    seen: dict[str, list[str]] = {}
-    for other in profiles.PROFILES.values():
-        for p in other.parameters:
-            if not p.fixed:
-                seen.setdefault(p.name, []).append(other.version)
-    mine = {p.name for p in profile.parameters}
-    return {name: (versions[0] if len(versions) == 1 else f"{versions[0]}–{versions[-1]}")
-            for name, versions in seen.items() if name not in mine}
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    return str(value).strip().lower() in ("true", "1", "yes", "on")
-
-
-def _check_value(name: str, value: Any, kind: str) -> None:
-    if kind == "bool" and not (isinstance(value, bool) or str(value).lower() in ("true", "false", "1", "0")):
-        raise UsageError(f"-o {name} takes true or false, got {value!r}")
-    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-        raise UsageError(f"-o {name} takes an integer, got {value!r}")
-    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise UsageError(f"-o {name} takes a number, got {value!r}")
-    if kind == "dtype":
-        _triton_dtype(name, value)
-
-
-def _check_parameter(p: Parameter, value: Any, profile: Profile) -> None:
-    _check_value(p.name, value, p.kind)
-    if p.choices and str(value) not in p.choices:
-        raise UsageError(f"-o {p.name}={value} is not valid for tensorrtllm_backend {profile.version}; "
-                         f"choose one of {', '.join(p.choices)}")
-    if p.name == "kv_cache_free_gpu_mem_fraction" and not 0 < float(value) <= 1:
-        raise UsageError(f"-o kv_cache_free_gpu_mem_fraction must be in (0, 1], got {value}")
-
-
-def _check_beam_width(spec) -> None:
-    value = spec.options.get("max_beam_width")
-    if value is not None and not 1 <= int(value) <= spec.limits.max_beam_width:
-        raise UsageError(f"-o max_beam_width={value} exceeds the engine's beam width "
-                         f"(--max-beam-width {spec.limits.max_beam_width})",
-                         hint="raise --max-beam-width so the engine is built for it")
-
-
-def _triton_dtype(name: str, value: Any) -> str:
-    text = str(value).strip()
-    key = _DTYPES.get(text.lower(), text.upper().removeprefix("TYPE_"))
-    if key not in ("FP32", "FP16", "BF16"):
-        raise UsageError(f"-o {name} takes TYPE_FP32, TYPE_FP16 or TYPE_BF16, got {value!r}")
-    return key
-
-
-def _parameter_value(p: Parameter, options: Mapping[str, Any]) -> str | None:
-    value = p.default if p.fixed else options.get(p.name, p.default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or p.kind == "bool":
-        return "true" if _bool(value) else "false"
-    return str(value)
-
-
-# -- tensors ------------------------------------------------------------------------------------
-
-def _engine_config(engine_dir: Path | None) -> Mapping[str, Any]:
-    """The ``pretrained_config`` of a built engine (empty when there is none to read)."""
-    if engine_dir is not None and (engine_dir / "config.json").is_file():
-        try:
-            return json.loads((engine_dir / "config.json").read_text()).get("pretrained_config", {})
-        except ValueError:
-            return {}
-    return {}
-
-
-def resolve_dtype(dtype: str, spec, meta: Mapping[str, Any] | None = None,
-                  engine_dir: Path | None = None) -> str:
-    """A profile dtype with the build's choice filled in for the types templates leave open."""
-    if not dtype.startswith("$"):
-        return dtype
-    option = _TYPE_OPTIONS[dtype]
-    if option in spec.options:
-        return _triton_dtype(option, spec.options[option])
-    if dtype == profiles.LOGITS:
-        logits = _engine_config(engine_dir).get("logits_dtype") or (meta or {}).get("logits_dtype")
-        return _DTYPES.get(str(logits), "FP32")
-    return _DTYPES.get(spec.dtype, "FP16")
-
-
-def _message_input(t: Tensor, dtype: str, *, ensemble_facing: bool = False) -> mc.ModelInput:
-    dims = t.feed_dims if ensemble_facing and t.feed_dims else t.dims
-    return tc.model_input(t.name, dtype, dims, optional=t.optional, reshape=t.reshape,
-                          allow_ragged_batch=t.ragged)
-
-
-def tensorrt_llm_io(profile: Profile, spec, meta: Mapping[str, Any] | None = None,
-                    engine_dir: Path | None = None) -> tuple[list[mc.ModelInput], list[mc.ModelOutput]]:
-    """The ``tensorrt_llm`` model's inputs and outputs for ``profile`` (every target uses these)."""
-    spec_io = profile.interface(LLM)
-    inputs = [_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs]
-    outputs = [tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)
-               for t in spec_io.outputs]
-    return inputs, outputs
-
-
-def tensorrt_llm_parameters(profile: Profile, spec, *, engine_dir: str | None = None,
-                            log: Log = lambda message: None) -> dict[str, str]:
-    """The ``tensorrt_llm`` model's ``parameters`` for ``profile``: every -o option or its documented default."""
-    options = spec.options
-    values: dict[str, str] = {}
-    for p in profile.params(LLM):
-        if p.key == "gpt_model_path":
-            value = options.get(p.name, engine_dir)
-            value = None if value is None else str(value)
-        elif p.key == "max_beam_width":
-            value = str(options.get(p.name, spec.limits.max_beam_width))
-        else:
-            value = _parameter_value(p, options)
-        if value is None:
-            continue
-        if value in p.deprecated:
-            log(f"warning: {p.name}={value} is deprecated in tensorrtllm_backend {profile.version}")
-        values[p.key] = value
-    return values
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -422,16 +243,30 @@ def tensorrt_llm_model(component: Component, profile: Profile, ctx, artifact: Ar
     return TritonModel(config, engine_files(engine_dir))
 
 
-def _python_target_model(adapter, component: Component, artifact: Artifact, ctx, profile: Profile) -> TritonModel:
+def _engine_llm(adapter, component: Component, artifact: Artifact, ctx,
+                profile: Profile) -> tuple[TritonModel, Path | None]:
+    """``--target tensorrtllm``: the C++ backend's model over the built engine."""
+    if artifact.kind != "trtllm-engine":
+        raise ForgeError(f"--target tensorrtllm needs a built engine, but the compile stage returned "
+                         f"a {artifact.kind!r} artifact")
+    return tensorrt_llm_model(component, profile, ctx, artifact), Path(artifact.path)
+
+
+def _python_llm(adapter, component: Component, artifact: Artifact, ctx,
+                profile: Profile) -> tuple[TritonModel, Path | None]:
+    """``--target python``: forge's python-backend model with the same tensor interface."""
     try:
-        from . import pytarget
+        from .pytarget import emit_model
     except ImportError as exc:
         raise ForgeError(f"--target python is not available in this forge installation ({exc})") from None
-    emit_model = getattr(pytarget, "emit_model", None)
-    if emit_model is None:
-        raise ForgeError("--target python is not available in this forge installation "
-                         "(forge.llm.pytarget has no emit_model)")
-    return emit_model(adapter, component, artifact, ctx, profile)
+    return emit_model(adapter, component, artifact, ctx, profile), None
+
+
+#: How each target builds the ``tensorrt_llm`` model; the text models around it are the same for all.
+LLM_BUILDERS: Mapping[str, Callable[..., tuple[TritonModel, Path | None]]] = {
+    "tensorrtllm": _engine_llm,
+    "python": _python_llm,
+}
 
 
 def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonModel]:
@@ -440,22 +275,17 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     meta = dict(artifact.meta or {})
     tokenizer = tokenizer_files(component.source)
     defaults = _tokenizer_defaults(component.source, ctx.spec)
-    if ctx.target == "tensorrtllm":
-        if artifact.kind != "trtllm-engine":
-            raise ForgeError(f"--target tensorrtllm needs a built engine, but the compile stage returned "
-                             f"a {artifact.kind!r} artifact")
-        llm = tensorrt_llm_model(component, profile, ctx, artifact)
-        engine_dir: Path | None = Path(artifact.path)
-    elif ctx.target == "python":
-        llm = _python_target_model(adapter, component, artifact, ctx, profile)
-        engine_dir = None
-    else:
-        raise UsageError(f"decoders build for --target tensorrtllm or python, not {ctx.target}")
+    builder = LLM_BUILDERS.get(ctx.target)
+    if builder is None:
+        raise UsageError(f"decoders build for --target {' or '.join(LLM_BUILDERS)}, not {ctx.target}")
+    llm, engine_dir = builder(adapter, component, artifact, ctx, profile)
     decoupled = llm.config.model_transaction_policy.decoupled
     models = [preprocessing_model(component, profile, ctx, tokenizer, defaults, meta), llm,
               postprocessing_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled)]
     if _bool(ctx.option("bls", False)):
         models.append(bls_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled))
+    # serving reads the container from the manifest, not from this package
+    ctx.note("backend", {"version": profile.version, "container": profile.container})
     ctx.log(f"{component.name}: tensorrtllm_backend {profile.version} interface "
             f"(container {profile.container})")
     return models

@@ -151,9 +151,26 @@ def backend_version(repo: Path) -> str | None:
     return None
 
 
+def recorded_container(repo: Path) -> tuple[str, str] | None:
+    """(image, backend version) the build recorded in the manifest (decoder emit notes ``backend``)."""
+    for component in manifest(repo).get("components", []):
+        for stage in component.get("stages", []):
+            backend = (stage.get("notes") or {}).get("backend")
+            if isinstance(backend, dict) and backend.get("container"):
+                return backend["container"], backend.get("version", "")
+    return None
+
+
 def container_image(repo: Path, version: str | None = None) -> tuple[str, str]:
-    """(image, backend version) of the NGC tritonserver container matching the repository's profile."""
-    from ..llm import profiles
+    """(image, backend version) of the NGC tritonserver container for the repository.
+
+    The repository's manifest says which container its build targets; only an explicit
+    ``--backend-version`` override (or a repository forge did not write) asks the profile table.
+    """
+    recorded = None if version else recorded_container(repo)
+    if recorded is not None:
+        return recorded
+    from ..llm import profiles  # the one table of backend-version knowledge
 
     profile = profiles.resolve(version or backend_version(repo))
     return profile.container, profile.version

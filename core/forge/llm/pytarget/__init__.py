@@ -86,7 +86,7 @@ def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
 
 def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) -> TritonModel:
     """The python-backend ``tensorrt_llm`` model of ``component`` for ``profile``'s interface."""
-    from ..repository import tensorrt_llm_io
+    from ..interface import tensorrt_llm_io
 
     spec = ctx.spec
     check_spec(spec)
