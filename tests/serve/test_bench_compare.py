@@ -240,7 +240,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     (["R", "--request-rate", "2,4", "--arrivals", "constant", "--sweep"], ["2/s constant", "4/s constant"]),
 ])
 def test_load_points(argv, loads):
-    from forge.commands.bench import loads as load_points
+    from forge.serving.targets import loads as load_points
 
     assert [load.label for load in load_points(_args(argv + ["token-norm-dist"]))] == loads
 
