@@ -176,10 +176,10 @@ def test_int8_parity_is_reported_for_both_towers(hf_clip_model, hf_reference, tm
 def test_int8_vision_calibrates_on_given_images(hf_clip_model, tmp_path):
     """--calib-data DIR: the images in it are the calibration set."""
     calib = tmp_path / "calib"
-    calib.mkdir()
+    calib.mkdir()  # the text tower needs the random-weight tolerance (see the test above)
     for i in range(5):
         (calib / f"{i}.png").write_bytes(synthetic_image(80 + i * 9, 70, seed=40 + i))
     repo = built(tmp_path / "repo", "--family", "clip", "--model", str(hf_clip_model), "--target", "onnxruntime",
-                 "--quant", "int8", "--calib-data", str(calib))
+                 "--quant", "int8", "--calib-data", str(calib), "-o", "quant_parity_tolerance=0.3")
     notes = manifest_notes(repo, "clip_vision", "quantize")["quantization"]
     assert notes["calibration_samples"] == 5 and str(calib) in notes["calibration"]
