@@ -52,3 +52,18 @@ def test_encoders_refuse_tensor_parallelism(tmp_path, capsys):
     code = main(["build", "--family", "minilm", "--model", str(model), "--out", str(tmp_path / "o"), "--tp", "2"])
     assert code == 2
     assert "family 'minilm' cannot split across ranks" in capsys.readouterr().err
+
+
+def test_scheduler_policy_values_follow_the_release(tiny_gpt2, tmp_path, capsys):
+    """v0.5.0 (seed 000) called the no-evict policy guaranteed_completion; v0.6.1 renamed it."""
+    def build(version, policy):
+        return main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(tmp_path / version),
+                     "--dry-run", "--backend-version", version, "-o", f"batch_scheduler_policy={policy}"])
+
+    assert build("v0.5.0", "guaranteed_completion") == 0
+    assert build("v0.13.0", "guaranteed_no_evict") == 0
+    capsys.readouterr()
+    assert build("v0.13.0", "guaranteed_completion") == 2
+    assert "is not valid for tensorrtllm_backend v0.13.0; choose one of guaranteed_no_evict" in capsys.readouterr().err
+    assert build("v0.5.0", "guaranteed_no_evict") == 2
+    assert "choose one of guaranteed_completion, max_utilization" in capsys.readouterr().err

@@ -69,29 +69,31 @@ FORGE = (
 _PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms"}
 
 
-def _from_parameter(p: profiles.Parameter) -> Option:
-    kind = "choice" if p.choices else _KINDS.get(p.kind, "str")
-    if p.model == "tensorrt_llm" and p.name not in _PYTHON_READS:
-        targets = TRTLLM
-    else:
-        targets = ALL
-    where = p.model if p.model != "tensorrt_llm" else "tensorrt_llm"
-    text = p.help or f"{where} parameter {p.key}"
-    versions = [profile.version for profile in profiles.PROFILES.values()
-                if any(q.name == p.name and not q.fixed for q in profile.parameters)]
-    if versions and len(versions) < len(profiles.PROFILES):
-        text += f" (backend {versions[0]}–{versions[-1]})" if len(versions) > 1 else f" (backend {versions[0]})"
-    return Option(p.name, kind, text, p.default, targets, choices=tuple(p.choices))
+def _from_parameters(versions: list[tuple[str, profiles.Parameter]]) -> Option:
+    """One option for a parameter as every profile that has it declares it (newest default, all choices)."""
+    newest = versions[-1][1]
+    choices = tuple(dict.fromkeys(c for _, p in versions for c in p.choices))
+    kind = "choice" if choices else _KINDS.get(newest.kind, "str")
+    targets = TRTLLM if newest.model == "tensorrt_llm" and newest.name not in _PYTHON_READS else ALL
+    text = newest.help or f"{newest.model} parameter {newest.key}"
+    names = [v for v, _ in versions]
+    if len(names) < len(profiles.PROFILES):
+        text += f" (backend {names[0]}–{names[-1]})" if len(names) > 1 else f" (backend {names[0]})"
+    return Option(newest.name, kind, text, newest.default, targets, choices=choices)
 
 
 def decoder_options() -> tuple[Option, ...]:
-    """forge's own options plus every profile's settable template parameters, one entry per name."""
+    """forge's own options plus every profile's settable template parameters, one entry per name.
+
+    Values valid in some release are accepted here; :func:`check_options` holds them to the chosen one.
+    """
     options = {o.name: o for o in FORGE}
+    seen: dict[str, list[tuple[str, profiles.Parameter]]] = {}
     for profile in profiles.PROFILES.values():
         for p in profile.parameters:
-            if p.fixed or p.name in options:
-                continue
-            options[p.name] = _from_parameter(p)
+            if not p.fixed and p.name not in options:
+                seen.setdefault(p.name, []).append((profile.version, p))
+    options.update({name: _from_parameters(versions) for name, versions in seen.items()})
     return tuple(options.values())
 
 

@@ -258,7 +258,8 @@ V0_5_0 = (
           help="engine directory as the server sees it (default: the repository's tensorrt_llm/1)"),
     number("max_beam_width", help="default: --max-beam-width"),
     number("max_tokens_in_paged_kv_cache", help="KV-cache size in tokens (default: unlimited)"),
-    param("batch_scheduler_policy", "guaranteed_no_evict", choices=SCHEDULER),
+    # 0.5.0 called the no-evict policy guaranteed_completion (seed 000 sets it); renamed in 0.6.1
+    param("batch_scheduler_policy", "guaranteed_completion", choices=("guaranteed_completion", "max_utilization")),
     number("kv_cache_free_gpu_mem_fraction", 0.85, kind="float",
            help="fraction of free GPU memory the KV cache may take"),
     number("max_num_sequences", help="default: the engine's max batch size"),
@@ -319,6 +320,7 @@ RELEASES: tuple[Release, ...] = (
         change("postprocessing.out.OUTPUT", dims=(-1,)),
         flag("exclude_input_in_output", False,
              help="return only generated tokens, not the prompt"),
+        param("batch_scheduler_policy", "guaranteed_no_evict", choices=SCHEDULER),
         number("max_kv_cache_length"),
         Batching("tensorrt_llm", True),
     ), notes="stop/bad words and embedding bias reach tensorrt_llm; log probs; dynamic batching"),
