@@ -297,10 +297,12 @@ def test_uneven_pipeline_split_puts_extra_layer_first(tmp_path):
                       ["transformer.layers.0.input_layernorm.weight"]]
 
 
-def test_uneven_pipeline_split_refused_for_old_backends(tmp_path, capsys):
-    """Bad input: 3 layers over pp 2 with --backend-version v0.10.0, which would silently drop a layer."""
+@pytest.mark.parametrize("version", ["v0.10.0", "v0.13.0", "v0.16.0"])
+def test_uneven_pipeline_split_refused_for_old_backends(version, tmp_path, capsys):
+    """Bad input: 3 layers over pp 2 for a release whose loader gives each stage 3 // 2 layers
+    (TensorRT-LLM 0.16's own checkpoint loader rejected forge's [0, 1] | [2] split: issue 14)."""
     model = make_gpt2(tmp_path / "m", n_layer=3)
     out = tmp_path / "out"
-    refused(capsys, out, export(model, out, "--pp", 2, "--backend-version", "v0.10.0"),
-            "3 layers cannot be split evenly over --pp 2", "before 0.11")
-    assert export(model, out, "--pp", 2, "--backend-version", "v0.13.0") == 0
+    refused(capsys, out, export(model, out, "--pp", 2, "--backend-version", version),
+            "3 layers cannot be split evenly over --pp 2", "before 1.0")
+    assert export(model, out, "--pp", 2, "--backend-version", "v1.0.0") == 0

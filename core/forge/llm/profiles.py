@@ -276,7 +276,11 @@ BUILD_FLAGS: Mapping[str, tuple[int, int]] = {
     "paged_context_fmha": (0, 9),  # --use_paged_context_fmha
     "max_seq_len": (0, 11),  # --max_seq_len replaced --max_output_len
     "multiple_profiles": (0, 11),  # --multiple_profiles
-    "uneven_pp": (0, 11),  # pipeline stages with unequal layer counts (earlier releases drop the remainder)
+    # pipeline stages with unequal layer counts: TensorRT-LLM 0.16's Mapping.pp_layers (read in its source)
+    # still gives every stage num_layers // pp and drops the rest; later releases split with
+    # torch.tensor_split (first stages take the extra layers). The release that switched is not
+    # pinned down here, so uneven splits are allowed from 1.0 on and refused before.
+    "uneven_pp": (1, 0),
     "kv_cache_type": (1, 0),  # --kv_cache_type paged supersedes --paged_kv_cache enable
 }
 _NEWEST_FLAGS = (99, 0, 0)  # no --backend-version: the newest flag set

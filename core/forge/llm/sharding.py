@@ -19,7 +19,7 @@ from .tensorio import NUMPY_TYPES, SourceIndex, TensorRef
 def check_parallelism(norm: Mapping[str, Any], tp: int, pp: int, where: str, uneven_pp: bool = True) -> None:
     """Refuse tensor/pipeline splits that TensorRT-LLM cannot build, with the reason.
 
-    ``uneven_pp=False`` (TensorRT-LLM before 0.11) also refuses layer counts that pp does not divide.
+    ``uneven_pp=False`` (TensorRT-LLM before 1.0) also refuses layer counts that pp does not divide.
     """
     heads, kv, layers = norm["num_heads"], norm["num_kv_heads"], norm["num_layers"]
     if heads % tp:
@@ -35,7 +35,8 @@ def check_parallelism(norm: Mapping[str, Any], tp: int, pp: int, where: str, une
         raise UsageError(f"{where}: --pp {pp} asks for more pipeline stages than the model's {layers} layers")
     if layers % pp and not uneven_pp:
         raise UsageError(f"{where}: {layers} layers cannot be split evenly over --pp {pp}, and TensorRT-LLM "
-                         "before 0.11 drops the remainder", hint="choose a pp that divides the layer count")
+                         "before 1.0 gives every stage layers // pp layers (the engine would lose the rest)",
+                         hint="choose a pp that divides the layer count, or --backend-version v1.0.0")
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
