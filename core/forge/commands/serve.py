@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import ForgeError, ToolMissingError, UsageError, ValidationError
+from ..errors import ForgeError, ToolMissingError, UsageError
 
 HELP = "serve a Triton model repository with a real tritonserver (local, or the NGC container with --docker)"
 
@@ -32,17 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-size", default="2g", help="with --docker: shared memory size (default 2g)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for READY")
     p.add_argument("--json", action="store_true", help="print the endpoints as json when ready")
-
-
-def _check(repo: Path) -> None:
-    from ..validate import validate_repository
-
-    if not repo.is_dir():
-        raise UsageError(f"{repo} is not a directory")
-    problems = validate_repository(repo)
-    if problems:
-        more = f" (and {len(problems) - 1} more; see forge validate)" if len(problems) > 1 else ""
-        raise ValidationError(f"refusing to serve {repo}: {problems[0]}{more}")
 
 
 def _docker(args: argparse.Namespace, world) -> int:
@@ -76,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serving.server import TritonServer
     from ..ui import emit_json
 
-    _check(args.repo)
+    launch.check_servable(args.repo)
     world = launch.layout(args.repo, args.world_size)
     if args.docker:
         return _docker(args, world)

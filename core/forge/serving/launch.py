@@ -151,6 +151,18 @@ def backend_version(repo: Path) -> str | None:
     return None
 
 
+def check_servable(repo: Path) -> None:
+    """Refuse, in one line, a path that is not a valid Triton repository (before any server starts)."""
+    from ..validate import validate_repository
+
+    if not repo.is_dir():
+        raise UsageError(f"{repo} is not a directory")
+    problems = validate_repository(repo)
+    if problems:
+        more = f" (and {len(problems) - 1} more; see forge validate)" if len(problems) > 1 else ""
+        raise ValidationError(f"refusing to serve {repo}: {problems[0]}{more}")
+
+
 def recorded_container(repo: Path) -> tuple[str, str] | None:
     """(image, backend version) the build recorded in the manifest (decoder emit notes ``backend``)."""
     for component in manifest(repo).get("components", []):

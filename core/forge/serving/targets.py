@@ -18,7 +18,6 @@ from ..errors import ForgeError, UsageError
 
 DEFAULT_SWEEP = (1, 2, 4, 8)
 _URL = re.compile(r"^(?:(?:grpc|http|https)://)?[A-Za-z0-9_.\-\[\]:]+:[0-9]+/?$")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 @dataclass(frozen=True)
@@ -210,7 +209,9 @@ def _choose(source: Source, models: dict[str, Any], prefer_tokens: bool) -> None
 
 
 def _has_tokenizer(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in _TOKENIZER_FILES)
+    from ..served.forge_glue import TOKENIZER_CORE  # the files a tokenizer loads from
+
+    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_CORE)
 
 
 def _describe(source: Source, models: dict[str, Any], dirs: dict[str, Path]) -> None:
@@ -268,14 +269,14 @@ def _engine_vocab(model: str, steps: list[str], dirs: dict[str, Path]) -> list[i
 
 def resolve(specs: list[str], args: argparse.Namespace, protocol: str, prefer_tokens: bool) -> list[Source]:
     """Every target checked before any server starts: what it is, its model, limits and tokenizer."""
-    from ..commands.serve import _check
+    from .launch import check_servable
 
     sources = [_source(spec) for spec in specs]
     for source in sources:
         if not source.model and args.model:
             source.model = args.model
         if source.repo is not None:
-            _check(source.repo)
+            check_servable(source.repo)
             models, dirs = _repository_models(source.repo)
         else:
             models, dirs = _server_models(source.url, protocol), {}
