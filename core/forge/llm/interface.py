@@ -35,13 +35,13 @@ def profile_of(spec) -> Profile:
     return profiles.resolve(spec.backend_version)
 
 
-def _bool(value: Any) -> bool:
+def truthy(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     return str(value).strip().lower() in ("true", "1", "yes", "on")
 
 
-def _triton_dtype(name: str, value: Any) -> str:
+def triton_dtype(name: str, value: Any) -> str:
     text = str(value).strip()
     key = _DTYPES.get(text.lower(), text.upper().removeprefix("TYPE_"))
     if key not in ("FP32", "FP16", "BF16"):
@@ -49,12 +49,12 @@ def _triton_dtype(name: str, value: Any) -> str:
     return key
 
 
-def _parameter_value(p: Parameter, options: Mapping[str, Any]) -> str | None:
+def parameter_value(p: Parameter, options: Mapping[str, Any]) -> str | None:
     value = p.default if p.fixed else options.get(p.name, p.default)
     if value is None:
         return None
     if isinstance(value, bool) or p.kind == "bool":
-        return "true" if _bool(value) else "false"
+        return "true" if truthy(value) else "false"
     return str(value)
 
 
@@ -75,14 +75,14 @@ def resolve_dtype(dtype: str, spec, meta: Mapping[str, Any] | None = None,
         return dtype
     option = _TYPE_OPTIONS[dtype]
     if option in spec.options:
-        return _triton_dtype(option, spec.options[option])
+        return triton_dtype(option, spec.options[option])
     if dtype == profiles.LOGITS:
         logits = _engine_config(engine_dir).get("logits_dtype") or (meta or {}).get("logits_dtype")
         return _DTYPES.get(str(logits), "FP32")
     return _DTYPES.get(spec.dtype, "FP16")
 
 
-def _message_input(t: Tensor, dtype: str, *, ensemble_facing: bool = False) -> mc.ModelInput:
+def message_input(t: Tensor, dtype: str, *, ensemble_facing: bool = False) -> mc.ModelInput:
     dims = t.feed_dims if ensemble_facing and t.feed_dims else t.dims
     return tc.model_input(t.name, dtype, dims, optional=t.optional, reshape=t.reshape,
                           allow_ragged_batch=t.ragged)
@@ -92,7 +92,7 @@ def tensorrt_llm_io(profile: Profile, spec, meta: Mapping[str, Any] | None = Non
                     engine_dir: Path | None = None) -> tuple[list[mc.ModelInput], list[mc.ModelOutput]]:
     """The ``tensorrt_llm`` model's inputs and outputs for ``profile`` (every target uses these)."""
     spec_io = profile.interface(LLM)
-    inputs = [_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs]
+    inputs = [message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs]
     outputs = [tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)
                for t in spec_io.outputs]
     return inputs, outputs
@@ -110,7 +110,7 @@ def tensorrt_llm_parameters(profile: Profile, spec, *, engine_dir: str | None = 
         elif p.key == "max_beam_width":
             value = str(options.get(p.name, spec.limits.max_beam_width))
         else:
-            value = _parameter_value(p, options)
+            value = parameter_value(p, options)
         if value is None:
             continue
         if value in p.deprecated:

@@ -9,6 +9,7 @@ which parameter stays the family's check (:func:`check_options`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from forge.components import Option
@@ -16,7 +17,7 @@ from forge.contract import check_value
 from forge.errors import UsageError
 
 from . import profiles
-from .interface import BLS, _bool, profile_of
+from .interface import BLS, profile_of, truthy
 from .profiles import Parameter, Profile
 
 TRTLLM = ("tensorrtllm",)
@@ -82,6 +83,7 @@ def _from_parameters(versions: list[tuple[str, profiles.Parameter]]) -> Option:
     return Option(newest.name, kind, text, newest.default, targets, choices=choices)
 
 
+@functools.cache
 def decoder_options() -> tuple[Option, ...]:
     """forge's own options plus every profile's settable template parameters, one entry per name.
 
@@ -123,7 +125,7 @@ def check_options(spec) -> Profile:
                              f"(it exists in {elsewhere[name]})",
                              hint="drop it, or choose a --backend-version that has it")
     _check_beam_width(spec)
-    if _bool(options.get("bls", False)) and not profile.has_model(BLS):
+    if truthy(options.get("bls", False)) and not profile.has_model(BLS):
         first = next(p.version for p in profiles.PROFILES.values() if p.has_model(BLS))
         raise UsageError(f"-o bls=true needs tensorrtllm_backend {first} or newer; "
                          f"--backend-version {profile.version} has no tensorrt_llm_bls model")

@@ -19,7 +19,7 @@ from forge.errors import ForgeError, UsageError
 from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
 
 from . import profiles
-from .interface import (BLS, LLM, POST, PRE, _bool, _message_input, _parameter_value, profile_of,
+from .interface import (BLS, LLM, POST, PRE, truthy, message_input, parameter_value, profile_of,
                         resolve_dtype, tensorrt_llm_io, tensorrt_llm_parameters)
 from .options import check_options
 from .profiles import Profile, Tensor
@@ -100,7 +100,7 @@ def _python_files(model_py: Path, tokenizer: Mapping[str, bytes]) -> dict[str, P
 def _flag(params: Mapping[str, Any], key: str, options: Mapping[str, Any]) -> str:
     """A tokenizer flag of forge's python models: -o value, else the profile's default, else true."""
     value = options.get(key, params.get(key))
-    return "true" if value is None or _bool(value) else "false"
+    return "true" if value is None or truthy(value) else "false"
 
 
 def _max_input_len(spec, meta: Mapping[str, Any]) -> int:
@@ -116,7 +116,7 @@ def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: 
     """forge's preprocessing model with ``profile``'s tensor interface."""
     spec = ctx.spec
     inputs, outputs = _text_tensors(profile, PRE)
-    params = {p.key: _parameter_value(p, spec.options) for p in profile.params(PRE)
+    params = {p.key: parameter_value(p, spec.options) for p in profile.params(PRE)
               if p.key not in ("tokenizer_dir", "gpt_model_path")}
     params.update({
         "tokenizer_dir": TOKENIZER_DIR,
@@ -133,7 +133,7 @@ def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: 
     batching = _batching(ctx, spec.limits.max_batch_size) if PRE in profile.dynamic_batching else False
     config = tc.model_config(
         component.model_name(PRE), backend="python", max_batch_size=spec.limits.max_batch_size,
-        inputs=[_message_input(t, t.dtype, ensemble_facing=True) for t in inputs],
+        inputs=[message_input(t, t.dtype, ensemble_facing=True) for t in inputs],
         outputs=[tc.model_output(t.name, t.dtype, t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "preprocessing_instance_count"),
         dynamic_batching=batching)
@@ -145,7 +145,7 @@ def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer:
     """forge's postprocessing model; behind a decoupled tensorrt_llm it decodes streamed pieces in context."""
     spec = ctx.spec
     inputs, outputs = _text_tensors(profile, POST)
-    params = {p.key: _parameter_value(p, spec.options) for p in profile.params(POST) if p.key != "tokenizer_dir"}
+    params = {p.key: parameter_value(p, spec.options) for p in profile.params(POST) if p.key != "tokenizer_dir"}
     params.update({
         "tokenizer_dir": TOKENIZER_DIR,
         "skip_special_tokens": _flag(params, "skip_special_tokens", spec.options),
@@ -157,7 +157,7 @@ def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer:
     })
     config = tc.model_config(
         component.model_name(POST), backend="python", max_batch_size=spec.limits.max_batch_size,
-        inputs=[_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in inputs],
+        inputs=[message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in inputs],
         outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "postprocessing_instance_count"),
         dynamic_batching=POST in profile.dynamic_batching)
@@ -193,7 +193,7 @@ def bls_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[st
     """forge's tensorrt_llm_bls model with ``profile``'s BLS interface."""
     spec = ctx.spec
     spec_io = profile.interface(BLS)
-    params = {p.key: _parameter_value(p, spec.options) for p in profile.params(BLS)}
+    params = {p.key: parameter_value(p, spec.options) for p in profile.params(BLS)}
     params.update({
         "tensorrt_llm_model_name": component.model_name(LLM),
         "preprocessing_model_name": component.model_name(PRE),
@@ -204,7 +204,7 @@ def bls_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[st
     })
     config = tc.model_config(
         component.model_name(BLS), backend="python", max_batch_size=spec.limits.max_batch_size,
-        inputs=[_message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs],
+        inputs=[message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs],
         outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)
                  for t in spec_io.outputs],
         parameters=params, instances=_instances(ctx, "bls_instance_count"), decoupled=decoupled)
@@ -231,7 +231,7 @@ def tensorrt_llm_model(component: Component, profile: Profile, ctx, artifact: Ar
     default_path = str((spec.out / name / "1").resolve())
     inputs, outputs = tensorrt_llm_io(profile, spec, artifact.meta, engine_dir)
     params = tensorrt_llm_parameters(profile, spec, engine_dir=default_path, log=ctx.log)
-    decoupled = _bool(ctx.option("decoupled", False))
+    decoupled = truthy(ctx.option("decoupled", False))
     batching = _batching(ctx, spec.limits.max_batch_size) if LLM in profile.dynamic_batching else False
     config = tc.model_config(name, backend="tensorrtllm", max_batch_size=spec.limits.max_batch_size,
                              inputs=inputs, outputs=outputs, parameters=params, instances=1,
@@ -282,7 +282,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     decoupled = llm.config.model_transaction_policy.decoupled
     models = [preprocessing_model(component, profile, ctx, tokenizer, defaults, meta), llm,
               postprocessing_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled)]
-    if _bool(ctx.option("bls", False)):
+    if truthy(ctx.option("bls", False)):
         models.append(bls_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled))
     # serving reads the container from the manifest, not from this package
     ctx.note("backend", {"version": profile.version, "container": profile.container})

@@ -59,10 +59,6 @@ def _message_outputs(outputs: Iterable[Any]) -> list:
     return [t if hasattr(t, "SerializeToString") else tc.model_output(t.name, t.dtype, t.dims) for t in outputs]
 
 
-def _truthy(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).strip().lower() in ("true", "1", "yes", "on")
-
-
 def check_spec(spec) -> None:
     """Refuse build options the python target cannot honour (before any file is written)."""
     if spec.quant:
@@ -86,14 +82,14 @@ def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
 
 def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) -> TritonModel:
     """The python-backend ``tensorrt_llm`` model of ``component`` for ``profile``'s interface."""
-    from ..interface import tensorrt_llm_io
+    from ..interface import tensorrt_llm_io, truthy
 
     spec = ctx.spec
     check_spec(spec)
     meta = dict(artifact.meta or {})
     inputs, outputs = tensorrt_llm_io(profile, spec, meta)
     max_input_len, max_seq_len = limits(spec, meta)
-    decoupled = _truthy(ctx.option("decoupled", False))
+    decoupled = truthy(ctx.option("decoupled", False))
     exclude = ctx.option("exclude_input_in_output", None)
     parameters = {
         "forge_target": "python",
@@ -108,7 +104,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),
-        "exclude_input_in_output": None if exclude is None else _truthy(exclude),
+        "exclude_input_in_output": None if exclude is None else truthy(exclude),
     }
     config = tc.model_config(
         component.model_name("tensorrt_llm"), backend="python", max_batch_size=spec.limits.max_batch_size,
