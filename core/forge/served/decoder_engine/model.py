@@ -9,7 +9,6 @@ decoupled mode streaming requests get one response per generated token.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -70,11 +69,9 @@ class _Request:
             elif results is None:
                 forge_glue.send(self.sender, flags=FINAL)
             else:
-                specs = self.model.output_specs
-                if self.wanted is not None:  # only what the client asked for (see forge_glue)
-                    specs = {name: spec for name, spec in specs.items() if name in self.wanted}
-                tensors = assemble(results, specs, self._pad())
-                forge_glue.send(self.sender, tensors, wanted=self.wanted, flags=FINAL if final else 0)
+                # only what the client asked for (see forge_glue), and only that is computed
+                tensors = assemble(results, self.model.output_specs, self._pad(), wanted=self.wanted)
+                forge_glue.send(self.sender, tensors, flags=FINAL if final else 0)
         except Exception as exc:  # the client went away; nothing else to do for it
             self.model.log_warn(f"could not send a response for request {self.request_id!r}: {exc}")
         if final:

@@ -50,8 +50,11 @@ def _padded(rows: list[list], fill, dtype) -> np.ndarray:
     return out
 
 
-def assemble(results: list[RowResult], specs: Mapping[str, OutputSpec], pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Every configured output for ``results`` (one entry per batch row), cast to its dtype."""
+def assemble(results: list[RowResult], specs: Mapping[str, OutputSpec], pad_id: int = 0,
+             wanted: set[str] | None = None) -> dict[str, np.ndarray]:
+    """The configured outputs in ``wanted`` (None: all) for ``results`` (one entry per row), cast to their dtypes."""
+    if wanted is not None:
+        specs = {name: spec for name, spec in specs.items() if name in wanted}
     batch = len(results)
     tensors: dict[str, np.ndarray] = {
         "output_ids": _padded([r.ids for r in results], pad_id, np.int64),
