@@ -20,6 +20,7 @@ from forge.cli import main
     (["-o", "batching_strategy=V2"], "-o batching_strategy=V2 is not valid; choose one of"),
     (["-o", "max_queue_delay_microseconds=soon"], "-o max_queue_delay_microseconds takes an integer"),
     (["--target", "tensorrtllm", "-o", "device=cuda"], "-o device has no effect on --target tensorrtllm"),
+    (["-o", "max_num_images=2"], "unknown -o max_num_images for family gpt"),
     (["--backend-version", "v0.5.0", "-o", "enable_kv_cache_reuse=true"],
      "-o enable_kv_cache_reuse is not a parameter of tensorrtllm_backend"),
 ])

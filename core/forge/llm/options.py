@@ -66,6 +66,11 @@ FORGE = (
     Option("cpu_threads", "int", "python target: torch intra-op threads (0: automatic)", 0, PYTHON, minimum=0),
 )
 
+#: Template parameters of the multimodal path, which forge's text models do not have yet (issue 10):
+#: not declared, so the driver refuses them instead of writing values nothing reads.
+_MULTIMODAL = {"hf_model_path", "max_num_images", "multimodal_model_path", "visual_model_path",
+               "multimodal_encoders_name"}
+
 #: tensorrt_llm parameters the python target honours too (same name, same meaning).
 _PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms"}
 
@@ -93,7 +98,7 @@ def decoder_options() -> tuple[Option, ...]:
     seen: dict[str, list[tuple[str, profiles.Parameter]]] = {}
     for profile in profiles.PROFILES.values():
         for p in profile.parameters:
-            if not p.fixed and p.name not in options:
+            if not p.fixed and p.name not in options and p.name not in _MULTIMODAL:
                 seen.setdefault(p.name, []).append((profile.version, p))
     options.update({name: _from_parameters(versions) for name, versions in seen.items()})
     return tuple(options.values())
