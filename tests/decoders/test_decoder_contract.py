@@ -20,6 +20,11 @@ from forge.cli import main
     (["-o", "batching_strategy=V2"], "-o batching_strategy=V2 is not valid; choose one of"),
     (["-o", "max_queue_delay_microseconds=soon"], "-o max_queue_delay_microseconds takes an integer"),
     (["--target", "tensorrtllm", "-o", "device=cuda"], "-o device has no effect on --target tensorrtllm"),
+    (["--target", "hf-pipeline", "-o", "bls=true"], "-o bls has no effect on --target hf-pipeline"),
+    (["--target", "hf-pipeline", "-o", "compute_dtype=bfloat16"], "-o compute_dtype has no effect on --target hf-pipeline"),
+    (["--target", "hf-pipeline", "--quant", "w8a16"], "--target hf-pipeline serves the checkpoint's own weights"),
+    (["--target", "hf-pipeline", "--tp", "2"], "cannot split across ranks for --target hf-pipeline"),
+    (["--target", "python", "-o", "compute_dtype=int8"], "compute_dtype"),
     (["-o", "max_num_images=2"], "unknown -o max_num_images for family gpt"),
     (["--backend-version", "v0.5.0", "-o", "enable_kv_cache_reuse=true"],
      "-o enable_kv_cache_reuse is not a parameter of tensorrtllm_backend"),
@@ -68,3 +73,17 @@ def test_scheduler_policy_values_follow_the_release(tiny_gpt2, tmp_path, capsys)
     assert "is not valid for tensorrtllm_backend v0.13.0; choose one of guaranteed_no_evict" in capsys.readouterr().err
     assert build("v0.5.0", "guaranteed_no_evict") == 2
     assert "choose one of guaranteed_completion, max_utilization" in capsys.readouterr().err
+
+
+def test_hf_pipeline_target_writes_the_seed_model_as_the_ensemble(tiny_gpt2, tmp_path):
+    """--target hf-pipeline: one python model named ensemble, no dynamic batching, one instance, no export."""
+    from forge import tritonconfig
+
+    out = tmp_path / "repo"
+    assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "hf-pipeline", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["ensemble"]
+    config = tritonconfig.read(out / "ensemble")
+    assert config.backend == "python" and config.max_batch_size == 0 and not config.HasField("dynamic_batching")
+    assert [i.name for i in config.input][:2] == ["text_input", "max_tokens"]
+    assert config.parameters["dtype"].string_value == "float16"  # as seed 000 writes it
+    assert (out / "ensemble" / "1" / "hf" / "config.json").is_file()

@@ -1,8 +1,8 @@
 """Fixtures for serving tests: a tiny GPT-2 built with --target python once per session, one shared server.
 
-Three repositories are built through the real CLI (``forge build --family gpt --target python``):
-the newest backend profile, the same with ``--decoupled`` (streaming), and ``--backend-version
-v0.5.0`` (UINT32 lengths). They are merged into one model repository (different name prefixes)
+Four repositories are built through the real CLI (``forge build --family gpt --target python``):
+the newest backend profile, the same with ``--decoupled`` (streaming), ``--backend-version
+v0.5.0`` (UINT32 lengths) and ``--backend-version v0.13.0 -o bls=true`` (tensorrtllm_backend's tools). They are merged into one model repository (different name prefixes)
 and served by one real tritonserver for the whole session, which keeps CI time low.
 """
 
@@ -23,6 +23,8 @@ BUILDS = {  # name prefix → extra build arguments
     "": [],
     "s_": ["--decoupled"],
     "v5_": ["--backend-version", "v0.5.0"],
+    "v13_": ["--backend-version", "v0.13.0", "-o", "bls=true"],  # the release of the tool tests, with BLS
+    "hf_": ["--target", "hf-pipeline", "--dtype", "float32"],  # seed 000's per-request pipeline model
 }
 
 
@@ -59,7 +61,7 @@ def build(model: Path, out: Path, *extra: str) -> Path:
 
 @pytest.fixture(scope="session")
 def repos(tiny_gpt2, tmp_path_factory) -> dict[str, Path]:
-    """The three built repositories, by name prefix."""
+    """The built repositories, by name prefix."""
     root = tmp_path_factory.mktemp("repos")
     return {prefix: build(tiny_gpt2, root / (prefix or "plain").rstrip("_"),
                           *(["--name-prefix", prefix] if prefix else []), *extra)
@@ -68,7 +70,7 @@ def repos(tiny_gpt2, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def merged_repo(repos, tmp_path_factory) -> Path:
-    """Every model of the three builds in one repository (their names do not clash)."""
+    """Every model of the builds in one repository (their names do not clash)."""
     out = tmp_path_factory.mktemp("merged") / "repo"
     out.mkdir()
     for repo in repos.values():

@@ -234,3 +234,36 @@ def test_engine_thread_serves_requests_submitted_while_running(model):
     finally:
         engine.stop()
     assert [results[id(s)] for s in seqs] == [hf_greedy(model, p, n) for p, n in zip(PROMPTS[:3], (6, 9, 4))]
+
+
+def hf_greedy_embeds(model, embeds, n):
+    """transformers' greedy continuation of a prompt given as input embeddings [tokens, hidden]."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(inputs_embeds=embeds[None], attention_mask=torch.ones(1, embeds.shape[0], dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, -n:].tolist()
+
+
+def test_ids_past_the_vocabulary_embed_prompt_table_rows_or_zeros(model):
+    """ids ≥ vocab: rows of the request's prompt table (TensorRT-LLM prompt tuning), zeros without a table;
+    batched with a plain prompt, whose answer must not change."""
+    embed = model.get_input_embeddings()
+    hidden = embed.embedding_dim
+    table = torch.randn(3, hidden, generator=torch.Generator().manual_seed(3))
+    tuned, outside, plain = [5, VOCAB + 2, VOCAB, 17], [5, 2**31 - 2, 17], [9, 8, 7]
+    collect, seqs = run(model, [GenerationRequest(tuned, 6, prompt_table=table.numpy()),
+                                GenerationRequest(outside, 6), GenerationRequest(plain, 6)])
+    with torch.no_grad():
+        rows = embed(torch.tensor([5, 0, 0, 17]))
+        rows[1], rows[2] = table[2], table[0]
+        zeros = embed(torch.tensor([5, 0, 17]))
+        zeros[1] = 0.0
+        assert collect.tokens(seqs[0]) == hf_greedy_embeds(model, rows, 6)
+        assert collect.tokens(seqs[1]) == hf_greedy_embeds(model, zeros, 6)
+    assert collect.tokens(seqs[2]) == hf_greedy(model, plain, 6)
+
+
+def test_penalties_ignore_prompt_ids_past_the_vocabulary(model):
+    req = GenerationRequest([5, 2**31 - 2, 17], 4, sampling=SamplingParams(repetition_penalty=1.3))
+    collect, seqs = run(model, [req])
+    assert len(collect.tokens(seqs[0])) == 4 and collect.reason(seqs[0]) == "length"

@@ -321,7 +321,6 @@ def test_stop_request_ends_a_running_request(server, tokenizer):
 
 @pytest.mark.parametrize("body, message", [
     (dict(text_input=PROMPT, max_tokens=0), "request_output_len must be at least 1"),  # max tokens ≤ 0
-    (dict(text_input=PROMPT, max_tokens=5000), "max_seq_len"),  # beyond the model's limit
     (dict(text_input="hello " * 200, max_tokens=4), "max_input_len"),  # prompt longer than the context
     (dict(text_input=PROMPT, max_tokens=4, top_p=3.0), "runtime_top_p must be in [0, 1]"),
     (dict(text_input=PROMPT, max_tokens=4, beam_width=4), "beam"),
@@ -332,6 +331,14 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, body, me
     assert status == 400 and message in answer["error"]
     status, ok = generate(server, "ensemble", text_input=PROMPT, max_tokens=3)
     assert status == 200 and ok["text_output"].startswith(PROMPT)
+
+
+def test_max_tokens_past_max_seq_len_is_shortened_as_tensorrt_llm_does(server):
+    """Not an error in TensorRT-LLM either: the engine generates up to max_seq_len and logs a warning."""
+    result = infer(server, "tensorrt_llm", llm_tensors([1, 2, 3], 5000))
+    assert result.as_numpy("sequence_length").reshape(-1).tolist() == [MAX_SEQ_LEN]
+    status, body = generate(server, "ensemble", text_input=PROMPT, max_tokens=5000)
+    assert status == 200 and body["text_output"].startswith(PROMPT)
 
 
 def test_empty_prompt_gets_an_error(server, tokenizer):
@@ -369,6 +376,17 @@ def test_v0_5_0_repository_answers_a_uint32_max_tokens_client(server, tokenizer)
     assert text.startswith(PROMPT) and len(text) > len(PROMPT)
     status, body = generate(server, "v5_ensemble", text_input=PROMPT, max_tokens=6, bad_words="", stop_words="")
     assert status == 200 and body["text_output"] == text
+
+
+def test_hf_pipeline_target_answers_like_transformers_and_refuses_word_lists(server, tokenizer, hf_model):
+    """--target hf-pipeline: seed 000's model, reached like an ensemble; greedy = transformers generate."""
+    status, body = generate(server, "hf_ensemble", text_input=PROMPT, max_tokens=6, bad_words="", stop_words="")
+    ids = tokenizer(PROMPT).input_ids
+    assert status == 200 and body["text_output"] == tokenizer.decode(ids + hf_greedy(hf_model, ids, 6))
+    status, body = generate(server, "hf_ensemble", text_input=PROMPT, max_tokens=6, exclude_input_in_output=True)
+    assert status == 200 and body["text_output"] == tokenizer.decode(hf_greedy(hf_model, ids, 6))
+    status, body = generate(server, "hf_ensemble", text_input=PROMPT, max_tokens=6, stop_words="learning")
+    assert status == 400 and "stop_words is not supported by the hf-pipeline target" in body["error"]
 
 
 def test_python_model_has_exactly_the_tensorrt_llm_interface_of_its_profile(merged_repo):

@@ -33,9 +33,14 @@ def test_defaults_are_tensorrt_llm_defaults():
 @pytest.mark.parametrize("extra, message", [
     (dict(out=0), "request_output_len must be at least 1"),  # max tokens ≤ 0
     (dict(out=-3), "request_output_len must be at least 1"),
-    (dict(out=30), "exceeds this model's max_seq_len 32"),  # beyond the model's limit
     (dict(ids=tuple(range(1, 18)), out=1), "more than this model's max_input_len 16"),  # prompt too long
-    (dict(ids=(1, 2, 300)), "outside the vocabulary"),  # token id out of range
+    (dict(ids=(1, 2, -4)), "negative token id -4"),  # token id below the vocabulary
+    (dict(ids=(1, 2, 103), prompt_embedding_table=np.ones((1, 2, 4), np.float16)),
+     "with a prompt table of 2 rows ids must be below 102"),  # past the prompt table
+    (dict(ids=(1, 101), prompt_embedding_table=np.ones((1, 3, 4), np.float16), prompt_vocab_size=np.array([[1]])),
+     "with a prompt table of 1 rows ids must be below 101"),  # prompt_vocab_size limits the table
+    (dict(decoder_input_ids=np.array([[5, 6]], np.int32), decoder_input_lengths=np.array([[2]], np.int32)),
+     "decoder_input_ids is the decoder prompt of encoder-decoder models"),
     (dict(beam_width=np.array([[2]])), "beam_width 2 is not supported"),
     (dict(num_return_sequences=np.array([[3]])), "num_return_sequences 3 is not supported"),
     (dict(runtime_top_p=np.array([[1.5]], np.float32)), "runtime_top_p must be in [0, 1]"),
@@ -44,7 +49,6 @@ def test_defaults_are_tensorrt_llm_defaults():
     (dict(repetition_penalty=np.array([[0.0]], np.float32)), "repetition_penalty must be > 0"),
     (dict(streaming=np.array([[True]])), "streaming needs a decoupled model"),
     (dict(embedding_bias=np.ones((1, 7), np.float32)), "embedding_bias has 7 values"),
-    (dict(prompt_embedding_table=np.ones((1, 2, 4), np.float16)), "'prompt_embedding_table' is not supported"),
     (dict(lora_task_id=np.array([[4]], np.uint64)), "'lora_task_id' is not supported"),
     (dict(stop_words_list=np.array([[[5, 6], [3, -1]]], np.int32)), "invalid offset 3"),
 ])
@@ -54,6 +58,36 @@ def test_bad_requests_get_one_clear_error(extra, message):
     out = extra.pop("out", 5)
     with pytest.raises(rq.RequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse(tensors(ids, out, **extra))
+
+
+def test_output_len_beyond_max_seq_len_is_shortened_with_a_warning_as_tensorrt_llm_does():
+    warnings = []
+    (req,) = rq.parse(tensors(out=30), LIMITS, decoupled=False, warn=warnings.append)
+    assert req.max_new_tokens == 29
+    assert warnings == ["prompt length + requested output tokens (3 + 30) exceeds the maximum sequence length (32); "
+                        "requested output tokens changed to 29"]
+
+
+def test_ids_past_the_vocabulary_are_served_and_select_prompt_table_rows():
+    """tensorrtllm_backend's benchmark_core_model.py token-norm-dist sends ids in [0, 2**31 - 1)."""
+    (plain,) = parse(tensors(ids=(1, 2**31 - 2)))
+    assert plain.prompt == [1, 2**31 - 2] and plain.prompt_table is None
+    table = np.arange(24, dtype=np.float16).reshape(1, 3, 8)
+    (tuned,) = rq.parse(tensors(ids=(100, 5, 102), prompt_embedding_table=table, prompt_vocab_size=np.array([[3]])),
+                        rq.Limits(vocab_size=100, max_input_len=16, max_seq_len=32, hidden_size=8), decoupled=False)
+    assert tuned.prompt_table.shape == (3, 8) and tuned.prompt_table.dtype == np.float32
+    with pytest.raises(rq.RequestError, match="rows have 8 values; this model's hidden size is 4"):
+        rq.parse(tensors(ids=(100,), prompt_embedding_table=table),
+                 rq.Limits(vocab_size=100, max_input_len=16, max_seq_len=32, hidden_size=4), decoupled=False)
+
+
+def test_the_preprocessing_placeholders_of_tensorrtllm_backend_are_accepted():
+    """v0.13.0+ preprocessing sends one pad token as decoder_input_ids, empty bias and word lists."""
+    t = tensors(decoder_input_ids=np.array([[2]], np.int32), decoder_input_lengths=np.array([[1]], np.int32),
+                embedding_bias=np.empty((1, 0), np.float32), bad_words_list=np.zeros((1, 2, 1), np.int32) - [[[0], [1]]],
+                prompt_table_extra_ids=np.zeros((1, 3), np.uint64))
+    (req,) = parse(t)
+    assert req.embedding_bias is None and req.bad_words == []
 
 
 def test_empty_prompt_is_refused():
@@ -120,4 +154,4 @@ def test_responses_have_the_backend_shapes_and_configured_dtypes():
     assert out["cum_log_probs"].tolist() == [[-0.5], [-3.0]]
     assert out["output_log_probs"].tolist() == [[[-0.5, 0.0]], [[-1.0, -2.0]]]
     assert out["generation_logits"].shape == (2, 1, 1, 1)
-    assert out["kv_cache_reused_blocks"].tolist() == [[0], [0]]
+    assert "kv_cache_reused_blocks" not in out  # not measured here: absent, never a zero that looks measured

@@ -48,10 +48,10 @@ def test_infer_stop_after_ms_cancels(server, capsys):
 
 
 def test_infer_reports_server_errors_in_one_line(server, capsys):
-    """Bad request: max tokens beyond the model's limit, through forge infer."""
-    assert main(["infer", PROMPT, "--max-tokens", "5000", "--url", server.http_url]) == 1
+    """Bad request: a prompt longer than the model's max input length, through forge infer."""
+    assert main(["infer", "hello " * 200, "--max-tokens", "4", "--url", server.http_url]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("forge: error: the server refused the request") and "max_seq_len" in err
+    assert err.startswith("forge: error: the server refused the request") and "max_input_len" in err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -10,6 +10,7 @@ which parameter stays the family's check (:func:`check_options`).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 from forge.components import Option
@@ -22,7 +23,8 @@ from .profiles import Parameter, Profile
 
 TRTLLM = ("tensorrtllm",)
 PYTHON = ("python",)
-ALL = ()  # every target of the family
+ALL = ("tensorrtllm", "python")  # the targets with preprocessing / tensorrt_llm / postprocessing models
+SERVED = ("python", "hf-pipeline")  # the targets whose model runs torch inside tritonserver
 
 _KINDS = {"str": "str", "bool": "bool", "int": "int", "float": "float"}
 DTYPES = "TYPE_FP32, TYPE_FP16 or TYPE_BF16"
@@ -31,7 +33,8 @@ DTYPES = "TYPE_FP32, TYPE_FP16 or TYPE_BF16"
 FORGE = (
     Option("decoupled", "bool", "streaming (decoupled) tensorrt_llm / BLS models", False, flag="--decoupled"),
     Option("bls", "bool", "add the tensorrt_llm_bls model (tensorrtllm_backend v0.7+)", False),
-    Option("instances", "int", "instance count of every served model", 1, minimum=1, flag="--instances"),
+    Option("instances", "int", "instance count of every served model", 1, ALL + ("hf-pipeline",), minimum=1,
+           flag="--instances"),
     Option("preprocessing_instance_count", "int", "instance count of preprocessing (default: --instances)",
            None, minimum=1),
     Option("postprocessing_instance_count", "int", "instance count of postprocessing (default: --instances)",
@@ -62,9 +65,16 @@ FORGE = (
     Option("workers", "int", "trtllm-build --workers (default: the world size)", None, TRTLLM, minimum=1),
     Option("trtllm_build_args", "str", "extra trtllm-build arguments, appended verbatim", None, TRTLLM),
     # the python target's runtime
-    Option("device", "str", "python target: auto, cpu, cuda or cuda:N", "auto", PYTHON),
-    Option("cpu_threads", "int", "python target: torch intra-op threads (0: automatic)", 0, PYTHON, minimum=0),
+    Option("device", "str", "python / hf-pipeline targets: auto, cpu, cuda or cuda:N", "auto", SERVED),
+    Option("compute_dtype", "choice", "python target: torch dtype of the served model (auto: --dtype on a GPU; on a "
+           "CPU bfloat16 where it has bf16 matmuls, else float32)", "auto", PYTHON,
+           choices=("auto", "float32", "bfloat16", "float16")),
+    Option("cpu_threads", "int", "python / hf-pipeline targets: torch intra-op threads (0: automatic)", 0, SERVED,
+           minimum=0),
 )
+
+# An option that names no target is read by the targets with the text models, not by hf-pipeline.
+FORGE = tuple(o if o.targets else replace(o, targets=ALL) for o in FORGE)
 
 #: Template parameters of the multimodal path, which forge's text models do not have yet (issue 10):
 #: not declared, so the driver refuses them instead of writing values nothing reads.

@@ -11,7 +11,7 @@ from forge.components import Component, Family
 from .adapter import DecoderAdapter
 from .options import decoder_options
 
-TARGETS = ("tensorrtllm", "python")
+TARGETS = ("tensorrtllm", "python", "hf-pipeline")
 QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
 
 
@@ -32,6 +32,10 @@ class DecoderPlugin:
             from .pytarget import check_spec
 
             check_spec(spec)
+        elif spec.target == "hf-pipeline":
+            from .hfpipeline import check_spec
+
+            check_spec(spec)
         family = self.adapter.family
         return [Component(name=f"{spec.name_prefix}{family}", family=family, role="llm",
                           source=spec.source_for(family), prefix=spec.name_prefix,
@@ -49,6 +53,10 @@ class DecoderPlugin:
     def forge_export(self, component, ctx):
         if not self._mine(component):
             return None
+        if ctx.target == "hf-pipeline":
+            from . import hfpipeline
+
+            return hfpipeline.export(component.source, ctx)
         from . import checkpoint
 
         return checkpoint.export(self.adapter, component.source, ctx)
@@ -73,6 +81,10 @@ class DecoderPlugin:
     def forge_emit_config(self, component, artifact, ctx):
         if not self._mine(component):
             return None
+        if ctx.target == "hf-pipeline":
+            from . import hfpipeline
+
+            return hfpipeline.emit(component, ctx)
         from . import repository
 
         return repository.emit(self.adapter, component, artifact, ctx)
@@ -81,5 +93,5 @@ class DecoderPlugin:
     def forge_ensemble_edges(self, components, models, ctx):
         from . import repository
 
-        return [edge for c in components if self._mine(c)
+        return [edge for c in components if self._mine(c) and ctx.spec.target != "hf-pipeline"
                 for edge in repository.edges(c, models, ctx)]

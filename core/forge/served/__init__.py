@@ -6,6 +6,7 @@ ship ``forge_text.py``. The build imports these files for parity checks, never t
 
     decoder/          preprocessing, postprocessing, tensorrt_llm_bls  →  <model>/1/model.py
     decoder_engine/   the python target's tensorrt_llm model (model.py) and its engine (forge_decoder/)
+    hf_pipeline.py    --target hf-pipeline: the Hugging Face text-generation pipeline per request
     encoder/          tokenizer, image preprocessing, ONNX Runtime encoder
 """
 
@@ -19,6 +20,7 @@ POSTPROCESSING = HERE / "decoder" / "postprocessing.py"
 BLS = HERE / "decoder" / "bls.py"
 DECODER_MODEL = HERE / "decoder_engine" / "model.py"
 DECODER_RUNTIME = HERE / "decoder_engine" / "forge_decoder"  # shipped as 1/forge_decoder/
+HF_PIPELINE = HERE / "hf_pipeline.py"  # --target hf-pipeline: seed 000's per-request pipeline model
 TOKENIZER = HERE / "encoder" / "tokenizer.py"
 IMAGE = HERE / "encoder" / "image.py"
 ONNX_ENCODER = HERE / "encoder" / "onnx_encoder.py"

@@ -80,6 +80,30 @@ def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
     return min(spec.limits.max_input_len, max_seq_len - 1), max_seq_len
 
 
+def runtime_choices(spec, ctx) -> dict[str, Any]:
+    """What the served model will choose on this machine (the build machine) for device, dtype and threads.
+
+    The model decides again when it starts (``auto`` follows the machine that serves it) and logs it.
+    """
+    import os
+
+    device, dtype, threads = ctx.option("device", "auto"), ctx.option("compute_dtype", "auto"), ctx.option(
+        "cpu_threads", 0)
+    resolved: dict[str, Any] = {"device": device, "compute_dtype": dtype, "cpu_threads": threads}
+    try:
+        import torch
+
+        from ...served.decoder_engine.forge_decoder import engine
+    except ImportError:  # the build machine has no torch: nothing to resolve here
+        return resolved
+    where = engine.choose_device(device)
+    resolved["on_this_machine"] = {
+        "device": str(where), "compute_dtype": str(engine.choose_dtype(where, dtype, spec.dtype)).removeprefix("torch."),
+        "cpu_threads": engine.choose_threads(where, int(threads)), "cores": len(os.sched_getaffinity(0)),
+        "cpu_bf16_matmul": engine.cpu_has_bf16(), "torch": torch.__version__}
+    return resolved
+
+
 def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) -> TritonModel:
     """The python-backend ``tensorrt_llm`` model of ``component`` for ``profile``'s interface."""
     from ..interface import tensorrt_llm_io, truthy
@@ -96,6 +120,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "weights": WEIGHTS_DIR,
         "dtype": spec.dtype,
         "device": ctx.option("device", "auto"),
+        "compute_dtype": ctx.option("compute_dtype", "auto"),
         "cpu_threads": ctx.option("cpu_threads", 0),
         "vocab_size": meta.get("vocab_size"),
         "max_input_len": max_input_len,
@@ -116,5 +141,6 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
     # Weights are hard-linked (they can be GBs); the code is written as contents.
     files: dict[str, Path | bytes | str] = {**runtime_files(), **weight_files(component.source)}
     ctx.note("python_target", {"max_input_len": max_input_len, "max_seq_len": max_seq_len,
-                               "decoupled": decoupled, "weights": sorted(k for k in files if "/hf/" in k)})
+                               "decoupled": decoupled, "weights": sorted(k for k in files if "/hf/" in k),
+                               "runtime": runtime_choices(spec, ctx)})
     return TritonModel(config, files)

@@ -11,6 +11,9 @@ import json
 import os
 import sys
 
+# Text work only: one OpenMP thread, so this process never competes with the decoder for cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -39,7 +42,6 @@ class TritonPythonModel:
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         self.inputs = {t["name"] for t in config["input"]}
         self.outputs = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
-        self.text_rank = next(len(t["dims"]) for t in config["output"] if t["name"] == "text_output")
 
     # -- Triton entry points ---------------------------------------------------------------
     def execute(self, requests):
@@ -129,6 +131,8 @@ class TritonPythonModel:
                 continue
             value = self._get(request, bls_name)
             if value is not None:
+                if value.ndim == 1 and value.size == batch:  # a scalar input reshaped to [] in this config
+                    value = value.reshape(batch, 1)
                 inputs.append(pb_utils.Tensor(llm_in, value))
         if self.routes.get("stream_input"):
             inputs.append(pb_utils.Tensor(self.routes["stream_input"], np.full((batch, 1), stream, dtype=bool)))
@@ -154,10 +158,10 @@ class TritonPythonModel:
             raise RequestError(f"{self.llm} finished without returning tokens")
         return None
 
-    def _text_tensor(self, texts):
-        if self.text_rank == 2:
-            texts = texts[:, :, None]
-        return pb_utils.Tensor("text_output", texts)
+    @staticmethod
+    def _text_tensor(texts):
+        # [batch * beams], as the postprocessing model and tensorrtllm_backend's BLS return it
+        return pb_utils.Tensor("text_output", texts.reshape(-1))
 
     def _outputs(self, response, detokenizers):
         """The BLS outputs (text and passed-through tensors) of one tensorrt_llm response."""

@@ -5,9 +5,15 @@ It decodes each beam's ``sequence_length`` tokens like the tokenizer does, unles
 tensorrt_llm model is decoupled (``streaming`` parameter): then a response may hold only the tokens
 generated since the previous one, and the model returns exactly the bytes those tokens add after
 the text before them. Spaces that SentencePiece keeps inside tokens ("▁Paris") are not lost and the
-pieces concatenate to the full text; a character whose bytes span two streamed tokens arrives split
-across two pieces, so clients join pieces as bytes (as ``forge infer`` does). A response that starts
+pieces concatenate to the full text. Every piece is valid UTF-8, as tensorrtllm_backend's own
+postprocessing makes it (its clients call ``text_output[0].decode()`` on each): a character whose bytes
+span two streamed tokens arrives as U+FFFD in each piece, exactly as there. The BLS model
+(``-o bls=true``) keeps per-request state and streams such characters whole. A response that starts
 with the tokenizer's BOS token holds a whole sequence and is decoded normally.
+
+``OUTPUT`` is one text per beam of every row, flattened to ``[batch * beams]`` whatever rank the
+config declares: the shape tensorrtllm_backend's own postprocessing returns (every release), which
+its clients index as ``text_output[0].decode()``.
 
 Inputs ``X`` with a declared output ``OUT_X`` (log probs, logits, batch index in older backend
 versions) are passed through unchanged.
@@ -15,6 +21,9 @@ versions) are passed through unchanged.
 
 import os
 import sys
+
+# Text work only: one OpenMP thread, so this process never competes with the decoder for cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -33,7 +42,6 @@ class TritonPythonModel:
         self.streaming = forge_text.parse_bool(params.get("streaming"), False)
         self.inputs = {t["name"] for t in config["input"]}
         outputs = {t["name"]: t for t in config["output"]}
-        self.output_rank = len(outputs["OUTPUT"]["dims"])  # [-1] → [batch, beam]; [-1, -1] → [batch, beam, 1]
         self.passthrough = [(name[len("OUT_"):], name) for name in outputs
                             if name.startswith("OUT_") and name[len("OUT_"):] in self.inputs]
 
@@ -47,7 +55,9 @@ class TritonPythonModel:
         whole = len(ids) > 0 and self.bos_id is not None and int(ids[0]) == self.bos_id
         if not self.streaming or whole:
             return forge_text.decode(self.tokenizer, ids, self.skip_special_tokens).encode("utf-8")
-        return self.codec.bytes_of(ids, at_start=False)
+        # Valid UTF-8 like the backend's own postprocessing (its clients decode every piece): bytes of a
+        # character that the previous or next token completes become U+FFFD; the BLS model keeps them whole.
+        return self.codec.bytes_of(ids, at_start=False).decode("utf-8", errors="replace").encode("utf-8")
 
     def _process(self, request):
         tokens = self._get(request, "TOKENS_BATCH")
@@ -61,9 +71,7 @@ class TritonPythonModel:
             for beam in range(beams):
                 length = int(min(max(lengths[b, min(beam, lengths.shape[1] - 1)], 0), tokens.shape[2]))
                 texts[b, beam] = self._text(tokens[b, beam, :length].tolist())
-        if self.output_rank == 2:
-            texts = texts[:, :, None]
-        out = [pb_utils.Tensor("OUTPUT", texts)]
+        out = [pb_utils.Tensor("OUTPUT", texts.reshape(-1))]
         for source, target in self.passthrough:
             value = self._get(request, source)
             if value is not None:

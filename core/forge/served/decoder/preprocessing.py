@@ -9,6 +9,9 @@ absent are not produced; the ensemble then leaves the matching tensorrt_llm inpu
 import os
 import sys
 
+# Text work only: one OpenMP thread, so this process never competes with the decoder for cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -40,6 +43,13 @@ class TritonPythonModel:
 
     def _out(self, name, value):
         return pb_utils.Tensor(name, np.ascontiguousarray(value, dtype=self.dtypes[name]))
+
+    def _ids(self, request, name, default, batch):
+        """END_ID / PAD_ID of every row: the request's value, else the tokenizer's."""
+        given = self._get(request, name)
+        if given is None:
+            return np.full((batch, 1), default, dtype=np.int64)
+        return given.reshape(batch, -1)[:, :1].astype(np.int64)
 
     def _tokenize(self, texts, what):
         rows = []
@@ -74,33 +84,35 @@ class TritonPythonModel:
                 raise ValueError("max_tokens must not be negative")
             out.append(self._out("REQUEST_OUTPUT_LEN", output_len.reshape(batch, -1)[:, :1]))
 
-        decoder_query = self._get(request, "DECODER_QUERY")
-        if decoder_query is not None and "DECODER_INPUT_ID" in self.dtypes:
-            ids, lengths = self._tokenize(decoder_query, "decoder_text_input")
+        pad_ids = self._ids(request, "PAD_ID", self.pad_id, batch)
+        if "DECODER_INPUT_ID" in self.dtypes:
+            decoder_query = self._get(request, "DECODER_QUERY")
+            if decoder_query is not None:
+                ids, lengths = self._tokenize(decoder_query, "decoder_text_input")
+            else:  # the backend's placeholder: one pad token per row
+                ids, lengths = pad_ids, np.ones((batch, 1), dtype=np.int64)
             out.append(self._out("DECODER_INPUT_ID", ids))
             out.append(self._out("REQUEST_DECODER_INPUT_LEN", lengths))
 
         for words_name, ids_name, extra in (("BAD_WORDS_DICT", "BAD_WORDS_IDS", ()),
                                             ("STOP_WORDS_DICT", "STOP_WORDS_IDS", self.stop_token_ids)):
-            words = self._get(request, words_name)
-            if ids_name in self.dtypes and (words is not None or extra):
+            if ids_name in self.dtypes:
+                words = self._get(request, words_name)
                 out.append(self._out(ids_name, forge_text.word_list(words, batch, self.tokenizer, extra)))
 
         bias_words = self._get(request, "EMBEDDING_BIAS_WORDS")
         bias_weights = self._get(request, "EMBEDDING_BIAS_WEIGHTS")
-        if "EMBEDDING_BIAS" in self.dtypes and bias_words is not None and bias_weights is not None:
-            out.append(self._out("EMBEDDING_BIAS", forge_text.embedding_bias(
-                bias_words, bias_weights, self.vocab_size, self.tokenizer)))
-        elif (bias_words is None) != (bias_weights is None) and "EMBEDDING_BIAS" in self.dtypes:
+        if (bias_words is None) != (bias_weights is None) and "EMBEDDING_BIAS" in self.dtypes:
             raise ValueError("embedding_bias_words and embedding_bias_weights must be given together")
+        if "EMBEDDING_BIAS" in self.dtypes:
+            bias = np.empty((batch, 0)) if bias_words is None else forge_text.embedding_bias(
+                bias_words, bias_weights, self.vocab_size, self.tokenizer)
+            out.append(self._out("EMBEDDING_BIAS", bias))
 
-        for name, default in (("END_ID", self.end_id), ("PAD_ID", self.pad_id)):
-            if f"OUT_{name}" not in self.dtypes:
-                continue
-            given = self._get(request, name)
-            value = np.full((batch, 1), default, dtype=np.int64) if given is None \
-                else given.reshape(batch, -1)[:, :1].astype(np.int64)
-            out.append(self._out(f"OUT_{name}", value))
+        for name, value in (("OUT_END_ID", self._ids(request, "END_ID", self.end_id, batch)),
+                            ("OUT_PAD_ID", pad_ids)):
+            if name in self.dtypes:
+                out.append(self._out(name, value))
 
         extra_id = self._get(request, "PROMPT_TABLE_EXTRA_ID")
         if extra_id is not None and "OUT_PROMPT_TABLE_EXTRA_IDS" in self.dtypes:

@@ -133,16 +133,17 @@ class TritonPythonModel:
             for o in config["output"]}
         here = Path(__file__).resolve().parent
         weights = here / _parameter(config, "weights", "hf")
-        threads = int(os.environ.get("FORGE_PYTARGET_THREADS") or _parameter(config, "cpu_threads", "0"))
         import torch
 
-        if threads > 0:
-            torch.set_num_threads(threads)
         device = engine_mod.choose_device(os.environ.get("FORGE_PYTARGET_DEVICE") or _parameter(config, "device", "auto"))
-        dtype = engine_mod.choose_dtype(device, _parameter(config, "dtype", "float32"))
+        threads = engine_mod.choose_threads(device, int(os.environ.get("FORGE_PYTARGET_THREADS")
+                                                        or _parameter(config, "cpu_threads", "0")))
+        torch.set_num_threads(threads)
+        dtype = engine_mod.choose_dtype(device, _parameter(config, "compute_dtype", "auto"),
+                                        _parameter(config, "dtype", "float16"))
         model = engine_mod.load_model(weights, device, dtype)
         vocab = int(model.get_output_embeddings().weight.shape[0])
-        self.limits = Limits(vocab_size=vocab,
+        self.limits = Limits(vocab_size=vocab, hidden_size=int(model.get_input_embeddings().embedding_dim),
                              max_input_len=int(_parameter(config, "max_input_len", "1024")),
                              max_seq_len=int(_parameter(config, "max_seq_len", "2048")))
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
@@ -156,7 +157,8 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self._metrics()
         pb_utils.Logger.log_info(
-            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}), "
+            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, "
+            f"{torch.get_num_threads()} torch threads), "
             f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
             f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}")
 
@@ -216,7 +218,8 @@ class TritonPythonModel:
                 if is_stop(tensors):
                     self._stop(request_id, sender)
                     continue
-                rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input)
+                rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
+                             warn=pb_utils.Logger.log_warn)
             except RequestError as exc:
                 forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue

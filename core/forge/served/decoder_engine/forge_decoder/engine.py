@@ -9,6 +9,7 @@ ones. Sequences of different prompt lengths, output lengths and sampling paramet
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import time
 import traceback
@@ -73,11 +74,39 @@ def choose_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def choose_dtype(device: torch.device, name: str) -> torch.dtype:
-    # Half precision matmuls on CPU are slow or missing; CPUs compute in float32.
-    if device.type == "cpu" and name != "bfloat16":
-        return torch.float32
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); else torch emulates it slowly."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def choose_dtype(device: torch.device, name: str, checkpoint: str = "float16") -> torch.dtype:
+    """The compute dtype: ``name`` when given, else (``auto``) the fast one for ``device``.
+
+    auto: on a GPU the build's dtype (``checkpoint``); on a CPU bfloat16 where it has bf16 matmuls,
+    else float32 (float16 matmuls on CPUs are emulated and several times slower).
+    """
+    if name in ("", "auto"):
+        if device.type != "cpu":
+            return DTYPES.get(checkpoint, torch.float16)
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
     return DTYPES.get(name, torch.float32)
+
+
+def choose_threads(device: torch.device, requested: int) -> int:
+    """torch intra-op threads: ``requested`` when > 0, else (auto) every core this process may use on a
+    CPU, torch's default on a GPU (it only feeds the device)."""
+    if requested > 0:
+        return requested
+    if device.type == "cpu":
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:
+            return os.cpu_count() or 1
+    return torch.get_num_threads()
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype):
@@ -238,10 +267,33 @@ class Engine:
                 admitted.append(self._pending.popleft())
         return admitted
 
+    def _embed(self, ids: torch.Tensor, admitted: list[Sequence]) -> torch.Tensor | None:
+        """Input embeddings when a prompt holds ids past the vocabulary (None: plain ids will do).
+
+        Such ids select rows of the request's prompt table, or embed as zeros without one (see request.py).
+        """
+        table = self.model.get_input_embeddings()
+        vocab = table.num_embeddings
+        outside = ids >= vocab
+        if not bool(outside.any()):
+            return None
+        embeds = table(torch.where(outside, torch.zeros_like(ids), ids))
+        embeds = embeds.masked_fill(outside.unsqueeze(-1), 0.0)
+        for i, seq in enumerate(admitted):
+            rows = seq.request.prompt_table
+            if rows is not None and bool(outside[i].any()):
+                rows = torch.as_tensor(rows, dtype=embeds.dtype, device=embeds.device)
+                embeds[i, outside[i]] = rows[ids[i, outside[i]] - vocab]
+        return embeds
+
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
-                 keep_all: bool = False) -> torch.Tensor:
-        kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
+                 keep_all: bool = False, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=positions,
                                       past_key_values=cache, use_cache=True)
+        if embeds is None:
+            kwargs["input_ids"] = ids
+        else:
+            kwargs["inputs_embeds"] = embeds
         if self._keep_arg and not keep_all:
             kwargs[self._keep_arg] = 1
         if self._cache_position:
@@ -265,7 +317,8 @@ class Engine:
         cache = kvcache.new_cache()
         keep_all = any(s.request.return_context_logits for s in admitted)
         try:
-            logits = self._forward(ids, mask, positions, cache, keep_all=keep_all)
+            logits = self._forward(ids, mask, positions, cache, keep_all=keep_all,
+                                   embeds=self._embed(ids, admitted))
         except Exception as exc:
             self.log(f"forge decoder prefill failed: {traceback.format_exc()}")
             for seq in admitted:

@@ -3,12 +3,18 @@
 The tensor names and meanings are those of the ``tensorrt_llm`` model of tensorrtllm_backend
 (``input_ids``, ``request_output_len``, ``runtime_top_k``, ``stop_words_list`` …). Every value is
 checked here so that a bad request gets one clear error and never reaches the model.
+
+Token ids at or above the vocabulary size select rows of the request's ``prompt_embedding_table``
+(row id − vocab_size), as TensorRT-LLM's prompt tuning does. Without a table they embed as zero
+vectors: what TensorRT-LLM's vocabulary-parallel embedding lookup computes for an id outside a
+rank's rows (its tp=1 gather leaves such ids undefined), so workloads of random ids
+(``benchmark_core_model.py … token-norm-dist``) are served rather than refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -28,8 +34,14 @@ HONOURED = frozenset({
     "presence_penalty", "frequency_penalty", "min_length", "random_seed", "return_log_probs",
     "return_context_logits", "return_generation_logits", "exclude_input_in_output", "streaming",
     "stop", "beam_width", "num_return_sequences", "return_perf_metrics", "return_num_input_tokens",
-    "return_num_output_tokens",
+    "return_num_output_tokens", "prompt_embedding_table", "prompt_vocab_size", "decoder_input_ids",
+    "decoder_input_lengths", "prompt_table_extra_ids",
 }) | BEAM_ONLY
+
+# ``prompt_table_extra_ids`` only keys TensorRT-LLM's KV-cache reuse of prompt-table tokens: this runtime
+# reuses no KV cache across requests, so the value cannot change a result. ``decoder_input_ids`` is the
+# decoder prompt of encoder-decoder engines; for a decoder-only model tensorrtllm_backend's
+# preprocessing sends one pad token per row, which is accepted (and longer decoder prompts refused).
 
 # Inputs renamed across backend versions: newer name → the name used here.
 ALIASES = {"min_tokens": "min_length", "seed": "random_seed"}
@@ -42,6 +54,7 @@ class Limits:
     vocab_size: int
     max_input_len: int
     max_seq_len: int
+    hidden_size: int = 0  # checks prompt-table rows when known
 
 
 @dataclass
@@ -90,6 +103,8 @@ class GenerationRequest:
     exclude_input: bool = False
     streaming: bool = False
     batch_index: int = 0
+    # rows selected by prompt ids ≥ the vocabulary size (``prompt_embedding_table``), [rows, hidden]
+    prompt_table: np.ndarray | None = None
 
 
 def _rows(tensors: Mapping[str, np.ndarray], name: str, batch: int) -> np.ndarray | None:
@@ -147,7 +162,7 @@ def is_stop(tensors: Mapping[str, np.ndarray]) -> bool:
 
 
 def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
-          exclude_input: bool = False) -> list[GenerationRequest]:
+          exclude_input: bool = False, warn: Callable[[str], None] = lambda message: None) -> list[GenerationRequest]:
     """Check one request's tensors and return one GenerationRequest per batch row."""
     tensors = {ALIASES.get(name, name): value for name, value in tensors.items()}
     for name, value in tensors.items():
@@ -176,6 +191,9 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
         "return_generation_logits", "return_perf_metrics", "exclude_input_in_output", "streaming",
         "beam_width", "num_return_sequences")}
 
+    _check_decoder_prompt(tensors, batch)
+    tables, prompt_vocab = _prompt_tables(tensors, batch)
+
     def get(name: str, row: int, default):
         column = values[name]
         return default if column is None else column[row]
@@ -188,9 +206,17 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
         if length > ids.shape[1]:
             raise RequestError(f"input_lengths {length} exceeds the {ids.shape[1]} tokens in input_ids")
         prompt = ids[row, :length].astype(np.int64)
-        if prompt.min() < 0 or prompt.max() >= limits.vocab_size:
-            bad = int(prompt[(prompt < 0) | (prompt >= limits.vocab_size)][0])
-            raise RequestError(f"input_ids holds token id {bad}, outside the vocabulary [0, {limits.vocab_size})")
+        if prompt.min() < 0:
+            raise RequestError(f"input_ids holds the negative token id {int(prompt.min())}")
+        table = _row(tables, row, batch)
+        if table is not None:
+            table = table[: prompt_vocab[row]]
+            if limits.hidden_size and table.shape[1] != limits.hidden_size:
+                raise RequestError(f"prompt_embedding_table rows have {table.shape[1]} values; this model's "
+                                   f"hidden size is {limits.hidden_size}")
+            if prompt.max() >= limits.vocab_size + table.shape[0]:
+                raise RequestError(f"input_ids holds token id {int(prompt.max())}; with a prompt table of "
+                                   f"{table.shape[0]} rows ids must be below {limits.vocab_size + table.shape[0]}")
         if length > limits.max_input_len:
             raise RequestError(f"the prompt has {length} tokens, more than this model's max_input_len "
                                f"{limits.max_input_len}")
@@ -198,8 +224,10 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
         if new <= 0:
             raise RequestError(f"request_output_len must be at least 1, got {new}")
         if length + new > limits.max_seq_len:
-            raise RequestError(f"prompt ({length} tokens) + request_output_len ({new}) exceeds this model's "
-                               f"max_seq_len {limits.max_seq_len}")
+            # TensorRT-LLM's engine shortens such a request, with a warning in the server log
+            warn(f"prompt length + requested output tokens ({length} + {new}) exceeds the maximum sequence "
+                 f"length ({limits.max_seq_len}); requested output tokens changed to {limits.max_seq_len - length}")
+            new = limits.max_seq_len - length
 
         beam = _int(get("beam_width", row, 1))
         if beam not in (0, 1):
@@ -260,8 +288,44 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
             return_generation_logits=bool(get("return_generation_logits", row, False)),
             return_perf_metrics=bool(get("return_perf_metrics", row, False)),
             exclude_input=bool(get("exclude_input_in_output", row, exclude_input)),
-            streaming=streaming, batch_index=row))
+            streaming=streaming, batch_index=row, prompt_table=table))
     return requests
+
+
+def _prompt_tables(tensors: Mapping[str, np.ndarray], batch: int) -> tuple[np.ndarray | None, list[int]]:
+    """``prompt_embedding_table`` as [batch or 1, rows, hidden] and each row's ``prompt_vocab_size``."""
+    table = tensors.get("prompt_embedding_table")
+    if table is None or np.asarray(table).size == 0:
+        return None, [0] * batch
+    table = np.asarray(table, dtype=np.float32)
+    if table.ndim == 2:
+        table = table[None]
+    if table.ndim != 3 or table.shape[0] not in (1, batch):
+        raise RequestError(f"input 'prompt_embedding_table' must be [batch, rows, hidden], got {list(table.shape)}")
+    sizes = _rows(tensors, "prompt_vocab_size", batch)
+    rows = [table.shape[1]] * batch if sizes is None else [_int(v) for v in sizes]
+    if any(r <= 0 for r in rows):
+        raise RequestError("prompt_vocab_size must be at least 1 when a prompt_embedding_table is sent")
+    return table, rows
+
+
+def _row(tables: np.ndarray | None, row: int, batch: int) -> np.ndarray | None:
+    if tables is None:
+        return None
+    return tables[row if tables.shape[0] == batch else 0]
+
+
+def _check_decoder_prompt(tensors: Mapping[str, np.ndarray], batch: int) -> None:
+    """Refuse a real decoder prompt (encoder-decoder engines only); accept the one-token placeholder."""
+    ids = tensors.get("decoder_input_ids")
+    if ids is None or np.asarray(ids).size == 0:
+        return
+    lengths = _rows(tensors, "decoder_input_lengths", batch)
+    width = np.asarray(ids).reshape(batch, -1).shape[1] if np.asarray(ids).size % batch == 0 else 2
+    longest = width if lengths is None else max(_int(v) for v in lengths)
+    if longest > 1:
+        raise RequestError("decoder_input_ids is the decoder prompt of encoder-decoder models; this decoder-only "
+                           "model takes its prompt in input_ids (send at most the one-token placeholder)")
 
 
 def _check_sampling(s: SamplingParams) -> None:

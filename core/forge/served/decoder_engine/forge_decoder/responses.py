@@ -3,8 +3,10 @@
 Shapes follow tensorrtllm_backend: ``output_ids`` ``[batch, beam, tokens]``, ``sequence_length``
 ``[batch, beam]``, ``cum_log_probs`` ``[batch, beam]``, ``output_log_probs`` ``[batch, beam, tokens]``,
 ``context_logits`` ``[batch, prompt, vocab]``, ``generation_logits`` ``[batch, beam, tokens, vocab]``,
-``batch_index`` ``[batch, 1]``. Outputs a caller did not ask for are zeros of the minimal shape, as
-the backend returns them. Outputs this runtime does not know are zeros of the configured rank.
+``batch_index`` ``[batch, 1]``. Log probs and logits a request did not ask for are zeros of the
+minimal shape, as the backend returns them. Outputs this runtime cannot compute (KV-cache block
+statistics, draft-token acceptance) are left out of every response, never zero-filled as if measured:
+a client that asks for them gets no such tensor.
 """
 
 from __future__ import annotations
@@ -100,7 +102,6 @@ def assemble(results: list[RowResult], specs: Mapping[str, OutputSpec], pad_id: 
     out: dict[str, np.ndarray] = {}
     for name, spec in specs.items():
         value = tensors.get(name)
-        if value is None or value.ndim != spec.rank + 1:
-            value = np.zeros((batch,) + (1,) * spec.rank)
-        out[name] = np.ascontiguousarray(value.astype(spec.dtype, copy=False))
+        if value is not None:
+            out[name] = np.ascontiguousarray(value.astype(spec.dtype, copy=False))
     return out

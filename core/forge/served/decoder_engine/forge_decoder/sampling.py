@@ -52,6 +52,7 @@ def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         s = req.sampling
         if s.penalised:
             history = torch.tensor(row.tokens, dtype=torch.long, device=logits.device)
+            history = history[history < vocab]  # prompt-table ids are not tokens of the vocabulary
             counts = torch.bincount(history, minlength=vocab)[:vocab].to(logits.dtype)
             seen = counts > 0
             if s.repetition_penalty != 1.0:
