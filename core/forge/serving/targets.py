@@ -236,7 +236,7 @@ def _describe(source: Source, models: dict[str, Any], dirs: dict[str, Path]) -> 
     source.streamable = any(m.decoupled for m in related)
     candidates: list[Path] = []
     for inputs in related + list(models.values()):
-        for key in ("tokenizer_dir", "model_dir", "hf_model_dir"):
+        for key in ("tokenizer_dir", "model_dir", "hf_model_dir", "weights"):  # weights: hf-pipeline
             value = inputs.parameters.get(key)
             if not value or "${" in value:
                 continue
