@@ -7,7 +7,8 @@
     one instance), under the name prefix ``seed_``.
 Both are greedy and get the same chat-templated prompts; both run in one real tritonserver; no
 environment variable is set. Closed-loop load at concurrency 1 and 8, 32 new tokens; generated tokens
-are counted with the model's tokenizer (the echoed prompt removed). Prints both configurations,
+are counted with the model's tokenizer in the text each returns (requests ask for the generated text
+only: ``exclude_input_in_output``, an input both models honour). Prints both configurations,
 req/s, generated tokens/s, p50/p99 latency and the tokens/s ratio at concurrency 8 (goal ≥ 4×).
 
     python benchmarks/serve_decoder.py [--model smollm2|HF_DIR] [--requests 32] [--json-out FILE]
@@ -85,7 +86,9 @@ def measure(url: str, model: str, tokenizer, concurrency: int, requests: int, ma
 
     with GrpcSession(url) as session:
         inputs = session.config(model)
-    target = bench.Target(inputs, stream=False,
+    # Both models return only the generated text when asked (a request input, not a build flag), so the
+    # count is exact: no echoed chat-templated prompt to strip.
+    target = bench.Target(inputs, stream=False, extra={"exclude_input_in_output": True},
                           count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     items = bench.prompts([chat(tokenizer, p) for p in PROMPTS], requests, max_tokens)
     bench.run(url, target, items[:2], concurrency=1)  # warm-up, not measured

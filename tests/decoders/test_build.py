@@ -34,7 +34,7 @@ def plugins():
         yield registry
 
 
-@pytest.mark.parametrize("version", ["v0.5.0", "v0.13.0", None])
+@pytest.mark.parametrize("version", ["v0.9.0", "v0.13.0", None])
 def test_build_tensorrtllm_target(version, tiny_gpt2, plugins, tmp_path):
     out = tmp_path / "repo"
     argv = ["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--max-input-len", "64",
@@ -93,3 +93,14 @@ def test_build_python_target_has_the_same_interface(tiny_gpt2, plugins, tmp_path
     spec = BuildSpec(families=["gpt"], model=tiny_gpt2, out=out, dtype="float32", backend_version="v0.13.0")
     inputs, outputs = tensorrt_llm_io(profiles.resolve("v0.13.0"), spec)
     assert list(llm.input) == inputs and list(llm.output) == outputs
+
+
+def test_backends_before_trtllm_build_are_refused_for_engines_and_record_no_command(tiny_gpt2, tmp_path, capsys):
+    """v0.5.0 (seed 000) predates trtllm-build: no engine build, no command that did not exist then."""
+    argv = ["build", "--family", "gpt", "--model", str(tiny_gpt2), "--backend-version", "v0.5.0"]
+    assert main(argv + ["--out", str(tmp_path / "repo")]) == 2
+    err = capsys.readouterr().err
+    assert "tensorrtllm_backend v0.5.0 goes with TensorRT-LLM 0.5.0, which predates trtllm-build" in err
+    assert not (tmp_path / "repo").exists()
+    assert main(argv + ["--out", str(tmp_path / "plan"), "--dry-run"]) == 0
+    assert "trtllm-build" not in capsys.readouterr().out

@@ -87,9 +87,12 @@ def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stag
         ctx.note("limits", f"max_seq_len {spec.limits.max_seq_len} → {max_seq_len} and max_input_len "
                            f"{spec.limits.max_input_len} → {max_input_len}: the model has "
                            f"{meta['max_position_embeddings']} positions")
-    if version < BUILD_FLAGS["trtllm_build"]:
-        ctx.note("compatibility", f"TensorRT-LLM {spec.backend_version} predates trtllm-build and the unified "
-                                  "checkpoint (0.8); the recorded command uses the oldest trtllm-build flags")
+    if version < BUILD_FLAGS["trtllm_build"]:  # a real build was refused at plan time (options.check_options)
+        from .options import no_trtllm_build
+
+        ctx.note("compatibility", no_trtllm_build(spec.backend_version) + "; no engine command is recorded")
+        ctx.log(f"note: {no_trtllm_build(spec.backend_version)}; the plan records no engine command")
+        return None
     ctx.run_tool(argv, purpose="--target tensorrtllm (building TensorRT-LLM engines)", cwd=ctx.workdir)
     if ctx.dry_run:
         return None  # nothing was built; the plan shows the command

@@ -147,6 +147,16 @@ def check_options(spec) -> Profile:
     return profile
 
 
+def has_trtllm_build(version: str) -> bool:
+    return profiles.parse_version(version) >= profiles.BUILD_FLAGS["trtllm_build"]
+
+
+def no_trtllm_build(version: str) -> str:
+    return (f"tensorrtllm_backend {version} goes with TensorRT-LLM {version.lstrip('v')}, which predates trtllm-build "
+            "and the unified checkpoint (0.8.0): its engines come from that release's examples/<model>/build.py, "
+            "which forge does not drive")
+
+
 def _options_of_other_versions(profile: Profile) -> dict[str, str]:
     seen: dict[str, list[str]] = {}
     for other in profiles.PROFILES.values():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from forge import hookimpl
 from forge.components import Component, Family
+from forge.errors import UsageError
 
 from .adapter import DecoderAdapter
 from .options import decoder_options
@@ -25,9 +26,13 @@ class DecoderPlugin:
         return component.family == self.adapter.family
 
     def _components(self, spec) -> list[Component]:
-        from .options import check_options
+        from .options import check_options, has_trtllm_build, no_trtllm_build
 
-        check_options(spec)  # bad -o values / --backend-version fail before any stage runs
+        profile = check_options(spec)  # bad -o values / --backend-version fail before any stage runs
+        if (spec.target or "tensorrtllm") == "tensorrtllm" and not spec.dry_run and not has_trtllm_build(profile.version):
+            raise UsageError(no_trtllm_build(profile.version),
+                             hint="build for --backend-version 0.8.0 or newer, or --target python (it serves this "
+                                  "release's interface)")
         if spec.target == "python":
             from .pytarget import check_spec
 

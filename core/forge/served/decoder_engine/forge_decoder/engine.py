@@ -97,15 +97,18 @@ def choose_dtype(device: torch.device, name: str, checkpoint: str = "float16") -
 
 
 def choose_threads(device: torch.device, requested: int) -> int:
-    """torch intra-op threads: ``requested`` when > 0, else (auto) every core this process may use on a
-    CPU, torch's default on a GPU (it only feeds the device)."""
+    """torch intra-op threads: ``requested`` when > 0, else (auto) on a CPU every core this process may use
+    but one, which stays with tritonserver, pre/post-processing and the network (measured on 2 cores:
+    an OpenMP team as large as the machine waits on those processes and served half the tokens/s);
+    on a GPU torch's default (it only feeds the device)."""
     if requested > 0:
         return requested
     if device.type == "cpu":
         try:
-            return len(os.sched_getaffinity(0))
+            cores = len(os.sched_getaffinity(0))
         except AttributeError:
-            return os.cpu_count() or 1
+            cores = os.cpu_count() or 1
+        return max(1, cores - 1)
     return torch.get_num_threads()
 
 
