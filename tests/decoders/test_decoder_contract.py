@@ -24,6 +24,7 @@ from forge.cli import main
     (["--target", "hf-pipeline", "-o", "compute_dtype=bfloat16"], "-o compute_dtype has no effect on --target hf-pipeline"),
     (["--target", "hf-pipeline", "--quant", "w8a16"], "--target hf-pipeline serves the checkpoint's own weights"),
     (["--target", "hf-pipeline", "--tp", "2"], "cannot split across ranks for --target hf-pipeline"),
+    (["--target", "hf-pipeline", "--max-batch-size", "4"], "--max-batch-size has no effect on --target hf-pipeline"),
     (["--target", "python", "-o", "compute_dtype=int8"], "compute_dtype"),
     (["-o", "max_num_images=2"], "unknown -o max_num_images for family gpt"),
     (["--backend-version", "v0.5.0", "-o", "enable_kv_cache_reuse=true"],

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..components import Artifact, Component, TritonModel
 from ..errors import UsageError
+from ..spec import Limits
 from .. import served
 from .. import tritonconfig as tc
 from .pytarget import WEIGHTS_DIR, weight_files
@@ -31,6 +32,14 @@ def check_spec(spec) -> None:
                          f"{','.join(spec.quant)}", hint="drop --quant, or build --target tensorrtllm")
     if spec.limits.max_beam_width > 1:
         raise UsageError(f"--target {TARGET} generates greedily", hint="use --max-beam-width 1")
+    default = Limits()
+    given = [f"--{name.replace('_', '-')}" for name in ("max_batch_size", "max_input_len", "max_seq_len",
+                                                        "max_num_tokens")
+             if getattr(spec.limits, name) != getattr(default, name)]
+    if given:
+        raise UsageError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect on --target {TARGET}: "
+                         "seed 000's model batches nothing and generates within the model's own limits",
+                         hint="drop them")
 
 
 def export(source: Path, ctx) -> Artifact:
