@@ -7,6 +7,7 @@ ship ``forge_text.py``. The build imports these files for parity checks, never t
     decoder/          preprocessing, postprocessing, tensorrt_llm_bls  →  <model>/1/model.py
     decoder_engine/   the python target's tensorrt_llm model (model.py) and its engine (forge_decoder/)
     encoder/          tokenizer, image preprocessing, ONNX Runtime encoder
+    retriever/        the retriever model and forge_store.py (Milvus access, also used by forge index/search)
 """
 
 from pathlib import Path
@@ -22,6 +23,8 @@ DECODER_RUNTIME = HERE / "decoder_engine" / "forge_decoder"  # shipped as 1/forg
 TOKENIZER = HERE / "encoder" / "tokenizer.py"
 IMAGE = HERE / "encoder" / "image.py"
 ONNX_ENCODER = HERE / "encoder" / "onnx_encoder.py"
+RETRIEVER = HERE / "retriever" / "model.py"
+STORE = HERE / "retriever" / "forge_store.py"  # shipped as 1/forge_store.py with the retriever
 
 
 def glue_files() -> dict[str, bytes]:
