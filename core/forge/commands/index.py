@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(report)
     else:
-        rate = f", {report["indexed"] / report["seconds"]:.1f} documents/s" if report["indexed"] else ""
+        rate = f", {report['indexed'] / report['seconds']:.1f} documents/s" if report['indexed'] else ""
         print(f"{report['collection']} in {report['store']}: {report['indexed']} indexed, {report['unchanged']} "
               f"unchanged ({report['documents']} documents, dim {report['dim']}, {report['index']} index{rate})")
     return 0
