@@ -8,6 +8,7 @@ the right dimension, metric and index, and checking an existing collection again
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +22,9 @@ METRIC = "COSINE"  # sentence and CLIP embeddings are compared by cosine (= inne
 HNSW_FROM = 20_000
 HNSW_PARAMS = {"M": 16, "efConstruction": 200}
 _COLLECTION = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
+
+# pymilvus logs every failed call with a traceback; forge reports the failure itself, in one line.
+logging.getLogger("pymilvus").setLevel(logging.CRITICAL)
 
 
 def normalize_uri(uri: str) -> str:
