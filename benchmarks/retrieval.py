@@ -93,6 +93,7 @@ def bench_milvus(data, queries, exact, ef: int, workdir: Path) -> dict:
             rows = [{forge_store.ID: str(start + i), forge_store.VECTOR: v.tolist(), forge_store.DOCUMENT: "{}",
                      forge_store.CONTENT_HASH: ""} for i, v in enumerate(data[start:start + 5000])]
             client.insert("bench", rows)
+        client.flush("bench")  # seals the segments and builds their index (forge index does the same)
         client.load_collection("bench")
         client.search("bench", data=[queries[0].tolist()], limit=K, search_params={"params": {"ef": ef}})
         seconds = time.perf_counter() - started

@@ -204,6 +204,7 @@ def index(repo: Path, source: Path, *, uri: str | None = None, collection: str |
         finally:
             if bar is not None:
                 bar.stop()
+        client.flush(name)  # seal what was written: searches of unsealed rows scan them one by one
         total = client.get_collection_stats(name).get("row_count", len(documents))
         grown = store.grow_index(client, name, int(total))
         report["index"] = grown or store.current_index(client, name)
