@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from forge.components import Artifact
 from forge.errors import ForgeError, ToolMissingError, UsageError
 
-from . import quantlayout
+from . import loadercheck, quantlayout
 from .adapter import DecoderAdapter
 from .checkpoint import ARTIFACT_KIND
 
@@ -318,4 +318,6 @@ def quantize(adapter: DecoderAdapter, source: Path, artifact: Artifact, ctx) -> 
                      "method": "nvidia-modelopt" if recipe.calibrate else "declared (quantized by trtllm-build)",
                      **({"calibration": recipe.calibration, "modelopt": modelopt_version} if recipe.calibrate else {})}
     ctx.note("quantize", {**asdict(recipe), "method": meta["quant"]["method"]})
+    if ctx.target == "tensorrtllm":
+        loadercheck.check_checkpoint(ctx, out)
     return Artifact(ARTIFACT_KIND, out, meta)
