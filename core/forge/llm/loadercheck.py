@@ -66,6 +66,21 @@ class Checker:
         return done.returncode, lines[-1] if lines else f"{script} printed nothing"
 
 
+    def check_checkpoints(self, dirs: Sequence[Path], strict: bool = True) -> dict[Path, tuple[bool, str]]:
+        """(accepted, line) per checkpoint directory, from one checker process (the import is paid once)."""
+        argv = [sys.executable, str(self.root / "check_ckpt.py"), "--src", str(self.src), *map(str, dirs)]
+        done = subprocess.run([*argv, *([] if strict else ["--lenient"])], capture_output=True, text=True,
+                              timeout=TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        lines = done.stdout.splitlines()
+        found: dict[Path, tuple[bool, str]] = {}
+        for d in dirs:
+            prefix = f"{d}: " if len(dirs) > 1 else ""
+            line = next((ln[len(prefix):] for ln in lines if ln.startswith(prefix) and ":" in ln[len(prefix):]),
+                        None)
+            found[Path(d)] = (bool(line and line.startswith("OK:")), line or done.stdout + done.stderr[-2000:])
+        return found
+
+
 def _extract(tarball: Path, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=dest.parent))
@@ -80,26 +95,28 @@ def _extract(tarball: Path, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def find() -> Checker | None:
-    """The checker ``FORGE_TRTLLM_CHECK`` names (source extracted once into forge's cache), or None."""
-    from forge.cache import cache_dir
-
-    value = os.environ.get(ENV)
-    if not value:
-        return None
-    root = Path(value).expanduser()
+def at(root: Path, cache: Path) -> Checker:
+    """The checker in trtllm-check directory ``root``, its source unpacked once under ``cache``."""
     tarballs = sorted(p for p in root.glob("trtllm-src-*.tar.gz") if TARBALL.search(p.name)) if root.is_dir() else []
     if not (root / "check_ckpt.py").is_file() or not tarballs:
-        raise UsageError(f"{ENV}={root} is not a trtllm-check directory (it needs check_ckpt.py and "
-                         "trtllm-src-VERSION.tar.gz)", hint=f"unset {ENV} to build without the check")
+        raise UsageError(f"{root} is not a trtllm-check directory (it needs check_ckpt.py and "
+                         "trtllm-src-VERSION.tar.gz)", hint=f"point {ENV} at one, or unset it")
     version = TARBALL.search(tarballs[-1].name).group(1)
-    src = cache_dir() / "trtllm-src" / version
+    src = cache / version
     if not (src / "tensorrt_llm" / "models" / "modeling_utils.py").is_file():
         try:
             _extract(tarballs[-1], src)
         except (OSError, tarfile.TarError) as exc:
             raise UsageError(f"cannot unpack {tarballs[-1]}: {exc}") from None
     return Checker(root, version, src)
+
+
+def find() -> Checker | None:
+    """The checker ``FORGE_TRTLLM_CHECK`` names (source unpacked into forge's cache), or None."""
+    from forge.cache import cache_dir
+
+    value = os.environ.get(ENV)
+    return at(Path(value).expanduser(), cache_dir() / "trtllm-src") if value else None
 
 
 def _verdict(ctx, checker: Checker, what: str, rc: int, line: str) -> dict[str, Any]:

@@ -118,7 +118,9 @@ def awq_group_size(meta: Mapping[str, Any], requested: Any) -> tuple[int, str | 
         raise UsageError(f"--group-size must be positive, got {group}")
     for name, width in widths.items():
         if width % group:
-            hint = f"use --group-size {fitting[0]}" if fitting else "choose a block size that divides every width"
+            hint = (f"use --group-size {fitting[0]}" if fitting else "choose a block size that divides every width"
+                    if not divides else "no block size fits: TensorRT-LLM pads INT4-AWQ layers to multiples of "
+                    "max(64, block)·tp; use --quant fp8 or int8_kv")
             raise UsageError(f"INT4-AWQ block size {group} does not divide the per-rank input width of {name} "
                              f"= {width}; modelopt packs whole blocks per rank", hint=hint)
     quantlayout.check_widths(meta, ("int4_awq",), "W4A16_AWQ", group)

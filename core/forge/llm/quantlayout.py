@@ -89,8 +89,8 @@ def check_widths(meta: Mapping[str, Any], modes: Iterable[str], quant_algo: str 
 
 def check_pipeline(meta: Mapping[str, Any], modes: Iterable[str]) -> None:
     """modelopt's exporter splits layers evenly over pipeline stages only."""
-    layers, pp = meta["num_layers"], meta["pp"]
-    if layers % pp:
+    layers, pp = meta.get("num_layers"), meta.get("pp", 1)
+    if layers and layers % pp:
         raise UsageError(f"--quant {','.join(modes)} at --pp {pp}: nvidia-modelopt's checkpoint writer splits "
                          f"layers evenly over pipeline stages, and {layers} layers do not divide by {pp}",
                          hint="choose a pp that divides the layer count, or --quant w8a16 / w4a16 alone")
