@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from forge.cli import main
 from forge.context import BuildContext, StageRecord
 from forge.errors import UsageError
 from forge.llm import checkpoint, quantize
+from forge.llm.quantlayout import MODELOPT_KEYS
 from forge.llm.reference import ReferenceModel, dequantize_awq, load_rank, max_abs_diff
 from forge.spec import BuildSpec
 
@@ -240,3 +242,21 @@ def test_empty_calibration_file(calib_llama, tmp_path):
     empty.write_text("\n  \n")
     with pytest.raises(UsageError, match="has no text"):
         quantize.calibration_texts(empty, 10)
+
+
+@pytest.mark.parametrize("mode", ["int4_awq", "fp8", "int8_kv"])
+def test_quantized_config_is_forges_own(wide_llama, tmp_path, mode):
+    """Regression (issue 14): modelopt's config.json is its view of the model; forge keeps its export's
+    (RoPE base and scaling, activation, architecture) and takes only quantization and embedding layout."""
+    model = tmp_path / "m"
+    shutil.copytree(wide_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "rope_theta": 50000.0, "factor": 2.0}
+    (model / "config.json").write_text(json.dumps(config))
+    exported, quantized, _ = run_stages(model, tmp_path, [mode], tp=2, options={"calib_size": 4})
+    own = json.loads((exported.path / "config.json").read_text())
+    written = json.loads((quantized.path / "config.json").read_text())
+    assert written["rotary_base"] == 50000.0 and written["rotary_scaling"]["type"] == "linear"
+    differ = {k for k in own.keys() | written.keys() if own.get(k) != written.get(k)}
+    assert differ <= {*MODELOPT_KEYS, "producer"}, differ
+    assert written["quantization"]["quant_algo"] == quantize.make_recipe([mode], exported.meta, {}).quant_algo
