@@ -159,10 +159,18 @@ class Driver:
         return stored
 
     def export(self, spec: BuildSpec) -> list[ComponentPlan]:
-        """Run only the export stage of every component and copy the artifacts to ``spec.out``."""
-        plans = self.plan(spec, stages=("export",))
+        """Run the export stage of every component (and quantize, under ``--quant``); copy the artifacts to ``spec.out``.
+
+        ``--quant`` runs the same quantize stage as ``forge build``, so the exported artifact is the one
+        the compile stage would get, never a silently unquantized one.
+        """
+        stages = ("export", "quantize") if spec.quant else ("export",)
+        plans = self.plan(spec, stages=stages)
         for plan in plans:
-            plan.artifact = self._run_stage("export", plan, spec, None)
+            artifact = None
+            for stage in stages:
+                artifact = self._run_stage(stage, plan, spec, artifact)
+            plan.artifact = artifact
         if spec.dry_run:
             return plans
         self._publish(spec.out, lambda staging: self._copy_exports(plans, staging))

@@ -193,7 +193,7 @@ def test_tokenizer_defaults_reach_preprocessing(tokenizer_dirs, tmp_path):
     assert tc.parameter(pre, "end_id") == str(tokenizer.eos_token_id)
     assert tc.parameter(pre, "stop_token_ids") == "5"
     assert tc.parameter(pre, "add_special_tokens") == "true"
-    assert tc.parameter(pre, "max_input_len") == "1023"  # clamped to max_position_embeddings - 1
+    assert tc.parameter(pre, "max_input_len") == "512"  # 1024 positions: the prompt keeps half, as the engine
     models, _, _, _ = helpers.emit(source, tmp_path / "repo2", tmp_path, version="v0.8.0",
                                    options={"end_id": 2, "stop_token_ids": ""})
     pre = models["preprocessing"].config

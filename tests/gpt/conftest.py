@@ -28,3 +28,10 @@ def decoder_plugins():
 @pytest.fixture(scope="session")
 def tiny_gpt2(tmp_path_factory) -> Path:
     return make_gpt2(tmp_path_factory.mktemp("models") / "gpt2-tiny")
+
+
+@pytest.fixture(scope="session")
+def quant_gpt2(tmp_path_factory) -> Path:
+    """Widths TensorRT-LLM's weight-only layers take unpadded up to tp 2 (multiples of 64·2), odd vocab, a tokenizer."""
+    return make_gpt2(tmp_path_factory.mktemp("models") / "gpt2-quant", n_embd=128, n_layer=2, n_head=4,
+                     vocab_size=101, n_positions=64, tokenizer=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,21 @@ def randomize(model, seed: int = 0, std: float = 0.15) -> None:
                 p.copy_(std * noise)
 
 
-def make_gpt2(path: Path, *, n_embd=48, n_layer=3, n_head=4, vocab_size=101, n_positions=32, seed=0) -> Path:
+def save_tokenizer(path: Path) -> None:
+    """A character-level tokenizer (what calibration needs; no hub download)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable) - set(string.whitespace) | {" ", "\n"})
+    vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<|endoftext|>", bos_token="<|endoftext|>",
+                            eos_token="<|endoftext|>").save_pretrained(path)
+
+
+def make_gpt2(path: Path, *, n_embd=48, n_layer=3, n_head=4, vocab_size=101, n_positions=32, seed=0,
+              tokenizer=False) -> Path:
     """A GPT-2 checkpoint with odd vocab (exercises lm_head padding) and tied embeddings."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -31,6 +46,8 @@ def make_gpt2(path: Path, *, n_embd=48, n_layer=3, n_head=4, vocab_size=101, n_p
                                        n_positions=n_positions, bos_token_id=0, eos_token_id=0))
     randomize(model, seed)
     model.save_pretrained(path)
+    if tokenizer:
+        save_tokenizer(path)
     return path
 
 

@@ -99,12 +99,27 @@ def test_options_dtype_and_quant_shape_the_command(tmp_path):
 
 
 def test_limits_stay_within_the_position_table(tmp_path):
-    """A 32-position model: max_seq_len is cut to 32 and max_input_len to 31 (learned positions end there)."""
+    """A 32-position model, 100 of 300 asked: max_seq_len is cut to 32 and the prompt keeps its third (10)."""
     meta = {**META, "max_position_embeddings": 32}
     argv = engine.build_command(Path("/c"), Path("e"), meta, spec_for(tmp_path), {})
-    assert (flag(argv, "--max_input_len"), flag(argv, "--max_seq_len")) == ("31", "32")
+    assert (flag(argv, "--max_input_len"), flag(argv, "--max_seq_len")) == ("10", "32")
     old = engine.build_command(Path("/c"), Path("e"), meta, spec_for(tmp_path, backend_version="v0.9.0"), {})
-    assert flag(old, "--max_output_len") == "1"
+    assert flag(old, "--max_output_len") == "22"
+
+
+def test_clamped_limits_leave_room_to_generate(tmp_path):
+    """Regression (issue 14): a 128-position model with the default limits recorded 127 + 1 output token."""
+    spec = spec_for(tmp_path, limits=Limits())  # the CLI defaults: 1024 of 2048
+    meta = {**META, "max_position_embeddings": 128}
+    argv = engine.build_command(Path("/c"), Path("e"), meta, spec, {})
+    assert (flag(argv, "--max_input_len"), flag(argv, "--max_seq_len")) == ("64", "128")
+    clamped = engine.clamped_limits(spec, meta)
+    assert clamped["requested"] == {"max_input_len": 1024, "max_seq_len": 2048}
+    assert clamped["used"] == {"max_input_len": 64, "max_seq_len": 128} and "64 tokens to generate" in clamped["why"]
+    fits = spec_for(tmp_path, limits=Limits(max_input_len=100, max_seq_len=128))  # asked within the table
+    assert engine.sequence_limits(fits, meta) == (100, 128) and engine.clamped_limits(fits, meta) is None
+    assert engine.sequence_limits(spec_for(tmp_path, limits=Limits(max_input_len=100, max_seq_len=200)),
+                                  meta) == (100, 128)  # the prompt still fits: only the sequence is cut
 
 
 def test_unreadable_backend_version(tmp_path):
@@ -138,9 +153,9 @@ def test_engine_artifact_from_trtllm_build(exported, tiny_gpt2, tmp_path, monkey
     assert sorted(p.name for p in built.path.iterdir()) == ["config.json", "rank0.engine", "rank1.engine"]
     for key in ("architecture", "dtype", "tp", "pp", "world_size", "vocab_size", "num_kv_heads", "quant"):
         assert built.meta[key] == exported.meta[key]
-    assert built.meta["engine"]["max_seq_len"] == 32 and built.meta["engine"]["max_input_len"] == 31  # 32 positions
+    assert built.meta["engine"]["max_seq_len"] == 32 and built.meta["engine"]["max_input_len"] == 10  # 32 positions
     assert built.meta["engine"]["trtllm_version"] == "0.0.fake"
-    assert "32 positions" in ctx.record.notes["limits"]
+    assert "32 positions" in ctx.record.notes["limits"]["why"]
     argv = json.loads((ctx.workdir / "argv.json").read_text())
     assert argv[1:] == ctx.record.commands[0][1:]  # the recorded command is the one that ran
     assert flag(argv, "--checkpoint_dir") == str(exported.path) and flag(argv, "--workers") == "2"
@@ -175,7 +190,7 @@ def test_missing_trtllm_build_through_the_cli(tiny_gpt2, tmp_path, monkeypatch, 
     assert code == 3, line
     assert line.startswith("forge: error: trtllm-build is not installed")
     assert "--target python" in line
-    assert "trtllm-build --checkpoint_dir" in line and "--max_output_len 1" in line  # 32-position model
+    assert "trtllm-build --checkpoint_dir" in line and "--max_output_len 16" in line  # 32 positions: 16 + 16
     assert not out.exists()
 
 
@@ -183,7 +198,7 @@ def test_dry_run_build_prints_the_plan(tiny_gpt2, tmp_path, capsys):
     """forge build --dry-run prints each stage and the trtllm-build command; nothing is written."""
     out = tmp_path / "repo"
     code = main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--tp", "2",
-                 "--quant", "w8a16", "--dry-run"])
+                 "--quant", "fp8", "--dry-run"])
     printed = capsys.readouterr().out
     assert code == 0
     assert "export" in printed and "quantize" in printed and "compile" in printed

@@ -35,3 +35,10 @@ def calib_llama(tmp_path_factory) -> Path:
     """Sized for INT4-AWQ at tp 2 (hidden 64 → block 64 divides every per-rank width), with a tokenizer."""
     return make_llama(tmp_path_factory.mktemp("models") / "llama-calib", hidden=64, heads=4, kv_heads=2,
                       inter=128, vocab=128, layers=2, tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def wide_llama(tmp_path_factory) -> Path:
+    """Widths TensorRT-LLM's weight-only layers take unpadded up to tp 2 (multiples of 64·2), with a tokenizer."""
+    return make_llama(tmp_path_factory.mktemp("models") / "llama-wide", hidden=128, heads=4, kv_heads=2,
+                      inter=256, vocab=101, layers=2, tokenizer=True)

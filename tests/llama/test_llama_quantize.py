@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,14 @@ from forge.cli import main
 from forge.context import BuildContext, StageRecord
 from forge.errors import UsageError
 from forge.llm import checkpoint, quantize
+from forge.llm.quantlayout import MODELOPT_KEYS
 from forge.llm.reference import ReferenceModel, dequantize_awq, load_rank, max_abs_diff
 from forge.spec import BuildSpec
 
 ADAPTER = forge_llama.ADAPTER
 IDS = [5, 9, 22, 40, 41, 77, 3, 60]
-SMOLLM2 = {"tp": 1, "hidden_size": 576, "num_heads": 9, "head_size": 64, "intermediate_size": 1536}
+SMOLLM2 = {"family": "llama", "tp": 1, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "head_size": 64,
+           "intermediate_size": 1536, "num_layers": 30, "pp": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -64,9 +67,9 @@ def refused(capsys, out: Path, code: int, *fragments: str) -> None:
 # -- declared weight-only ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode,algo", [("w8a16", "W8A16"), ("w4a16", "W4A16")])
-def test_weight_only_is_declared_in_the_checkpoint(tiny_llama, tmp_path, mode, algo):
+def test_weight_only_is_declared_in_the_checkpoint(wide_llama, tmp_path, mode, algo):
     """w8a16/w4a16: same float rank files (shared, not copied), config declares the algorithm."""
-    exported, quantized, ctx = run_stages(tiny_llama, tmp_path, [mode], tp=2)
+    exported, quantized, ctx = run_stages(wide_llama, tmp_path, [mode], tp=2)
     config = json.loads((quantized.path / "config.json").read_text())
     assert config["quantization"] == {"quant_algo": algo, "kv_cache_quant_algo": None}
     for r in range(2):
@@ -110,10 +113,13 @@ def test_awq_block_size_explained_for_smollm2_shapes():
         quantize.make_recipe(["int4_awq"], SMOLLM2, {"group_size": 128})
     assert "--group-size 64" in err.value.one_line()
     assert quantize.make_recipe(["int4_awq"], {**SMOLLM2, "tp": 3}, {"group_size": 64}).group_size == 64
-    per_rank = {"tp": 2, "hidden_size": 1024, "num_heads": 16, "head_size": 64, "intermediate_size": 2752}
+    per_rank = {**SMOLLM2, "tp": 2, "hidden_size": 1024, "num_heads": 16, "num_kv_heads": 16,
+                "intermediate_size": 2752}
     with pytest.raises(UsageError, match=r"mlp.proj .*2752/2.* = 1376") as err:  # hidden fits 128, 2752/2 not
         quantize.make_recipe(["int4_awq"], per_rank, {"group_size": 128})
-    assert "--group-size 32" in err.value.one_line()
+    assert "No block size fits" in err.value.one_line()  # 32 divides 1376, but TensorRT-LLM pads 2752 to 128·2
+    with pytest.raises(UsageError, match=r"multiples of max\(64, group size 32\)·tp = 128 .*mlp.fc out = 2752"):
+        quantize.make_recipe(["int4_awq"], per_rank, {"group_size": 32})
     for bad in (0, "x"):
         with pytest.raises(UsageError, match="--group-size"):
             quantize.make_recipe(["int4_awq"], SMOLLM2, {"group_size": bad})
@@ -124,7 +130,7 @@ def test_awq_block_size_refused_through_the_cli(tmp_path, capsys):
     model = make_llama(tmp_path / "m", hidden=96, heads=8, kv_heads=2, inter=192)
     out = tmp_path / "repo"
     refused(capsys, out, build(model, out, "--quant", "int4_awq", "--group-size", "128"),
-            "block size 128 does not divide", "= 96", "--group-size 32")
+            "block size 128 does not divide", "= 96", "No block size fits", "--quant fp8")
 
 
 # -- nvidia-modelopt ---------------------------------------------------------------------------------
@@ -137,9 +143,8 @@ def test_awq_checkpoint_matches_modelopt_fake_quantized_model(calib_llama, tmp_p
     """
     import torch
 
-    meta = {"tp": 2, "hidden_size": 64, "num_heads": 4, "head_size": 16, "intermediate_size": 128}
-    recipe = quantize.make_recipe(["int4_awq"], meta, {})
-    assert recipe.group_size == 32
+    # TensorRT-LLM would pad these widths (64 is below 128·tp): this checks modelopt's numbers, not a loadable layout
+    recipe = quantize.Recipe(("int4_awq",), quant_algo="W4A16_AWQ", group_size=32, calibrate=True)
     model, tokenizer = quantize.load_for_calibration(calib_llama, spec_for(calib_llama))
     quantize.calibrate(model, tokenizer, recipe, quantize.calibration_texts(None, 8))
     out = tmp_path / "awq"
@@ -218,9 +223,9 @@ def test_fp8_checkpoint_evaluates_close_to_fake_quantized_model(calib_llama, tmp
 
 
 def test_calibration_needs_a_tokenizer(tiny_llama, tmp_path, capsys):
-    """Bad input: int4_awq on a checkpoint without tokenizer files."""
+    """Bad input: fp8 on a checkpoint without tokenizer files."""
     out = tmp_path / "repo"
-    refused(capsys, out, build(tiny_llama, out, "--quant", "int4_awq"), "calibration needs the checkpoint's tokenizer")
+    refused(capsys, out, build(tiny_llama, out, "--quant", "fp8"), "calibration needs the checkpoint's tokenizer")
 
 
 def test_missing_calibration_file(calib_llama, tmp_path, capsys):
@@ -237,3 +242,21 @@ def test_empty_calibration_file(calib_llama, tmp_path):
     empty.write_text("\n  \n")
     with pytest.raises(UsageError, match="has no text"):
         quantize.calibration_texts(empty, 10)
+
+
+@pytest.mark.parametrize("mode", ["int4_awq", "fp8", "int8_kv"])
+def test_quantized_config_is_forges_own(wide_llama, tmp_path, mode):
+    """Regression (issue 14): modelopt's config.json is its view of the model; forge keeps its export's
+    (RoPE base and scaling, activation, architecture) and takes only quantization and embedding layout."""
+    model = tmp_path / "m"
+    shutil.copytree(wide_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "rope_theta": 50000.0, "factor": 2.0}
+    (model / "config.json").write_text(json.dumps(config))
+    exported, quantized, _ = run_stages(model, tmp_path, [mode], tp=2, options={"calib_size": 4})
+    own = json.loads((exported.path / "config.json").read_text())
+    written = json.loads((quantized.path / "config.json").read_text())
+    assert written["rotary_base"] == 50000.0 and written["rotary_scaling"]["type"] == "linear"
+    differ = {k for k in own.keys() | written.keys() if own.get(k) != written.get(k)}
+    assert differ <= {*MODELOPT_KEYS, "producer"}, differ
+    assert written["quantization"]["quant_algo"] == quantize.make_recipe([mode], exported.meta, {}).quant_algo

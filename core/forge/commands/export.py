@@ -1,4 +1,4 @@
-"""forge export: run only the export stage and write its artifact to --out."""
+"""forge export: run the export stage (and quantize, under --quant) and write its artifact to --out."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 
 from .build import add_build_arguments, print_plan, spec_from_args
 
-HELP = "run only the export stage (TensorRT-LLM checkpoint, ONNX) and write it to --out"
+HELP = ("run the export stage (TensorRT-LLM checkpoint, ONNX; quantized under --quant, as build does) "
+        "and write it to --out")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -292,6 +292,10 @@ def export(adapter: DecoderAdapter, source: Path, ctx, *, hf_config: Mapping[str
                         "vocab_padded_to": meta["vocab_size_padded"]})
     if ctx.option("parity", False) and not ctx.dry_run:
         check_parity(adapter, source, out, spec.dtype, ctx)
+    if ctx.target == "tensorrtllm" and not spec.quant:  # a quantized build checks the quantized checkpoint
+        from .loadercheck import check_checkpoint
+
+        check_checkpoint(ctx, out)
     return Artifact(ARTIFACT_KIND, out, meta)
 
 

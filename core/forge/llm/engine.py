@@ -15,22 +15,43 @@ from typing import Any, Mapping
 from forge.components import Artifact
 from forge.errors import ForgeError
 
+from . import loadercheck
 from .profiles import BUILD_FLAGS, parse_version
 
 ARTIFACT_KIND = "trtllm-engine"
+
+
 def _switch(value: bool) -> str:
     return "enable" if value else "disable"
 
 
 def sequence_limits(spec, meta: Mapping[str, Any]) -> tuple[int, int]:
-    """(max_input_len, max_seq_len) of the build, within the model's position table."""
+    """(max_input_len, max_seq_len) of the build: within the model's position table, with room to generate.
+
+    A sequence limit beyond the position table is cut to the table; if the prompt limit then leaves no
+    room for output, the prompt keeps the share of the sequence it was asked for (the defaults, 1024 of
+    2048: half), so a 128-position model gets 64 prompt tokens and 64 to generate, not 127 and 1.
+    """
     lim = spec.limits
     seq, inp = lim.max_seq_len, lim.max_input_len
     positions = meta.get("max_position_embeddings")
     if isinstance(positions, int) and 1 < positions < seq:  # no position beyond the model's table
         seq = positions
-        inp = min(inp, seq - 1)
+        if inp >= seq:
+            inp = max(1, seq * lim.max_input_len // lim.max_seq_len)
     return inp, seq
+
+
+def clamped_limits(spec, meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What :func:`sequence_limits` changed and why (None when the requested limits fit the model)."""
+    used = sequence_limits(spec, meta)
+    asked = (spec.limits.max_input_len, spec.limits.max_seq_len)
+    if used == asked:
+        return None
+    return {"requested": {"max_input_len": asked[0], "max_seq_len": asked[1]},
+            "used": {"max_input_len": used[0], "max_seq_len": used[1]},
+            "why": f"the model has {meta['max_position_embeddings']} positions; the prompt keeps its requested "
+                   f"share of the sequence, leaving {used[1] - used[0]} tokens to generate"}
 
 
 def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any], spec,
@@ -83,10 +104,14 @@ def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stag
     argv = build_command(artifact.path, Path("engine"), meta, spec, spec.options)
     version = parse_version(spec.backend_version)
     max_input_len, max_seq_len = sequence_limits(spec, meta)
-    if (max_input_len, max_seq_len) != (spec.limits.max_input_len, spec.limits.max_seq_len):
-        ctx.note("limits", f"max_seq_len {spec.limits.max_seq_len} → {max_seq_len} and max_input_len "
-                           f"{spec.limits.max_input_len} → {max_input_len}: the model has "
-                           f"{meta['max_position_embeddings']} positions")
+    clamped = clamped_limits(spec, meta)
+    if clamped:
+        asked, used = clamped["requested"], clamped["used"]
+        ctx.note("limits", clamped)
+        ctx.log(f"warning: --max-seq-len {asked['max_seq_len']} → {used['max_seq_len']} and --max-input-len "
+                f"{asked['max_input_len']} → {used['max_input_len']}: {clamped['why']}")
+    if version >= BUILD_FLAGS["trtllm_build"]:
+        loadercheck.check_build_command(ctx, argv)
     if version < BUILD_FLAGS["trtllm_build"]:  # a real build was refused at plan time (options.check_options)
         from .options import no_trtllm_build
 

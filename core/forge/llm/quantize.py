@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 from forge.components import Artifact
 from forge.errors import ForgeError, ToolMissingError, UsageError
 
+from . import loadercheck, quantlayout
 from .adapter import DecoderAdapter
 from .checkpoint import ARTIFACT_KIND
 
@@ -88,18 +89,26 @@ def awq_widths(meta: Mapping[str, Any]) -> dict[str, int]:
 
 
 def awq_group_size(meta: Mapping[str, Any], requested: Any) -> tuple[int, str | None]:
-    """The AWQ block size: the requested one if every quantized width allows it, else a clear error."""
+    """The AWQ block size: the requested one if every quantized width allows it, else a clear error.
+
+    A block must divide every per-rank input width (modelopt packs whole blocks per rank) and keep
+    every width a multiple of max(64, block)·tp (TensorRT-LLM pads other widths and would not load them).
+    """
     widths = awq_widths(meta)
-    fitting = [g for g in AWQ_GROUP_SIZES if all(w % g == 0 for w in widths.values())]
+    divides = [g for g in AWQ_GROUP_SIZES if all(w % g == 0 for w in widths.values())]
+    fitting = [g for g in divides if not quantlayout.unpadded(meta, "W4A16_AWQ", g)]
     if requested is None:
-        if not fitting:
+        if not divides:
             raise UsageError(f"no INT4-AWQ block size in {AWQ_GROUP_SIZES} divides every quantized layer's "
                              f"per-rank input width ({', '.join(f'{k}: {v}' for k, v in widths.items())})")
+        if not fitting:
+            quantlayout.check_widths(meta, ("int4_awq",), "W4A16_AWQ", divides[-1])
         note = None
         if fitting[0] != AWQ_GROUP_SIZES[0]:
-            bad = next(k for k, w in widths.items() if w % AWQ_GROUP_SIZES[0])
-            note = (f"AWQ block size {fitting[0]} chosen: the default {AWQ_GROUP_SIZES[0]} does not divide "
-                    f"{bad} = {widths[bad]}")
+            bad = next((k for k, w in widths.items() if w % AWQ_GROUP_SIZES[0]), None)
+            why = (f"does not divide {bad} = {widths[bad]}" if bad else "would be padded by TensorRT-LLM ("
+                   + quantlayout.unpadded(meta, "W4A16_AWQ", AWQ_GROUP_SIZES[0])[0] + ")")
+            note = f"AWQ block size {fitting[0]} chosen: the default {AWQ_GROUP_SIZES[0]} {why}"
         return fitting[0], note
     try:
         group = int(requested)
@@ -109,9 +118,12 @@ def awq_group_size(meta: Mapping[str, Any], requested: Any) -> tuple[int, str | 
         raise UsageError(f"--group-size must be positive, got {group}")
     for name, width in widths.items():
         if width % group:
-            hint = f"use --group-size {fitting[0]}" if fitting else "choose a block size that divides every width"
+            hint = (f"use --group-size {fitting[0]}" if fitting else "choose a block size that divides every width"
+                    if not divides else "no block size fits: TensorRT-LLM pads INT4-AWQ layers to multiples of "
+                    "max(64, block)·tp; use --quant fp8 or int8_kv")
             raise UsageError(f"INT4-AWQ block size {group} does not divide the per-rank input width of {name} "
                              f"= {width}; modelopt packs whole blocks per rank", hint=hint)
+    quantlayout.check_widths(meta, ("int4_awq",), "W4A16_AWQ", group)
     return group, None
 
 
@@ -139,7 +151,10 @@ def make_recipe(modes: Sequence[str], meta: Mapping[str, Any], options: Mapping[
             recipe.notes.append(note)
     elif options.get("group_size") is not None:
         recipe.notes.append(f"--group-size ignored: only int4_awq is group-wise (asked for {', '.join(modes)})")
+    if weight in DECLARED:
+        quantlayout.check_widths(meta, modes, recipe.quant_algo)
     if recipe.calibrate:
+        quantlayout.check_pipeline(meta, modes)
         recipe.calibration = {"data": str(options["calib_data"]) if options.get("calib_data") else "built-in sample",
                               "samples": int(options.get("calib_size", 64)),
                               "max_tokens": int(options.get("calib_seq_len", 256))}
@@ -271,6 +286,7 @@ def quantize(adapter: DecoderAdapter, source: Path, artifact: Artifact, ctx) -> 
         return None
     out = ctx.workdir / "checkpoint"
     out.mkdir(parents=True)
+    modelopt_version = None
     if recipe.calibrate:
         texts = calibration_texts(spec.options.get("calib_data"), recipe.calibration["samples"])
         recipe.calibration["samples"] = len(texts)
@@ -278,18 +294,21 @@ def quantize(adapter: DecoderAdapter, source: Path, artifact: Artifact, ctx) -> 
         with contextlib.redirect_stdout(sys.stderr):  # modelopt prints progress; stdout is for --json
             model, tokenizer = load_for_calibration(Path(source), spec)
             calibrate(model, tokenizer, recipe, texts)
-            config = export_modelopt(adapter, model, out, spec.dtype, spec.tp, spec.pp)
+            written = export_modelopt(adapter, model, out, spec.dtype, spec.tp, spec.pp)
         del model
-        quantization = dict(config.get("quantization") or {})
+        quantization = dict(written.get("quantization") or {})
         if recipe.quant_algo in DECLARED.values():  # KV scales from modelopt, weights quantized at build time
             quantization["quant_algo"] = recipe.quant_algo
         got = (quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo"))
         if got != (recipe.quant_algo, recipe.kv_cache_quant_algo):
             raise ForgeError(f"modelopt exported {got[0]} weights / {got[1]} KV cache, but the recipe asked for "
                              f"{recipe.quant_algo} / {recipe.kv_cache_quant_algo}")
-        config["quantization"] = quantization
-        modelopt_version = (config.get("producer") or {}).get("version")
-        config["producer"] = {"name": "forge (nvidia-modelopt export)", "modelopt": modelopt_version}
+        modelopt_version = (written.get("producer") or {}).get("version")
+        # forge's own config (position embedding, activation, RoPE settings) with modelopt's quantization
+        config = quantlayout.merged_config(json.loads((artifact.path / "config.json").read_text()),
+                                           {**written, "quantization": quantization})
+        config["producer"] = {**config.get("producer", {}), "quantized_by": f"nvidia-modelopt {modelopt_version}"}
+        quantlayout.check_tensors(artifact.path, out, config, f"nvidia-modelopt {modelopt_version}")
         meta["vocab_size_padded"] = config.get("vocab_size", meta.get("vocab_size_padded"))
     else:
         config = json.loads((artifact.path / "config.json").read_text())
@@ -299,6 +318,8 @@ def quantize(adapter: DecoderAdapter, source: Path, artifact: Artifact, ctx) -> 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     meta["quant"] = {**recipe.quantization(), "modes": list(recipe.modes),
                      "method": "nvidia-modelopt" if recipe.calibrate else "declared (quantized by trtllm-build)",
-                     **({"calibration": recipe.calibration} if recipe.calibrate else {})}
+                     **({"calibration": recipe.calibration, "modelopt": modelopt_version} if recipe.calibrate else {})}
     ctx.note("quantize", {**asdict(recipe), "method": meta["quant"]["method"]})
+    if ctx.target == "tensorrtllm":
+        loadercheck.check_checkpoint(ctx, out)
     return Artifact(ARTIFACT_KIND, out, meta)

@@ -19,6 +19,7 @@ from forge.errors import ForgeError, UsageError
 from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
 
 from . import profiles
+from .engine import sequence_limits  # the one clamping rule of prompt and sequence limits
 from .interface import (BLS, LLM, POST, PRE, truthy, message_input, parameter_value, profile_of,
                         resolve_dtype, tensorrt_llm_io, tensorrt_llm_parameters)
 from .options import check_options
@@ -104,11 +105,7 @@ def _flag(params: Mapping[str, Any], key: str, options: Mapping[str, Any]) -> st
 
 
 def _max_input_len(spec, meta: Mapping[str, Any]) -> int:
-    positions = meta.get("max_position_embeddings")
-    limit = spec.limits.max_input_len
-    if isinstance(positions, int) and positions > 1:
-        limit = min(limit, positions - 1)
-    return limit
+    return sequence_limits(spec, meta)[0]
 
 
 def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[str, bytes],
