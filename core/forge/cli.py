@@ -12,7 +12,8 @@ from . import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ForgeError
 
 # name → module in forge.commands; each module has HELP, add_arguments(parser), run(args) -> int
-COMMANDS = ("build", "export", "plugins", "options", "validate", "doctor", "serve", "infer", "bench")
+COMMANDS = ("build", "export", "plugins", "options", "validate", "doctor", "serve", "infer", "bench", "index",
+            "search")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -46,7 +46,7 @@ class Family:
     """
 
     name: str
-    kind: str  # "decoder" or "encoder"
+    kind: str  # "decoder", "encoder", or a stage such as "retrieval"
     description: str
     architectures: tuple[str, ...]
     targets: tuple[str, ...]
@@ -58,6 +58,9 @@ class Family:
     parallel_targets: tuple[str, ...] = ()
     #: every ``-o`` option the family reads (first-class flags such as ``--instances`` included)
     options: tuple[Option, ...] = ()
+    #: options that make the family join a build that does not name it (``--store`` adds retrieval);
+    #: a joined family takes no weights, so dtype, quantization and parallelism are not its concern
+    joins_on: tuple[str, ...] = ()
     plugin: str = ""  # filled in by the registry: the plugin that registered the family
 
     def option(self, name: str) -> Option | None:

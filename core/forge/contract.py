@@ -80,6 +80,8 @@ def check(spec: BuildSpec, builds: Sequence[tuple[Family, str]]) -> None:
         if target not in family.targets:
             raise UsageError(f"family {name!r} cannot be built for --target {target}; "
                              f"its targets: {', '.join(family.targets)}")
+        if family.joins_on and name not in spec.families:
+            continue  # joined on an option: it converts no weights
         if spec.dtype not in family.dtypes:
             raise UsageError(f"family {name!r} does not support --dtype {spec.dtype}; "
                              f"choose one of {', '.join(family.dtypes)}")

@@ -63,6 +63,9 @@ class Driver:
             raise UsageError("no --family given; known families: " + ", ".join(sorted(self.registry.families)))
         builds = [(family, spec.target or family.default_target)
                   for family in (self.registry.family(name) for name in spec.families)]
+        # Families that join on an option (``--store`` adds retrieval) run on their own default target.
+        builds += [(family, family.default_target) for family in self.registry.families.values()
+                   if family.name not in spec.families and any(o in spec.options for o in family.joins_on)]
         contract.check(spec, builds)
         plans: list[ComponentPlan] = []
         for family, target in builds:
@@ -222,11 +225,12 @@ class Driver:
         for edge in (e for lst in edge_lists if lst for e in lst):
             edges.setdefault(edge.ensemble, []).append(edge)
         configs = {name: m.config for name, m in models.items()}
-        for name, group in edges.items():
+        for name in ensemble.nesting_order(edges):
             check_name(name, "ensemble name")
             if name in models:
                 raise ValidationError(f"ensemble name {name!r} clashes with a model of the same name")
-            models[name] = TritonModel(ensemble.assemble(name, group, configs))
+            models[name] = TritonModel(ensemble.assemble(name, edges[name], configs))
+            configs[name] = models[name].config  # an ensemble may be a step of another one
             self.log(f"ensemble {name}: {len(models[name].config.ensemble_scheduling.step)} steps")
         manifest = self._manifest(plans, sorted(models), build_key)
 

@@ -119,6 +119,21 @@ def assemble(name: str, edges: list[Edge], models: Mapping[str, mc.ModelConfig])
     return config
 
 
+def nesting_order(groups: Mapping[str, list[Edge]]) -> list[str]:
+    """Ensemble names ordered so that an ensemble used as a step of another one is assembled first."""
+    uses = {name: {p.model for e in edges for p in (e.src, e.dst) if p.model in groups and p.model != name}
+            for name, edges in groups.items()}
+    order: list[str] = []
+    while uses:
+        ready = [n for n, inner in uses.items() if not inner - set(order)]
+        if not ready:
+            raise ValidationError(f"ensembles {', '.join(sorted(uses))} use each other in a cycle")
+        order.extend(ready)
+        for n in ready:
+            del uses[n]
+    return order
+
+
 def _topological(name: str, members: list[str], edges: list[Edge]) -> list[str]:
     deps = {m: {e.src.model for e in edges if e.dst.model == m and e.src.model} for m in members}
     order: list[str] = []

@@ -12,7 +12,8 @@ from .errors import UsageError
 #: First-class flags that set a family option (``--instances 2`` is ``-o instances=2``); the
 #: families declare these like any ``-o`` key, errors name the flag the user typed.
 FLAG_OPTIONS = {"decoupled": "--decoupled", "calib_data": "--calib-data", "group_size": "--group-size",
-                "instances": "--instances", "parity_tolerance": "--parity-tolerance"}
+                "instances": "--instances", "parity_tolerance": "--parity-tolerance",
+                "store": "--store", "collection": "--collection"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 

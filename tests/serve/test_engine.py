@@ -267,3 +267,19 @@ def test_penalties_ignore_prompt_ids_past_the_vocabulary(model):
     req = GenerationRequest([5, 2**31 - 2, 17], 4, sampling=SamplingParams(repetition_penalty=1.3))
     collect, seqs = run(model, [req])
     assert len(collect.tokens(seqs[0])) == 4 and collect.reason(seqs[0]) == "length"
+
+
+def test_automatic_runtime_choices_follow_the_device(monkeypatch):
+    """-o compute_dtype / cpu_threads / inflight_sequences = auto: what the served model picks per device."""
+    from forge.served.decoder_engine.forge_decoder import engine as eng
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(eng, "cpu_has_bf16", lambda: False)
+    assert eng.choose_dtype(cpu, "auto", "float16") == torch.float32  # no bf16 matmuls: float32
+    monkeypatch.setattr(eng, "cpu_has_bf16", lambda: True)
+    assert eng.choose_dtype(cpu, "auto", "float16") == torch.bfloat16
+    assert eng.choose_dtype(gpu, "auto", "bfloat16") == torch.bfloat16  # a GPU computes in --dtype
+    assert eng.choose_dtype(cpu, "float16", "float32") == torch.float16  # -o compute_dtype overrides
+    monkeypatch.setattr(eng.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert eng.choose_threads(cpu, 0) == 3 and eng.choose_threads(cpu, 2) == 2
+    assert eng.choose_rows(cpu, 0, 8) == 8 and eng.choose_rows(gpu, 0, 8) == 64 and eng.choose_rows(gpu, 5, 8) == 5

@@ -57,6 +57,11 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the family's export parity tolerance (max abs diff)")
     p.add_argument("-o", "--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                    help="family option; 'forge options --family NAME' lists them; repeatable")
+    p.add_argument("--store", default=None, metavar="URI",
+                   help="add retrieval: a Milvus Lite file (PATH.db) or a Milvus server (http://host:19530); "
+                   "the token comes from MILVUS_TOKEN, never from the command line")
+    p.add_argument("--collection", default=None, metavar="NAME",
+                   help="with --store: the collection searched (default: documents)")
     p.add_argument("--name-prefix", default="", help="prefix for every Triton model name")
     p.add_argument("--dry-run", action="store_true", help="print the plan and external commands; build nothing")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading pickle checkpoints (pytorch_model.bin)")
@@ -90,10 +95,16 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
             raise UsageError("--model is required")
         model = models[families[0]]
     options = dict(args.option)
+    if args.collection is not None and args.store is None:
+        raise UsageError("--collection needs --store (the vector store that holds the collection)")
     for key in FLAG_OPTIONS:
         value = getattr(args, key)
         if value is not None and value is not False:
             options.setdefault(key, value)
+    if "store" in options:  # a relative Lite path means the same store from any working directory
+        from ..retrieval.store import normalize_uri
+
+        options["store"] = normalize_uri(str(options["store"]))
     return BuildSpec(
         families=families, model=model, models=models, out=args.out, tp=args.tp, pp=args.pp,
         dtype=args.dtype, quant=tuple(_split(args.quant)), target=args.target,

@@ -110,14 +110,13 @@ def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stag
         ctx.note("limits", clamped)
         ctx.log(f"warning: --max-seq-len {asked['max_seq_len']} → {used['max_seq_len']} and --max-input-len "
                 f"{asked['max_input_len']} → {used['max_input_len']}: {clamped['why']}")
-    if version >= BUILD_FLAGS["trtllm_build"]:
-        loadercheck.check_build_command(ctx, argv)
-    if version < BUILD_FLAGS["trtllm_build"]:  # a real build was refused at plan time (options.check_options)
+    if version < BUILD_FLAGS["trtllm_build"]:  # only a --dry-run gets here (the plan refuses real builds)
         from .options import no_trtllm_build
 
         ctx.note("compatibility", no_trtllm_build(spec.backend_version) + "; no engine command is recorded")
         ctx.log(f"note: {no_trtllm_build(spec.backend_version)}; the plan records no engine command")
         return None
+    loadercheck.check_build_command(ctx, argv)
     ctx.run_tool(argv, purpose="--target tensorrtllm (building TensorRT-LLM engines)", cwd=ctx.workdir)
     if ctx.dry_run:
         return None  # nothing was built; the plan shows the command

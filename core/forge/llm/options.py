@@ -71,6 +71,8 @@ FORGE = (
            choices=("auto", "float32", "bfloat16", "float16")),
     Option("cpu_threads", "int", "python / hf-pipeline targets: torch intra-op threads (0: automatic)", 0, SERVED,
            minimum=0),
+    Option("inflight_sequences", "int", "python target: sequences decoded together (0: --max-batch-size on a CPU, "
+           "at least 64 on a GPU)", 0, PYTHON, minimum=0),
 )
 
 # An option that names no target is read by the targets with the text models, not by hf-pipeline.

@@ -40,8 +40,25 @@ def pytriton_root() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def check_stub_numpy() -> None:
+    """tritonserver 2.51's python stub (nvidia-pytriton 0.7) misreads every array under numpy 2.
+
+    The stub runs this interpreter (this environment's ``bin`` is first on its PATH), so the numpy
+    here is the one it gets; forge's own install pins numpy < 2, an environment that overrode it is
+    refused instead of serving models that crash on their first request.
+    """
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise ToolMissingError(
+            f"this environment has numpy {numpy.__version__}; the python backend stub of the bundled tritonserver "
+            "misreads numpy-2 arrays", hint=f"pip install 'numpy<2' into {sys.prefix} (a virtualenv made with "
+            "--system-site-packages keeps a GPU image's torch)")
+
+
 def backend_directory() -> Path:
     """A backend directory with the python stub for this interpreter (built once, then reused)."""
+    check_stub_numpy()
     root = pytriton_root() / "tritonserver"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"

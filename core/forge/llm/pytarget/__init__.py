@@ -100,6 +100,8 @@ def runtime_choices(spec, ctx) -> dict[str, Any]:
     resolved["on_this_machine"] = {
         "device": str(where), "compute_dtype": str(engine.choose_dtype(where, dtype, spec.dtype)).removeprefix("torch."),
         "cpu_threads": engine.choose_threads(where, int(threads)), "cores": len(os.sched_getaffinity(0)),
+        "inflight_sequences": engine.choose_rows(where, int(ctx.option("inflight_sequences", 0)),
+                                                 spec.limits.max_batch_size),
         "cpu_bf16_matmul": engine.cpu_has_bf16(), "torch": torch.__version__}
     return resolved
 
@@ -126,6 +128,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_input_len": max_input_len,
         "max_seq_len": max_seq_len,
         "max_num_sequences": spec.limits.max_batch_size,
+        "inflight_sequences": ctx.option("inflight_sequences", 0),
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),

@@ -147,7 +147,8 @@ class TritonPythonModel:
                              max_input_len=int(_parameter(config, "max_input_len", "1024")),
                              max_seq_len=int(_parameter(config, "max_seq_len", "2048")))
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
-        rows = int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8)
+        rows = engine_mod.choose_rows(device, int(_parameter(config, "inflight_sequences", "0") or 0),
+                                      int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
         self.engine = engine_mod.Engine(
             model, self.limits, max_rows=rows,
             max_prefill_tokens=int(_parameter(config, "max_num_tokens", "8192")),

@@ -96,6 +96,19 @@ def choose_dtype(device: torch.device, name: str, checkpoint: str = "float16") -
     return DTYPES.get(name, torch.float32)
 
 
+GPU_ROWS = 64  # sequences in flight on a GPU by default: one decode step costs about the same at 1 and 64 rows
+
+
+def choose_rows(device: torch.device, requested: int, max_batch_size: int) -> int:
+    """Sequences decoded together: ``requested`` when > 0, else (auto) ``max_batch_size`` on a CPU, where a
+    step's cost grows with its rows, and at least GPU_ROWS on a GPU, where it hardly does (H100, SmolLM2
+    shape: 27 ms/step at 1 row and 28 at 64; with 8 rows the server flattened at 258 tok/s, with 64 it
+    served 1508). Triton's max_batch_size still bounds the rows of one request."""
+    if requested > 0:
+        return requested
+    return max(max_batch_size, GPU_ROWS) if device.type == "cuda" else max_batch_size
+
+
 def choose_threads(device: torch.device, requested: int) -> int:
     """torch intra-op threads: ``requested`` when > 0, else (auto) on a CPU every core this process may use
     but one, which stays with tritonserver, pre/post-processing and the network (measured on 2 cores:

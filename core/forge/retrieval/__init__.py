@@ -1,0 +1,71 @@
+"""forge's built-in retrieval stage: a ``retriever`` model on Milvus and the ``search_text`` / ``search_image`` ensembles.
+
+The stage is a family like any other, registered through the ``forge.plugins`` entry point
+``retrieval``; it *joins* a build on ``--store`` (``Family.joins_on``) instead of being named with
+``--family``, so the driver never names it. Its one component emits the ``retriever`` python model;
+its edges nest the encoder families' own pipelines (``ensemble``/``minilm``, ``clip_text``,
+``clip_image``) as the first step of ``search_text`` / ``search_image`` and feed their ``embedding``
+to the retriever. ``forge index`` fills the collection, ``forge search`` asks the ensembles.
+"""
+
+from forge import hookimpl
+from forge.components import Component, Family, Option
+
+FAMILY = "retrieval"
+RETRIEVER = "retriever"
+SEARCH_TEXT = "search_text"
+SEARCH_IMAGE = "search_image"
+DEFAULT_COLLECTION = "documents"
+
+OPTIONS = (
+    Option("store", "str", "vector store: a Milvus Lite data directory (PATH.db) or a Milvus server URI",
+           None, flag="--store"),
+    Option("collection", "str", "the Milvus collection searched", DEFAULT_COLLECTION, flag="--collection"),
+    Option("search_family", "str", "the encoder family whose embeddings the collection holds "
+           "(needed when the build has several)", None),
+    Option("top_k", "int", "results per query when a request gives no top_k", 5, minimum=1),
+)
+
+
+def _components(spec) -> list[Component]:
+    return [Component(name=f"{spec.name_prefix}{RETRIEVER}", family=FAMILY, role=RETRIEVER, source=spec.model,
+                      prefix=spec.name_prefix, ensemble=f"{spec.name_prefix}{SEARCH_TEXT}")]
+
+
+class RetrievalPlugin:
+    """The hooks of the retrieval stage; answers only for its own component."""
+
+    @hookimpl
+    def forge_register_families(self, register):
+        register(Family(name=FAMILY, kind="retrieval", description="top-k search on Milvus after an encoder "
+                        "(joins a build on --store)", architectures=(), targets=("python",),
+                        default_target="python", components=_components, options=OPTIONS, joins_on=("store",)))
+
+    @hookimpl
+    def forge_export(self, component, ctx):
+        if component.family != FAMILY:
+            return None
+        from . import stage
+
+        return stage.export(ctx)
+
+    @hookimpl
+    def forge_emit_config(self, component, artifact, ctx):
+        if component.family != FAMILY:
+            return None
+        from . import stage
+
+        return [stage.retriever_model(component, artifact, ctx)]
+
+    @hookimpl
+    def forge_ensemble_edges(self, components, models, ctx):
+        mine = [c for c in components if c.family == FAMILY]
+        if not mine:
+            return None
+        from . import stage
+
+        return stage.edges(mine[0], components, models, ctx)
+
+
+#: The object the ``forge.plugins`` entry point ``retrieval = forge.retrieval:plugin`` loads.
+plugin = RetrievalPlugin()

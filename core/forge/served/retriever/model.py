@@ -1,0 +1,100 @@
+"""Triton python-backend model ``retriever``: embeddings → top-k ids, scores and documents from Milvus.
+
+Inputs: ``embedding`` (FP32, one row per query) and optional ``top_k`` (INT32). Outputs, one row per
+query and k columns, best first: ``ids`` (STRING), ``scores`` (FP32, cosine similarity) and
+``documents`` (STRING, each a JSON object: text or image, and metadata).
+
+The store is opened on the first request, not at load: an unreachable store answers each request
+with an error naming its URI while every other model of the server keeps serving, and the next
+request tries again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # the build imports this module as part of forge.served
+    from .. import forge_glue
+    from . import forge_store
+except ImportError:  # inside a repository both sit next to model.py
+    import forge_glue
+    import forge_store
+
+MAX_K = 1024
+
+
+class Retriever:
+    """A collection of one store, searched by embedding; reconnects after a failure."""
+
+    def __init__(self, uri: str, collection: str, default_k: int = 5):
+        self.uri, self.collection, self.default_k = uri, collection, default_k
+        self.client = None
+        self.dim: int | None = None
+
+    def _open(self) -> None:
+        client = forge_store.connect(self.uri)
+        try:
+            dim = forge_store.collection_dim(client, self.collection)
+            if dim is None:
+                raise forge_store.StoreUnavailable(
+                    f"collection {self.collection!r} does not exist in {self.uri}; run 'forge index' first")
+            client.load_collection(self.collection)
+        except forge_store.StoreUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pymilvus raises several kinds
+            raise forge_store.StoreUnavailable(f"store {self.uri}: {getattr(exc, 'message', exc)}") from None
+        self.client, self.dim = client, dim
+
+    def search(self, embedding: np.ndarray, k: int) -> list[list[tuple[str, float, str]]]:
+        if embedding.ndim != 2 or embedding.shape[0] == 0:
+            raise ValueError(f"embedding must hold one row per query, got shape {list(embedding.shape)}")
+        if not 1 <= k <= MAX_K:
+            raise ValueError(f"top_k must be between 1 and {MAX_K}, got {k}")
+        for attempt in (0, 1):
+            if self.client is None:
+                self._open()
+            if embedding.shape[1] != self.dim:
+                raise ValueError(f"the embedding has {embedding.shape[1]} values but collection "
+                                 f"{self.collection!r} holds vectors of {self.dim}")
+            try:
+                params = forge_store.search_params(self.client, self.collection, k)
+                return forge_store.search(self.client, self.collection, embedding, k, params)
+            except Exception as exc:  # noqa: BLE001 - a dropped connection: reopen once
+                self.client = None
+                if attempt:
+                    raise forge_store.StoreUnavailable(
+                        f"store {self.uri}: {getattr(exc, 'message', exc)}") from None
+        raise AssertionError("unreachable")
+
+
+def as_tensors(rows: list[list[tuple[str, float, str]]]) -> dict[str, np.ndarray]:
+    """``ids`` / ``scores`` / ``documents`` arrays; rows with fewer hits are padded (id "", score -inf)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = np.full((len(rows), width), b"", dtype=object)
+    scores = np.full((len(rows), width), -np.inf, dtype=np.float32)
+    documents = np.full((len(rows), width), b"null", dtype=object)
+    for i, row in enumerate(rows):
+        for j, (hit_id, score, document) in enumerate(row):
+            ids[i, j], scores[i, j], documents[i, j] = hit_id.encode(), score, document.encode()
+    return {"ids": ids, "scores": scores, "documents": documents}
+
+
+class TritonPythonModel:
+    """Triton's entry point."""
+
+    def initialize(self, args):
+        params = forge_glue.parameters(forge_glue.model_config(args))
+        self.retriever = Retriever(params["store"], params["collection"], int(params.get("default_k", "5")))
+
+    def execute(self, requests):
+        def handle(request):
+            embedding = forge_glue.get(request, "embedding")
+            top_k = forge_glue.get(request, "top_k")
+            k = int(top_k.reshape(-1)[0]) if top_k is not None and top_k.size else self.retriever.default_k
+            try:
+                rows = self.retriever.search(np.asarray(embedding, dtype=np.float32), k)
+            except forge_store.StoreUnavailable as exc:
+                raise RuntimeError(str(exc)) from None
+            return as_tensors(rows)
+
+        return forge_glue.run_each(requests, handle, "retriever")
