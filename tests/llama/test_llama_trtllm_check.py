@@ -133,3 +133,30 @@ def test_uneven_split_that_the_loader_would_truncate_is_refused(tmp_path, capsys
                  "--backend-version", "v0.16.0"]) == 2
     assert "cannot be split evenly over --pp 2" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.heavy
+def test_smollm2_exports_pass_the_strict_loader(checker, tmp_path):
+    """The real SmolLM2-135M (9 heads, 3 KV heads, tied, vocab 49152): float and w8a16 at tp 3, fp8 + int8_kv.
+
+    int4_awq (block 64) was accepted too when run by hand; its AWQ search takes minutes on two cores.
+    """
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import smollm2
+
+    torch.set_num_threads(2)
+    model = smollm2.hf_dir()
+    cases = {"fp16-tp3": ("--tp", "3"), "w8a16-tp3": ("--quant", "w8a16", "--tp", "3"),
+             "fp8,int8_kv": ("--quant", "fp8,int8_kv")}
+    dirs = {}
+    for name, args in cases.items():
+        dirs[name] = tmp_path / name
+        assert main(["export", "--family", "llama", "--model", str(model), "--out", str(dirs[name]),
+                     "-o", "calib_size=8", *args]) == 0, name
+    found = checker.check_checkpoints(list(dirs.values()))
+    for name, out in dirs.items():
+        assert found[out][0], f"{name}: {found[out][1]}"
