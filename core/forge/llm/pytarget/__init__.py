@@ -72,12 +72,11 @@ def check_spec(spec) -> None:
 
 
 def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
-    """(max_input_len, max_seq_len) clamped to the model's position embeddings."""
-    max_seq_len = spec.limits.max_seq_len
-    positions = meta.get("max_position_embeddings")
-    if isinstance(positions, int) and positions > 0:
-        max_seq_len = min(max_seq_len, positions)
-    return min(spec.limits.max_input_len, max_seq_len - 1), max_seq_len
+    """(max_input_len, max_seq_len): the tensorrtllm target's rule (within the position table, with room to
+    generate), so preprocessing and this model agree."""
+    from ..engine import sequence_limits
+
+    return sequence_limits(spec, meta)
 
 
 def runtime_choices(spec, ctx) -> dict[str, Any]:
