@@ -29,6 +29,7 @@ from .interface import LLM, PRE, profile_of, resolve_dtype
 OPTION = "prompt_table"  # the decoder component's option naming the encoder that fills its table
 ENCODERS = "multimodal_encoders"
 IMAGE_INPUT = "image"  # the ensemble input: encoded image bytes
+TEXT_INPUT, QUERY = "text_input", "QUERY"
 IMAGE, TABLE, ROWS = "IMAGE", "OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"
 PRE_ROWS = "PROMPT_VOCAB_SIZE"  # preprocessing's input: the rows the placeholder expands to
 FED = ("prompt_embedding_table", "prompt_vocab_size")  # tensorrt_llm inputs the encoder feeds
@@ -77,7 +78,9 @@ def encoders_model(component: Component, artifact: Artifact, ctx, files: Mapping
                   "hidden_size": hidden, "intra_op_threads": ctx.option("vision_threads", 0)}
     config = tc.model_config(
         component.model_name(ENCODERS), backend="python", max_batch_size=spec.limits.max_batch_size,
-        inputs=[tc.model_input(IMAGE, "STRING", [1], optional=True)],
+        # Triton runs an ensemble step only when it receives an input: the prompt rides along, so text-only
+        # requests (no image) pass through it too and get an empty table.
+        inputs=[tc.model_input(IMAGE, "STRING", [1], optional=True), tc.model_input(QUERY, "STRING", [1])],
         outputs=[tc.model_output(TABLE, table_dtype(spec), [-1, hidden]), tc.model_output(ROWS, "INT32", [1])],
         parameters=parameters, instances=1,
         instance_kind="KIND_GPU" if runtime == "tensorrt" else "KIND_CPU", dynamic_batching=True)
@@ -103,6 +106,7 @@ def edges(decoder: Component) -> list[Edge]:
     encoder, ensemble = table["encoder"], decoder.ensemble
     pre, llm = decoder.model_name(PRE), decoder.model_name(LLM)
     return [Edge.feed(IMAGE_INPUT, encoder, IMAGE, ensemble=ensemble),
+            Edge.feed(TEXT_INPUT, encoder, QUERY, ensemble=ensemble),
             Edge.link(encoder, TABLE, llm, FED[0], ensemble=ensemble),
             Edge.link(encoder, ROWS, llm, FED[1], ensemble=ensemble),
             Edge.link(encoder, ROWS, pre, PRE_ROWS, ensemble=ensemble)]
