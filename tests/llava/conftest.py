@@ -14,7 +14,8 @@ from tiny_llava import make_llava  # noqa: E402
 
 MAX_BATCH = 4
 BUILD = ["--target", "python", "--dtype", "float32", "--max-input-len", "64", "--max-seq-len", "128",
-         "--max-batch-size", str(MAX_BATCH), "-o", "add_special_tokens=true"]
+         "--max-batch-size", str(MAX_BATCH), "-o", "add_special_tokens=true",
+         "-o", "exclude_input_in_output=true", "-o", "compute_dtype=float32"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,6 +12,8 @@ its own request only.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import sys
 
@@ -122,4 +124,13 @@ class TritonPythonModel:
             raise ValueError(f"send one image per request (got {raw.size})")
         data = raw.reshape(-1)[0]
         data = data if isinstance(data, bytes) else str(data).encode()
-        return data  # empty bytes are a bad image (an error), not a text-only request
+        return from_base64(data)  # empty bytes are a bad image (an error), not a text-only request
+
+
+def from_base64(data: bytes) -> bytes:
+    """The image bytes of ``data``: the generate endpoint sends BYTES as JSON strings, so images arrive base64-encoded
+    there; binary image files (PNG, JPEG, …) are never valid base64 as a whole and pass unchanged."""
+    try:
+        return base64.b64decode(data.strip(), validate=True) if data.strip() else data
+    except (binascii.Error, ValueError):
+        return data
