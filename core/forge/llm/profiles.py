@@ -282,6 +282,9 @@ BUILD_FLAGS: Mapping[str, tuple[int, int]] = {
     # pinned down here, so uneven splits are allowed from 1.0 on and refused before.
     "uneven_pp": (1, 0),
     "kv_cache_type": (1, 0),  # --kv_cache_type paged supersedes --paged_kv_cache enable
+    # prompt-table rows (multimodal): --max_prompt_embedding_table_size since trtllm-build; the backend's
+    # multimodal docs (v0.12.0 on) use its alias --max_multimodal_len
+    "max_multimodal_len": (0, 12),
 }
 _NEWEST_FLAGS = (99, 0, 0)  # no --backend-version: the newest flag set
 
