@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never generate this text (repeatable)")
     p.add_argument("--chat-template", type=Path, default=None, metavar="TOKENIZER_DIR",
                    help="wrap the prompt as a user message with this tokenizer's chat template")
+    p.add_argument("--image", type=Path, default=None, metavar="FILE",
+                   help="an image (PNG, JPEG, …) for a multimodal ensemble; the prompt holds its placeholder, "
+                        "e.g. \"USER: <image>\\nWhat is shown? ASSISTANT:\"")
     p.add_argument("--json", action="store_true", help="print the whole response as json")
 
 
@@ -61,6 +64,18 @@ def chat_prompt(tokenizer_dir: Path, text: str) -> str:
                                          add_generation_prompt=True)
 
 
+def read_image(path: Path | None) -> bytes | None:
+    """The bytes of ``--image FILE`` (the server decodes them; a bad image is its error to report)."""
+    if path is None:
+        return None
+    if not path.is_file():
+        raise UsageError(f"--image {path} is not a file")
+    data = path.read_bytes()
+    if not data:
+        raise UsageError(f"--image {path} is empty")
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
     from ..serving import client
     from ..ui import emit_json
@@ -74,11 +89,12 @@ def run(args: argparse.Namespace) -> int:
                 "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
                 "frequency_penalty": args.frequency_penalty, "min_length": args.min_length}
     sampling = {k: v for k, v in sampling.items() if v is not None}
+    image = read_image(args.image)
 
     if not args.stream and args.stop_after_ms is None:
         inputs = client.ModelInputs.from_config(client.model_config(args.url, args.model))
         payload = client.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,
-                                          bad_words=args.bad_words, **sampling)
+                                          bad_words=args.bad_words, image=image, **sampling)
         response = client.generate(args.url, args.model, payload)
         if args.json:
             emit_json(response)
@@ -90,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     with client.GrpcSession(_grpc_url(args)) as session:
         inputs = session.config(args.model)
         tensors = client.text_request(inputs, prompt, args.max_tokens, stream=args.stream,
-                                      stop_words=args.stop_words, bad_words=args.bad_words, **sampling)
+                                      stop_words=args.stop_words, bad_words=args.bad_words, image=image, **sampling)
         pieces: list[str] = []
         try:
             for event in session.stream(args.model, tensors, stop_after_s=stop_s):

@@ -445,6 +445,7 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
         echoes = lambda text: [tokenizer.decode(tokenizer.encode(text), skip_special_tokens=skip)  # noqa: E731
                                for skip in (True, False)]
     target = bench.Target(inputs, stream=stream, count_text=count, encode=encode, echoes=echoes)
+    target.placeholder = getattr(args, "image_placeholder", target.placeholder)
     if stream and protocol == "http" and target.token_mode:
         raise UsageError("--stream over HTTP needs a text model (generate_stream); use --protocol grpc for token ids")
     if args.warmup > 0:
