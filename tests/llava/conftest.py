@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,8 +60,23 @@ def llava_repo(tiny_llava, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def llava_server(llava_repo, tmp_path_factory):
+def served_repo(llava_repo, tiny_llava, tmp_path_factory) -> Path:
+    """The plain build and a streaming one (``--decoupled``, models prefixed ``s_``) in one repository."""
+    streaming = tmp_path_factory.mktemp("repos") / "llava-stream"
+    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(streaming), *BUILD,
+                 "--decoupled", "--name-prefix", "s_") == 0
+    merged = tmp_path_factory.mktemp("merged") / "repo"
+    merged.mkdir()
+    for repo in (llava_repo, streaming):
+        for model_dir in repo.iterdir():
+            if model_dir.is_dir():
+                shutil.copytree(model_dir, merged / model_dir.name)
+    return merged
+
+
+@pytest.fixture(scope="session")
+def llava_server(served_repo, tmp_path_factory):
     from forge.serving.server import TritonServer
 
-    with TritonServer(llava_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as server:
+    with TritonServer(served_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as server:
         yield server

@@ -85,36 +85,62 @@ def test_image_questions_match_transformers_in_one_concurrent_batch(tiny_llava, 
     assert _text(client.infer("ensemble", _inputs(PROMPT, png(1)))) == answers[0]
 
 
-def test_token_ids_equal_transformers_generate(tiny_llava, llava_server):
-    """The ensemble's route by hand (encoders → preprocessing → tensorrt_llm): output ids = generate's."""
+def _call(client, model, tensors, outputs):
     import tritonclient.http as http
 
+    inputs = []
+    for name, value in tensors.items():
+        dtype = "BYTES" if value.dtype == object else {np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
+                                                        np.dtype(np.bool_): "BOOL"}[value.dtype]
+        tensor = http.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    result = client.infer(model, inputs, outputs=[http.InferRequestedOutput(o) for o in outputs])
+    return [result.as_numpy(o) for o in outputs]
+
+
+def _decoder_inputs(client, prompt: str, image: bytes | None) -> dict:
+    """The ensemble's route by hand up to tensorrt_llm: multimodal_encoders, then preprocessing."""
+    query = np.array([[prompt.encode()]], dtype=object)
+    encoder_in = {"QUERY": query, **({"IMAGE": np.array([[image]], dtype=object)} if image is not None else {})}
+    table, rows = _call(client, "multimodal_encoders", encoder_in,
+                        ["OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"])
+    ids, lengths = _call(client, "preprocessing", {"QUERY": query, "PROMPT_VOCAB_SIZE": rows.astype(np.int32)},
+                         ["INPUT_ID", "REQUEST_INPUT_LEN"])
+    return {"input_ids": ids.astype(np.int32), "input_lengths": lengths.astype(np.int32),
+            "request_output_len": np.array([[NEW_TOKENS]], dtype=np.int32),
+            "prompt_embedding_table": table.astype(np.float32), "prompt_vocab_size": rows.astype(np.int32)}
+
+
+def test_token_ids_equal_transformers_generate(tiny_llava, llava_server):
+    """The ensemble's route by hand (encoders → preprocessing → tensorrt_llm): output ids = generate's."""
     client = _client(llava_server)
-    image = png(1)
-    query = np.array([[PROMPT.encode()]], dtype=object)
-
-    def call(model, tensors, outputs):
-        inputs = []
-        for name, value in tensors.items():
-            dtype = {object: "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32"}[
-                object if value.dtype == object else value.dtype]
-            tensor = http.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
-        result = client.infer(model, inputs, outputs=[http.InferRequestedOutput(o) for o in outputs])
-        return [result.as_numpy(o) for o in outputs]
-
-    table, rows = call("multimodal_encoders", {"IMAGE": np.array([[image]], dtype=object), "QUERY": query},
-                       ["OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"])
-    assert rows.reshape(-1)[0] == _visual(tiny_llava) == table.shape[1]
-    ids, lengths = call("preprocessing", {"QUERY": query, "PROMPT_VOCAB_SIZE": rows.astype(np.int32)},
-                        ["INPUT_ID", "REQUEST_INPUT_LEN"])
-    (output,) = call("tensorrt_llm", {"input_ids": ids.astype(np.int32), "input_lengths": lengths.astype(np.int32),
-                                      "request_output_len": np.array([[NEW_TOKENS]], dtype=np.int32),
-                                      "prompt_embedding_table": table.astype(np.float32),
-                                      "prompt_vocab_size": rows.astype(np.int32)}, ["output_ids"])
-    expected, _ = _reference(tiny_llava, PROMPT, image)
+    tensors = _decoder_inputs(client, PROMPT, png(1))
+    assert tensors["prompt_vocab_size"].reshape(-1)[0] == _visual(tiny_llava) == tensors["prompt_embedding_table"].shape[1]
+    (output,) = _call(client, "tensorrt_llm", tensors, ["output_ids"])
+    expected, _ = _reference(tiny_llava, PROMPT, png(1))
     assert output.reshape(-1)[: len(expected)].tolist() == expected
+
+
+def test_streamed_token_ids_of_a_mixed_batch_equal_transformers(tiny_llava, llava_server):
+    """Image and text-only requests streamed together from the decoupled tensorrt_llm: each one's ids = generate's."""
+    from forge.serving.client import GrpcSession
+
+    client = _client(llava_server)
+    jobs = [(PROMPT, png(1)), (TEXT_PROMPT, None), (PROMPT, png(2)), ("USER: <image>\nDescribe it. ASSISTANT:", png(3))]
+    requests = [_decoder_inputs(client, prompt, image) for prompt, image in jobs]
+
+    def stream(tensors):
+        with GrpcSession(llava_server.grpc_url) as session:
+            tensors = {**tensors, "streaming": np.array([[True]])}
+            return [e.outputs["output_ids"].reshape(-1).tolist() for e in session.stream("s_tensorrt_llm", tensors)
+                    if "output_ids" in e.outputs]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(stream, requests))
+    for (prompt, image), steps in zip(jobs, results):
+        assert len(steps) > 1
+        assert [t for step in steps for t in step] == _reference(tiny_llava, prompt, image)[0]
 
 
 def test_generate_endpoint_takes_a_base64_image(tiny_llava, llava_server):
@@ -138,3 +164,50 @@ def test_placeholder_and_image_must_go_together(llava_server):
     with pytest.raises(Exception, match="empty"):
         client.infer("ensemble", _inputs(PROMPT, b""))
     assert _text(client.infer("ensemble", _inputs(TEXT_PROMPT, None)))  # still serving
+
+
+def test_streaming_ensemble_with_images(tiny_llava, llava_server):
+    """The decoupled ensemble streams image and text-only requests in flight together."""
+    from forge.serving.client import GrpcSession, text_of, text_request
+
+    jobs = [(PROMPT, png(1)), (TEXT_PROMPT, None), (PROMPT, png(2))]
+
+    def stream(job):
+        prompt, image = job
+        with GrpcSession(llava_server.grpc_url) as session:
+            inputs = session.config("s_ensemble")
+            tensors = text_request(inputs, prompt, NEW_TOKENS, stream=True, image=image)
+            pieces = [text_of(e.outputs["text_output"]) for e in session.stream("s_ensemble", tensors)
+                      if "text_output" in e.outputs]
+        return pieces
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(stream, jobs))
+    for pieces in results:  # streamed pieces decode in context, so only their number is compared here
+        assert len(pieces) == NEW_TOKENS or 1 < len(pieces) < NEW_TOKENS  # one per token (fewer at an end id)
+
+
+def test_infer_and_bench_send_images(tiny_llava, llava_server, tmp_path, capsys):
+    """``forge infer --image`` answers like transformers; ``forge bench --image`` measures image requests."""
+    image = tmp_path / "photo.png"
+    image.write_bytes(png(1))
+    url = llava_server.http_url.split("://", 1)[-1]
+    assert forge_cli("infer", "--url", url, "--image", str(image), PROMPT, "--max-tokens", str(NEW_TOKENS)) == 0
+    assert capsys.readouterr().out.rstrip("\n") == _reference(tiny_llava, PROMPT, png(1))[1]
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    assert forge_cli("infer", "--url", url, "--image", str(bad), PROMPT) == 1
+    assert "not a decodable image" in capsys.readouterr().err
+    assert forge_cli("infer", "--url", url, "--image", str(tmp_path / "missing.png"), PROMPT) == 2
+    assert forge_cli("bench", llava_server.grpc_url.split("://", 1)[-1], "--image", str(image), "--json",
+                     "--concurrency", "2", "prompts", "--prompt", "What is this?", "--num-requests", "4",
+                     "--output-len", "4") == 0
+    result = json.loads(capsys.readouterr().out)
+    row = result["rows"][0] if "rows" in result else result
+    assert row["errors"] == 0 and row.get("requests", row.get("completed", 4)) == 4
+
+
+def forge_cli(*argv: str) -> int:
+    from forge.cli import main
+
+    return main(list(argv))
