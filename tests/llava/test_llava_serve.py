@@ -102,14 +102,17 @@ def _call(client, model, tensors, outputs):
 def _decoder_inputs(client, prompt: str, image: bytes | None) -> dict:
     """The ensemble's route by hand up to tensorrt_llm: multimodal_encoders, then preprocessing."""
     query = np.array([[prompt.encode()]], dtype=object)
-    encoder_in = {"QUERY": query, **({"IMAGE": np.array([[image]], dtype=object)} if image is not None else {})}
-    table, rows = _call(client, "multimodal_encoders", encoder_in,
-                        ["OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"])
-    ids, lengths = _call(client, "preprocessing", {"QUERY": query, "PROMPT_VOCAB_SIZE": rows.astype(np.int32)},
+    table = {}
+    if image is not None:  # a text-only request gets no table (multimodal_encoders answers without outputs)
+        values = _call(client, "multimodal_encoders", {"QUERY": query, "IMAGE": np.array([[image]], dtype=object)},
+                       ["OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"])
+        table = {"prompt_embedding_table": values[0].astype(np.float32), "prompt_vocab_size": values[1].astype(np.int32)}
+    rows = {"PROMPT_VOCAB_SIZE": table["prompt_vocab_size"]} if table else {}
+    length = np.array([[NEW_TOKENS]], dtype=np.int32)
+    ids, lengths = _call(client, "preprocessing", {"QUERY": query, "REQUEST_OUTPUT_LEN": length, **rows},
                          ["INPUT_ID", "REQUEST_INPUT_LEN"])
     return {"input_ids": ids.astype(np.int32), "input_lengths": lengths.astype(np.int32),
-            "request_output_len": np.array([[NEW_TOKENS]], dtype=np.int32),
-            "prompt_embedding_table": table.astype(np.float32), "prompt_vocab_size": rows.astype(np.int32)}
+            "request_output_len": length, **table}
 
 
 def test_token_ids_equal_transformers_generate(tiny_llava, llava_server):

@@ -4,8 +4,8 @@ A composite family (llava) builds two components: the language model, answered b
 plugin that owns its architecture, and a vision component exported by the shared encoder machinery.
 The decoder component carries ``options["prompt_table"]`` (:func:`prompt_table_option`), which tells
 this package's decoder code that another model fills its prompt table: preprocessing then expands the
-image placeholder into the ids ``vocab_size … vocab_size+N−1`` (N = the table's rows, 0 without an
-image) and the ensemble links the encoder's outputs instead of feeding ``prompt_embedding_table``
+image placeholder into the ids ``vocab_size … vocab_size+N−1`` (N = the table's rows; a request without
+an image gets no table) and the ensemble links the encoder's outputs instead of feeding ``prompt_embedding_table``
 from the client. The tensor names are tensorrtllm_backend's (``all_models/multimodal``, v0.13.0 on).
 
     image ─▶ multimodal_encoders ─▶ OUT_PROMPT_EMBEDDING_TABLE ─▶ tensorrt_llm.prompt_embedding_table
@@ -24,7 +24,7 @@ from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import UsageError
 
 from . import profiles
-from .interface import LLM, PRE, profile_of, resolve_dtype
+from .interface import LLM, PRE, profile_of, resolve_dtype, truthy
 
 OPTION = "prompt_table"  # the decoder component's option naming the encoder that fills its table
 ENCODERS = "multimodal_encoders"
@@ -57,7 +57,7 @@ def check_spec(spec) -> None:
         raise UsageError(f"multimodal repositories follow tensorrtllm_backend {FIRST_VERSION} or newer; "
                          f"--backend-version {profile.version} routes the prompt table another way",
                          hint=f"build with --backend-version {FIRST_VERSION} or newer")
-    if str(spec.options.get("bls", "")).lower() in ("true", "1", "yes", "on"):
+    if truthy(spec.options.get("bls", False)):
         raise UsageError("-o bls=true: forge's tensorrt_llm_bls does not route images; the multimodal "
                          "repository is served by its ensemble", hint="drop -o bls")
 

@@ -80,7 +80,6 @@ class TritonPythonModel:
         self.preprocess = forge_image.from_parameters(params)
         self.vision = RUNTIMES[params.get("runtime", "onnxruntime")](os.path.join(here, params["model_file"]), params)
         self.rows = int(params["visual_tokens"])
-        self.hidden = int(params["hidden_size"])
         self.max_batch = max(1, int(config.get("max_batch_size") or 1))
         self.dtype = next(np.dtype(forge_glue.pb_utils.triton_string_to_numpy(o["data_type"]))
                           for o in config["output"] if o["name"] == TABLE)
@@ -109,7 +108,10 @@ class TritonPythonModel:
             if index in errors:
                 responses.append(forge_glue.error_response(errors[index], "image"))
                 continue
-            table = features.get(index, np.zeros((0, self.hidden), dtype=np.float32))
+            if index not in features:  # text-only: no table at all (see the module docstring)
+                responses.append(forge_glue.response(request, {}))
+                continue
+            table = features[index]
             responses.append(forge_glue.response(request, {
                 TABLE: np.ascontiguousarray(table[None], dtype=self.dtype),
                 ROWS: np.array([[table.shape[0]]], dtype=np.int32)}))
