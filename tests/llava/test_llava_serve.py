@@ -206,8 +206,8 @@ def test_infer_and_bench_send_images(tiny_llava, llava_server, tmp_path, capsys)
                      "--concurrency", "2", "prompts", "--prompt", "What is this?", "--num-requests", "4",
                      "--output-len", "4") == 0
     result = json.loads(capsys.readouterr().out)
-    row = result["rows"][0] if "rows" in result else result
-    assert row["errors"] == 0 and row.get("requests", row.get("completed", 4)) == 4
+    assert (result["model"], result["succeeded"], result["errors"]) == ("ensemble", 4, 0)
+    assert result["images"] == [str(image)] and result["output_tokens"] > 0
 
 
 def forge_cli(*argv: str) -> int:

@@ -251,6 +251,8 @@ def run(args: argparse.Namespace) -> int:
                                                                  "arrivals")}
         summary.update({"model": sources[0].model, "workload": workload, "mode": load_points[0].legacy_mode,
                         "stream": args.stream, "protocol": protocol})
+        if images:
+            summary["images"] = [str(path) for path in args.image]
         if args.json:
             emit_json(summary)
         else:
