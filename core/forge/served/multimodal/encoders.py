@@ -19,10 +19,14 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import forge_glue  # noqa: E402  (shipped next to this file)
-import forge_image  # noqa: E402
+try:  # the build and tests import this module as part of forge.served
+    from .. import forge_glue
+    from ..encoder import image as forge_image, onnx_encoder as forge_onnx
+except ImportError:  # inside a repository they sit next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import forge_glue
+    import forge_image
+    import forge_onnx
 
 TABLE, ROWS = "OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"
 
@@ -31,8 +35,6 @@ class OnnxVision:
     """The vision graph run by ONNX Runtime."""
 
     def __init__(self, path: str, params: dict):
-        import forge_onnx
-
         self.encoder = forge_onnx.OnnxEncoder(path, device=params.get("device", "auto"),
                                               intra_op_threads=int(params.get("intra_op_threads", "0") or 0))
 
