@@ -61,13 +61,17 @@ def llava_repo(tiny_llava, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def served_repo(llava_repo, tiny_llava, tmp_path_factory) -> Path:
-    """The plain build and a streaming one (``--decoupled``, models prefixed ``s_``) in one repository."""
-    streaming = tmp_path_factory.mktemp("repos") / "llava-stream"
+    """The plain build, a streaming one (``--decoupled``, models prefixed ``s_``) and one for backend
+    v0.13.0 (``v13_``: FP16 prompt table) in one repository."""
+    root = tmp_path_factory.mktemp("repos")
+    streaming, v13 = root / "llava-stream", root / "llava-v13"
     assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(streaming), *BUILD,
                  "--decoupled", "--name-prefix", "s_") == 0
+    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(v13), *BUILD,
+                 "--backend-version", "v0.13.0", "--name-prefix", "v13_") == 0
     merged = tmp_path_factory.mktemp("merged") / "repo"
     merged.mkdir()
-    for repo in (llava_repo, streaming):
+    for repo in (llava_repo, streaming, v13):
         for model_dir in repo.iterdir():
             if model_dir.is_dir():
                 shutil.copytree(model_dir, merged / model_dir.name)

@@ -158,6 +158,13 @@ def test_generate_endpoint_takes_a_base64_image(tiny_llava, llava_server):
     assert answer == _reference(tiny_llava, PROMPT, image)[1]
 
 
+def test_backend_v0_13_0_repository_answers_like_transformers(tiny_llava, llava_server):
+    """The v0.13.0 profile's interface (FP16 prompt table, prompt_table_extra_id): image and text-only prompts."""
+    client = _client(llava_server)
+    for prompt, image in ((PROMPT, png(1)), (TEXT_PROMPT, None)):
+        assert _text(client.infer("v13_ensemble", _inputs(prompt, image))) == _reference(tiny_llava, prompt, image)[1]
+
+
 def test_placeholder_and_image_must_go_together(llava_server):
     client = _client(llava_server)
     with pytest.raises(Exception, match="no image was sent"):
