@@ -4,7 +4,8 @@ A composite family (LLaVA: vision tower + projector + language model) hands its 
 the plugin that owns that architecture. That plugin reads a plain checkpoint directory, so the part
 is written as one: ``config.json`` (the part's config), the tokenizer files, and safetensors shards
 holding only the part's tensors under the names the plain model uses. Tensor bytes are copied as
-they are (no dtype conversion), one tensor at a time, so memory does not grow with the model.
+they are (no dtype conversion), file to file inside the kernel where it can (``copy_file_range``),
+so memory does not grow with the model.
 The result is cached by the source's fingerprint: a second build reuses it.
 """
 
@@ -78,12 +79,29 @@ def _copy_shard(src: Path, dst: Path, rename: Rename) -> list[str]:
         data_start = 8 + length
         with open(dst, "wb") as fout:
             fout.write(struct.pack("<Q", len(blob)) + blob)
+            fout.flush()
+            written = len(blob) + 8
             for _, _, info in chosen:
                 start, end = info["data_offsets"]
-                fin.seek(data_start + start)
-                left = end - start
-                while left:
-                    chunk = fin.read(min(left, _COPY_BYTES))
-                    fout.write(chunk)
-                    left -= len(chunk)
+                _copy_range(fin, fout, data_start + start, written, end - start)
+                written += end - start
     return [new for new, _, _ in chosen]
+
+
+def _copy_range(fin, fout, src: int, dst: int, size: int) -> None:
+    """``size`` bytes from offset ``src`` of ``fin`` to offset ``dst`` of ``fout``: in the kernel, else through here."""
+    try:
+        while size:
+            done = os.copy_file_range(fin.fileno(), fout.fileno(), min(size, _COPY_BYTES), src, dst)
+            if done == 0:
+                raise OSError("copy_file_range copied nothing")
+            src, dst, size = src + done, dst + done, size - done
+        return
+    except (AttributeError, OSError):  # no copy_file_range here (or across these file systems)
+        pass
+    fin.seek(src)
+    fout.seek(dst)
+    while size:
+        chunk = fin.read(min(size, _COPY_BYTES))
+        fout.write(chunk)
+        size -= len(chunk)

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import forge
 from tiny_llava import IMAGE_SIZE, png, visual_tokens
 
 HOOKS = {"forge_register_families", "forge_export", "forge_quantize", "forge_compile", "forge_emit_config",
@@ -25,6 +24,12 @@ TRTEXEC = """#!/bin/sh
 # stand-in for trtexec: writes the file named by --saveEngine
 for a in "$@"; do case $a in --saveEngine=*) echo plan > "${a#--saveEngine=}";; esac; done
 """
+
+
+def forge(*argv: str) -> int:
+    from forge.cli import main
+
+    return main(list(argv))
 
 
 def manifest(repo: Path) -> dict:
