@@ -131,8 +131,13 @@ def test_tensorrtllm_repository_validates_with_prompt_table_wiring(tiny_llava, t
     assert steps["tensorrt_llm"].input_map["prompt_embedding_table"] == produced["OUT_PROMPT_EMBEDDING_TABLE"]
     assert steps["tensorrt_llm"].input_map["prompt_vocab_size"] == produced["OUT_PROMPT_VOCAB_SIZE"]
     assert steps["preprocessing"].input_map["PROMPT_VOCAB_SIZE"] == produced["OUT_PROMPT_VOCAB_SIZE"]
+    # KV-cache reuse is keyed by the image: the encoder's hash reaches tensorrt_llm's prompt_table_extra_ids
+    assert steps["preprocessing"].input_map["PROMPT_TABLE_EXTRA_ID"] == produced["OUT_PROMPT_TABLE_EXTRA_ID"]
+    extra_ids = steps["preprocessing"].output_map["OUT_PROMPT_TABLE_EXTRA_IDS"]
+    assert steps["tensorrt_llm"].input_map["prompt_table_extra_ids"] == extra_ids
     inputs = {t.name: t for t in read(out / "ensemble").input}
-    assert inputs["image"].optional and "prompt_embedding_table" not in inputs
+    assert inputs["image"].optional
+    assert not {"prompt_embedding_table", "prompt_vocab_size", "prompt_table_extra_id"} & set(inputs)
 
 
 def _edited(model: Path, tmp_path: Path, **changes) -> Path:

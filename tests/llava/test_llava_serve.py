@@ -125,6 +125,20 @@ def test_token_ids_equal_transformers_generate(tiny_llava, llava_server):
     assert output.reshape(-1)[: len(expected)].tolist() == expected
 
 
+def test_each_image_keys_its_own_kv_cache_blocks(llava_server):
+    """OUT_PROMPT_TABLE_EXTRA_ID: the same image the same id, another image another one, never 0."""
+    client = _client(llava_server)
+    query = np.array([[PROMPT.encode()]], dtype=object)
+
+    def key(image):
+        (value,) = _call(client, "multimodal_encoders", {"QUERY": query, "IMAGE": np.array([[image]], dtype=object)},
+                         ["OUT_PROMPT_TABLE_EXTRA_ID"])
+        return int(value.reshape(-1)[0])
+
+    assert key(png(1)) == key(png(1)) != key(png(2))
+    assert key(png(1)) > 0 and key(base64.b64encode(png(1))) == key(png(1))
+
+
 def test_streamed_token_ids_of_a_mixed_batch_equal_transformers(tiny_llava, llava_server):
     """Image and text-only requests streamed together from the decoupled tensorrt_llm: each one's ids = generate's."""
     from forge.serving.client import GrpcSession

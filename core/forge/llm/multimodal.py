@@ -9,9 +9,16 @@ an image gets no table) and the ensemble links the encoder's outputs instead of 
 from the client. The tensor names are tensorrtllm_backend's (``all_models/multimodal``, v0.13.0 on).
 
     image ─▶ multimodal_encoders ─▶ OUT_PROMPT_EMBEDDING_TABLE ─▶ tensorrt_llm.prompt_embedding_table
-                                 └▶ OUT_PROMPT_VOCAB_SIZE ──────▶ tensorrt_llm.prompt_vocab_size
-                                                              └─▶ preprocessing.PROMPT_VOCAB_SIZE
+                                 ├▶ OUT_PROMPT_VOCAB_SIZE ──────▶ tensorrt_llm.prompt_vocab_size
+                                 │                            └─▶ preprocessing.PROMPT_VOCAB_SIZE
+                                 └▶ OUT_PROMPT_TABLE_EXTRA_ID ──▶ preprocessing.PROMPT_TABLE_EXTRA_ID
     text_input ─▶ preprocessing (placeholder → prompt-table ids) ─▶ tensorrt_llm ─▶ postprocessing
+
+Every image's prompt-table ids are the same numbers (``vocab_size …``), so TensorRT-LLM's KV-cache reuse
+(on by default from tensorrtllm_backend v0.14.0) would hand one image's cached blocks to another image's
+request. The backend keys those blocks by ``prompt_table_extra_ids``; the encoder fills that id with a hash
+of the image bytes (the same image shares its blocks, a different one never does), where the backend's own
+ensemble leaves it to the client.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ ENCODERS = "multimodal_encoders"
 IMAGE_INPUT = "image"  # the ensemble input: encoded image bytes
 TEXT_INPUT, QUERY = "text_input", "QUERY"
 IMAGE, TABLE, ROWS = "IMAGE", "OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"
-PRE_ROWS = "PROMPT_VOCAB_SIZE"  # preprocessing's input: the rows the placeholder expands to
-FED = ("prompt_embedding_table", "prompt_vocab_size")  # tensorrt_llm inputs the encoder feeds
+EXTRA_ID = "OUT_PROMPT_TABLE_EXTRA_ID"  # a hash of the image: keys its KV-cache blocks
+PRE_ROWS, PRE_EXTRA_ID = "PROMPT_VOCAB_SIZE", "PROMPT_TABLE_EXTRA_ID"  # preprocessing inputs the encoder feeds
+FED = ((LLM, "prompt_embedding_table"), (LLM, "prompt_vocab_size"), (PRE, PRE_EXTRA_ID))  # no longer the client's
 FIRST_VERSION = "v0.13.0"  # the first release whose ensemble feeds the table to tensorrt_llm directly
 #: how the vision graph runs inside multimodal_encoders, per target of the vision component
 RUNTIMES = {"python": "onnxruntime", "tensorrtllm": "tensorrt"}
@@ -81,7 +89,8 @@ def encoders_model(component: Component, artifact: Artifact, ctx, files: Mapping
         # Triton runs an ensemble step only when it receives an input: the prompt rides along, so text-only
         # requests (no image) pass through it too and get an empty table.
         inputs=[tc.model_input(IMAGE, "STRING", [1], optional=True), tc.model_input(QUERY, "STRING", [1])],
-        outputs=[tc.model_output(TABLE, table_dtype(spec), [-1, hidden]), tc.model_output(ROWS, "INT32", [1])],
+        outputs=[tc.model_output(TABLE, table_dtype(spec), [-1, hidden]), tc.model_output(ROWS, "INT32", [1]),
+                 tc.model_output(EXTRA_ID, "UINT64", [1])],
         parameters=parameters, instances=1,
         instance_kind="KIND_GPU" if runtime == "tensorrt" else "KIND_CPU", dynamic_batching=True)
     shipped = {"1/model.py": served.MULTIMODAL_ENCODERS.read_bytes(), **served.glue_files(),
@@ -107,6 +116,7 @@ def edges(decoder: Component) -> list[Edge]:
     pre, llm = decoder.model_name(PRE), decoder.model_name(LLM)
     return [Edge.feed(IMAGE_INPUT, encoder, IMAGE, ensemble=ensemble),
             Edge.feed(TEXT_INPUT, encoder, QUERY, ensemble=ensemble),
-            Edge.link(encoder, TABLE, llm, FED[0], ensemble=ensemble),
-            Edge.link(encoder, ROWS, llm, FED[1], ensemble=ensemble),
-            Edge.link(encoder, ROWS, pre, PRE_ROWS, ensemble=ensemble)]
+            Edge.link(encoder, TABLE, llm, "prompt_embedding_table", ensemble=ensemble),
+            Edge.link(encoder, ROWS, llm, "prompt_vocab_size", ensemble=ensemble),
+            Edge.link(encoder, ROWS, pre, PRE_ROWS, ensemble=ensemble),
+            Edge.link(encoder, EXTRA_ID, pre, PRE_EXTRA_ID, ensemble=ensemble)]

@@ -297,7 +297,7 @@ def edges(component: Component, models: Mapping[str, TritonModel], ctx) -> list[
     name = {role: component.model_name(role) for role in (PRE, LLM, POST)}
     routes = profiles.routes(profile, include=lambda model, t: not t.multimodal)
     # tensors another component's model produces (multimodal.edges) are not the client's to send
-    linked = {(LLM, t) for t in multimodal.FED} if multimodal.prompt_table(component) else set()
+    linked = set(multimodal.FED) if multimodal.prompt_table(component) else set()
     result: list[Edge] = []
     for feed, model, tensor in routes.feeds:
         if (model, tensor) in linked:

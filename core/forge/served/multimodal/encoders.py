@@ -1,19 +1,22 @@
 """Triton python-backend model ``multimodal_encoders``: encoded images → the decoder's prompt table.
 
-Input ``IMAGE`` (STRING/BYTES: the file's bytes — PNG, JPEG, … — one per request, optional). Outputs
-``OUT_PROMPT_EMBEDDING_TABLE`` ([visual tokens, hidden] per request) and ``OUT_PROMPT_VOCAB_SIZE``
-(its number of rows), the tensors tensorrtllm_backend's multimodal ensemble hands to ``tensorrt_llm``.
-A request without an image gets an empty table and 0 rows, so the same ensemble serves text-only
-prompts. The images of one batch are preprocessed (the model's own image-processor recipe,
-``forge_image.py``) and encoded in one run: ONNX Runtime over the exported vision graph (python
-target) or the TensorRT plan that ``trtexec`` built (tensorrtllm target, on a GPU). A bad image fails
-its own request only.
+Input ``IMAGE`` (STRING/BYTES: the file's bytes — PNG, JPEG, …, or their base64 text as the generate
+endpoint sends them — one per request, optional) and ``QUERY`` (the prompt, only so that Triton runs this
+step for text-only requests too). Outputs ``OUT_PROMPT_EMBEDDING_TABLE`` ([visual tokens, hidden] per
+request) and ``OUT_PROMPT_VOCAB_SIZE`` (its number of rows), the tensors tensorrtllm_backend's multimodal
+ensemble hands to ``tensorrt_llm``, and ``OUT_PROMPT_TABLE_EXTRA_ID`` (a hash of the image bytes: the key
+of its KV-cache blocks). A request without an image gets none of them: the ensemble then leaves the
+optional inputs they feed unset, so the same ensemble serves text-only prompts as a text model would.
+The images of one batch are preprocessed (the model's own image-processor recipe, ``forge_image.py``) and
+encoded in one run: ONNX Runtime over the exported vision graph (python target) or the TensorRT plan
+that ``trtexec`` built (tensorrtllm target, on a GPU). A bad image fails its own request only.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import sys
 
@@ -28,7 +31,7 @@ except ImportError:  # inside a repository they sit next to this file
     import forge_image
     import forge_onnx
 
-TABLE, ROWS = "OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"
+TABLE, ROWS, EXTRA_ID = "OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE", "OUT_PROMPT_TABLE_EXTRA_ID"
 
 
 class OnnxVision:
@@ -87,13 +90,14 @@ class TritonPythonModel:
                           for o in config["output"] if o["name"] == TABLE)
 
     def execute(self, requests):
-        pixels, errors, owners = [], {}, []
+        pixels, errors, owners, images = [], {}, [], {}
         for index, request in enumerate(requests):
             try:
                 data = self._image(request)
                 if data is not None:
                     pixels.append(self.preprocess(data))
                     owners.append(index)
+                    images[index] = data
             except ValueError as exc:
                 errors[index] = exc
         features = {}
@@ -116,7 +120,8 @@ class TritonPythonModel:
             table = features[index]
             responses.append(forge_glue.response(request, {
                 TABLE: np.ascontiguousarray(table[None], dtype=self.dtype),
-                ROWS: np.array([[table.shape[0]]], dtype=np.int32)}))
+                ROWS: np.array([[table.shape[0]]], dtype=np.int32),
+                EXTRA_ID: np.array([[image_key(images[index])]], dtype=np.uint64)}))
         return responses
 
     def _image(self, request):
@@ -129,6 +134,11 @@ class TritonPythonModel:
         data = raw.reshape(-1)[0]
         data = data if isinstance(data, bytes) else str(data).encode()
         return from_base64(data)  # empty bytes are a bad image (an error), not a text-only request
+
+
+def image_key(data: bytes) -> int:
+    """The image's ``prompt_table_extra_id``: a 63-bit hash of its bytes, never 0 (0 means "no image")."""
+    return (int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1) or 1
 
 
 def from_base64(data: bytes) -> bytes:
