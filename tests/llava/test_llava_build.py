@@ -121,7 +121,8 @@ def test_tensorrtllm_repository_validates_with_prompt_table_wiring(tiny_llava, t
     assert f"--minShapes=pixel_values:1x{shape}" in trtexec and f"--maxShapes=pixel_values:4x{shape}" in trtexec
     assert "--fp16" in trtexec
     encoders = read(out / "multimodal_encoders")
-    assert encoders.parameters["runtime"].string_value == "tensorrt" and (out / "multimodal_encoders/1/model.plan").is_file()
+    assert encoders.parameters["runtime"].string_value == "tensorrt"
+    assert (out / "multimodal_encoders" / "1" / "model.plan").is_file()
     llm = read(out / "tensorrt_llm")
     assert llm.backend == "tensorrtllm"
     table = next(t for t in llm.input if t.name == "prompt_embedding_table")

@@ -106,7 +106,8 @@ def _decoder_inputs(client, prompt: str, image: bytes | None) -> dict:
     if image is not None:  # a text-only request gets no table (multimodal_encoders answers without outputs)
         values = _call(client, "multimodal_encoders", {"QUERY": query, "IMAGE": np.array([[image]], dtype=object)},
                        ["OUT_PROMPT_EMBEDDING_TABLE", "OUT_PROMPT_VOCAB_SIZE"])
-        table = {"prompt_embedding_table": values[0].astype(np.float32), "prompt_vocab_size": values[1].astype(np.int32)}
+        table = {"prompt_embedding_table": values[0].astype(np.float32),
+                 "prompt_vocab_size": values[1].astype(np.int32)}
     rows = {"PROMPT_VOCAB_SIZE": table["prompt_vocab_size"]} if table else {}
     length = np.array([[NEW_TOKENS]], dtype=np.int32)
     ids, lengths = _call(client, "preprocessing", {"QUERY": query, "REQUEST_OUTPUT_LEN": length, **rows},
@@ -119,7 +120,8 @@ def test_token_ids_equal_transformers_generate(tiny_llava, llava_server):
     """The ensemble's route by hand (encoders → preprocessing → tensorrt_llm): output ids = generate's."""
     client = _client(llava_server)
     tensors = _decoder_inputs(client, PROMPT, png(1))
-    assert tensors["prompt_vocab_size"].reshape(-1)[0] == _visual(tiny_llava) == tensors["prompt_embedding_table"].shape[1]
+    rows = tensors["prompt_vocab_size"].reshape(-1)[0]
+    assert rows == _visual(tiny_llava) == tensors["prompt_embedding_table"].shape[1]
     (output,) = _call(client, "tensorrt_llm", tensors, ["output_ids"])
     expected, _ = _reference(tiny_llava, PROMPT, png(1))
     assert output.reshape(-1)[: len(expected)].tolist() == expected
@@ -165,7 +167,8 @@ def test_generate_endpoint_takes_a_base64_image(tiny_llava, llava_server):
     image = png(5)
     body = json.dumps({"text_input": PROMPT, "max_tokens": NEW_TOKENS,
                        "image": base64.b64encode(image).decode()}).encode()
-    request = urllib.request.Request(f"http://{llava_server.http_url.split('://')[-1]}/v2/models/ensemble/generate", data=body,
+    host = llava_server.http_url.split("://")[-1]
+    request = urllib.request.Request(f"http://{host}/v2/models/ensemble/generate", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
         answer = json.loads(response.read())["text_output"]

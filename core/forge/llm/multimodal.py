@@ -5,8 +5,8 @@ plugin that owns its architecture, and a vision component exported by the shared
 The decoder component carries ``options["prompt_table"]`` (:func:`prompt_table_option`), which tells
 this package's decoder code that another model fills its prompt table: preprocessing then expands the
 image placeholder into the ids ``vocab_size … vocab_size+N−1`` (N = the table's rows; a request without
-an image gets no table) and the ensemble links the encoder's outputs instead of feeding ``prompt_embedding_table``
-from the client. The tensor names are tensorrtllm_backend's (``all_models/multimodal``, v0.13.0 on).
+an image gets no table) and the ensemble links the encoder's outputs instead of feeding
+``prompt_embedding_table`` from the client. The tensor names are tensorrtllm_backend's (``all_models/multimodal``, v0.13.0 on).
 
     image ─▶ multimodal_encoders ─▶ OUT_PROMPT_EMBEDDING_TABLE ─▶ tensorrt_llm.prompt_embedding_table
                                  ├▶ OUT_PROMPT_VOCAB_SIZE ──────▶ tensorrt_llm.prompt_vocab_size

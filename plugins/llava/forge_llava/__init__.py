@@ -104,7 +104,8 @@ class LlavaPlugin:
         facts = read(source, allow_pickle=spec.allow_pickle, trust_remote_code=spec.trust_remote_code)
         if spec.limits.max_input_len <= facts.visual_tokens:
             raise UsageError(f"--max-input-len {spec.limits.max_input_len} leaves no room for the prompt: one image "
-                             f"alone takes {facts.visual_tokens} tokens", hint="raise --max-input-len (and --max-seq-len)")
+                             f"alone takes {facts.visual_tokens} tokens",
+                             hint="raise --max-input-len (and --max-seq-len)")
         language_model = subcheckpoint.extract(source, facts.text_config, facts.language_model_name,
                                                what="llava-language-model", extra_files=TOKENIZER_FILES)
         prefix = spec.name_prefix
