@@ -50,6 +50,7 @@ FORGE = (
     Option("logits_datatype", "str", f"dtype of context/generation logits outputs: {DTYPES}"),
     Option("prompt_embedding_table_data_type", "str", f"dtype of prompt_embedding_table: {DTYPES}"),
     Option("encoder_input_features_data_type", "str", f"dtype of encoder_input_features: {DTYPES}"),
+    Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR,… (--lora NAME=DIR)", None, flag="--lora"),
     Option("parity", "bool", "check the exported checkpoint's logits against transformers", False),
     Option("parity_tolerance", "float", "max relative |Δlogit| of -o parity (default: the family's)", None,
            minimum=0, flag="--parity-tolerance"),
@@ -84,7 +85,8 @@ _MULTIMODAL = {"hf_model_path", "max_num_images", "multimodal_model_path", "visu
                "multimodal_encoders_name"}
 
 #: tensorrt_llm parameters the python target honours too (same name, same meaning).
-_PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms"}
+_PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms", "lora_cache_host_memory_bytes",
+                 "lora_cache_max_adapter_size", "lora_prefetch_dir"}
 
 
 def _from_parameters(versions: list[tuple[str, profiles.Parameter]]) -> Option:

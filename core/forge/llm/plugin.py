@@ -42,9 +42,16 @@ class DecoderPlugin:
 
             check_spec(spec)
         family = self.adapter.family
+        options = {}
+        if "lora" in spec.options:  # bad adapters fail here, before any stage runs
+            from .lora import check_build, for_build, summary
+
+            adapters = for_build(self.adapter, spec, spec.source_for(family))
+            check_build(spec, profile, adapters)
+            options["lora"] = summary(adapters)
         return [Component(name=f"{spec.name_prefix}{family}", family=family, role="llm",
                           source=spec.source_for(family), prefix=spec.name_prefix,
-                          ensemble=f"{spec.name_prefix}ensemble")]
+                          ensemble=f"{spec.name_prefix}ensemble", options=options)]
 
     @hookimpl
     def forge_register_families(self, register):
@@ -80,7 +87,7 @@ class DecoderPlugin:
             return None  # the python target serves the checkpoint as it is
         from . import engine
 
-        return engine.compile(artifact, ctx)
+        return engine.compile(artifact, ctx, lora=component.options.get("lora"))
 
     @hookimpl
     def forge_emit_config(self, component, artifact, ctx):
