@@ -179,7 +179,7 @@ def _check_targets(name: str, family: DecoderAdapter, config: Mapping[str, Any])
     if not isinstance(targets, list):  # a regex (or none): the weights say what is targeted
         return
     paths = [p.replace("{i}", "0") for p in family.lora_targets]
-    for target in targets:
+    for target in sorted(targets):  # PEFT saves a set: its order varies
         if not any(p == target or p.endswith("." + target) for p in paths):
             known = ", ".join(sorted({p.rsplit(".", 1)[-1] for p in paths}))
             raise UsageError(f"LoRA adapter {name}: unknown target module {target!r} for family {family.family} "
