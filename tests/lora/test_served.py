@@ -146,3 +146,20 @@ def test_forge_infer_lora_through_the_ensemble(server, repos, models):
         f"forge: error: {repos['llama']} has no LoRA adapter 'C'; its adapters: A, B")
     unknown = forge_cli("infer", prompt, *urls, "--lora", "9")
     assert unknown.returncode == 1 and "LoRA task 9 not found in cache" in unknown.stderr
+
+
+def test_forge_bench_mixes_adapters(server, repos):
+    """`forge bench --lora A,B,base`: requests take the adapters in turn; every request succeeds."""
+    import json
+
+    for model, repo, words in (("g_tensorrt_llm", repos["gpt"], "6"), ("l_ensemble", repos["llama"], "1")):
+        result = forge_cli("bench", server.grpc_url, "--model", model, "--lora", "A,B,base", "--lora-repo", str(repo),
+                           "--concurrency", "3", "--json", "token-norm-dist", "--num-requests", "9",
+                           "--input-mean", words, "--output-mean", "4")
+        assert result.returncode == 0, result.stdout + result.stderr
+        summary = json.loads(result.stdout)
+        assert summary["succeeded"] == 9 and summary["errors"] == 0, summary
+        assert summary["lora"] == ["A", "B", "base"]
+    refused = forge_cli("bench", server.http_url, "--protocol", "http", "--model", "l_ensemble", "--lora", "A",
+                        "--lora-repo", str(repos["llama"]), "token-norm-dist", "--num-requests", "2")
+    assert refused.returncode == 2 and "--lora sends LoRA tensors over gRPC" in refused.stderr
