@@ -5,7 +5,7 @@ since PEFT matches "c_proj" in the MLP too, mlp_4h_to_h), GPT-2 B (r 4 under rsL
 (r 4: q, v, o), Llama B (r 2, down_proj r 4 by rank_pattern with its own alpha: gate, up, down, k).
 
 Two repositories are built with the real CLI for ``--target python``: GPT-2 with the newest backend
-profile (adapters loaded at start from the repository, tensorrtllm_backend's lora_prefetch_dir) and Llama
+profile and a BLS model (adapters loaded at start from the repository, tensorrtllm_backend's lora_prefetch_dir) and Llama
 with ``--backend-version v0.15.0`` (no prefetch: the first request of a task carries its weights) and an
 adapter cache that holds one adapter at a time. One real tritonserver serves both.
 """
@@ -79,7 +79,7 @@ def build(*argv: str) -> None:
 def repos(models, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora-repos")
     build("--family", "gpt", "--model", str(models["gpt"]), "--name-prefix", "g_", "--out", str(root / "gpt"),
-          "--lora", f"A={models['gpt_A']}", "--lora", f"B={models['gpt_B']}")
+          "--lora", f"A={models['gpt_A']}", "--lora", f"B={models['gpt_B']}", "-o", "bls=true")
     # first a build that says how large the adapters are, then the one whose cache holds only one of them
     probe = root / "probe"
     build("--family", "llama", "--model", str(models["llama"]), "--backend-version", "v0.15.0", "--out", str(probe),

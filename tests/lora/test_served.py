@@ -163,3 +163,16 @@ def test_forge_bench_mixes_adapters(server, repos):
     refused = forge_cli("bench", server.http_url, "--protocol", "http", "--model", "l_ensemble", "--lora", "A",
                         "--lora-repo", str(repos["llama"]), "token-norm-dist", "--num-requests", "2")
     assert refused.returncode == 2 and "--lora sends LoRA tensors over gRPC" in refused.stderr
+
+
+def test_ensemble_and_bls_pass_the_lora_inputs(grpc):
+    """The ensemble and the BLS model feed lora_task_id to tensorrt_llm: both answer with the adapter."""
+    def text(model, task_id=None):
+        tensors = {"text_input": np.array([[b"hello world"]], object), "max_tokens": np.array([[NEW_TOKENS]], np.int32)}
+        if task_id is not None:
+            tensors["lora_task_id"] = np.array([[task_id]], np.uint64)
+        return grpc.infer(model, tensors, timeout_s=120)["text_output"].reshape(-1)[0]
+
+    for task_id in (None, 1, 2):
+        assert text("g_ensemble", task_id) == text("g_tensorrt_llm_bls", task_id)
+    assert len({text("g_ensemble", t) for t in (None, 1, 2)}) == 3
