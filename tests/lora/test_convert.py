@@ -172,3 +172,31 @@ def test_tp2_split_gives_each_rank_its_slice_of_the_update(models, fam_name, ada
     weights, config = lora.shard(full, norm, tp, 1)
     assert config.tolist() == full.arrays()[1].tolist()  # same modules, layers and ranks on every rank
     assert weights.shape[1] < full.arrays()[0].shape[1]  # each rank's rows are shorter
+
+
+@pytest.mark.parametrize("version,prefetch", [(None, True), ("v0.15.0", False)])
+def test_tensorrtllm_target_ships_adapters_and_prefetches_them_where_the_backend_can(models, tmp_path, version,
+                                                                                      prefetch):
+    """--target tensorrtllm (an engine double stands in for trtllm-build's output): the C++ model's config."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "decoders"))
+    import helpers
+    from forge.components import Component
+
+    fam = family("gpt")
+    out = tmp_path / "repo"
+    options = {"lora": {"A": str(models["gpt_A"]), "B": str(models["gpt_B"])}, "lora_cache_host_memory_bytes": 1 << 20}
+    ctx = helpers.context(models["gpt"], out, version=version, options=options)
+    summary = lora.summary(lora.for_build(fam, ctx.spec, models["gpt"]))
+    comp = Component(name="gpt", family="gpt", role="llm", source=models["gpt"], options={"lora": summary})
+    built = {m.name: m for m in helpers.repository.emit(fam, comp, helpers.engine_artifact(tmp_path), ctx)}
+    llm = built["tensorrt_llm"]
+    assert {"lora/1/model.lora_weights.npy", "lora/1/model.lora_config.npy", "lora/2/model.lora_weights.npy",
+            "lora/2/model.lora_config.npy"} <= set(llm.files)
+    params = {k: v.string_value for k, v in llm.config.parameters.items()}
+    assert params["lora_cache_host_memory_bytes"] == str(1 << 20)
+    assert params.get("lora_prefetch_dir") == (str((out / "tensorrt_llm" / "lora").resolve()) if prefetch else None)
+    assert ctx.record.notes["lora"]["model"] == "tensorrt_llm"
+    assert not helpers.write(built, helpers.repository.edges(comp, built, ctx), out)  # forge validate: no problems

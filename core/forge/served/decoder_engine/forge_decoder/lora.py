@@ -76,6 +76,9 @@ class LoraModules:
                     groups.setdefault(id(adapter), (adapter, []))[1].append(i)
             for adapter, index in groups.values():
                 a, b = adapter.deltas[key]
+                if len(index) == len(rows):  # one adapter for the whole batch: no gather
+                    output = output + ((x.to(a.dtype) @ a.T) @ b.T).to(output.dtype)
+                    continue
                 idx = torch.tensor(index, device=x.device)
                 delta = (x.index_select(0, idx).to(a.dtype) @ a.T) @ b.T
                 output = output.index_add(0, idx, delta.to(output.dtype))
