@@ -83,8 +83,34 @@ class RankWriter:
             done = os.pwrite(self.fd, view, pos)
             view, pos = view[done:], pos + done
 
+    def copy(self, name: str, byte_offset: int, src_fd: int, src_offset: int, length: int) -> bool:
+        """Copy ``length`` bytes of another file into tensor ``name`` inside the kernel.
+
+        False (nothing written) where the kernel or file system cannot; the caller writes instead.
+        """
+        if not _IN_KERNEL:
+            return False
+        pos = self.data_start + self.offsets[name] + byte_offset
+        try:
+            while length:
+                done = os.copy_file_range(src_fd, self.fd, length, src_offset, pos)
+                if done == 0:
+                    raise OSError("copy_file_range copied nothing")
+                src_offset, pos, length = src_offset + done, pos + done, length - done
+        except OSError:
+            if pos != self.data_start + self.offsets[name] + byte_offset:
+                raise  # a partial copy is not retried as a write of the whole block
+            return False
+        return True
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+# Tensors whose bytes do not change (same dtype, whole rows) go file to file in the kernel; set
+# FORGE_EXPORT_IN_KERNEL=0 to send every byte through the process (to compare, or on a system
+# whose copy_file_range misbehaves).
+_IN_KERNEL = hasattr(os, "copy_file_range") and os.environ.get("FORGE_EXPORT_IN_KERNEL", "1") != "0"
 
 
 def _blocks(piece: Piece, cols_hint: int) -> Iterator[tuple[int, np.ndarray | None, int]]:
@@ -124,6 +150,17 @@ def _chunks(planned: Planned, tag: str) -> Iterator[tuple[int, Piece, np.ndarray
         row += piece.rows[1] - piece.rows[0]
 
 
+def _unchanged_span(piece: Piece, block: np.ndarray | None, out: np.ndarray) -> tuple[int, int, int] | None:
+    """(source fd, offset, length) when ``out`` is ``block`` itself: bytes that can be copied file to file."""
+    if block is None or out is not block or not _IN_KERNEL:
+        return None
+    source = piece.ref.file
+    if not hasattr(source, "byte_range"):
+        return None
+    span = source.byte_range(piece.ref, block)
+    return None if span is None else (source.fileno(), *span)
+
+
 def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
               scratch: Scratch | None = None) -> int:
     """Convert and write one tensor to every rank that holds it; returns the bytes written.
@@ -153,8 +190,10 @@ def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
                                          "the checkpoint is corrupt or was saved after a diverged step")
                     raise UsageError(f"{where}: tensor {piece.ref.name} has values beyond the {tag} range",
                                      hint="export with --dtype bfloat16 or float32")
+            span = _unchanged_span(piece, block, out)
             for rank in ranks:
-                writers[rank].write(planned.name, offset, out)
+                if span is None or not writers[rank].copy(planned.name, offset, *span):
+                    writers[rank].write(planned.name, offset, out)
                 written += out.nbytes
     for ref in job.sources:
         ref.release()
