@@ -383,7 +383,8 @@ def summary(adapters: list[Adapter]) -> dict[str, dict[str, Any]]:
 def build_flags(lora: Mapping[str, Mapping[str, Any]], dtype: str) -> list[str]:
     """The ``trtllm-build`` LoRA flags (TensorRT-LLM 0.9+) for a build's adapters (:func:`summary`)."""
     entries = list(lora.values())
-    return ["--lora_plugin", dtype, "--lora_dir", *(e["source"] for e in entries), "--lora_ckpt_source", "hf",
+    # --lora_ckpt_source stays at its default (hf), so the line does not depend on when that flag appeared
+    return ["--lora_plugin", dtype, "--lora_dir", *(e["source"] for e in entries),
             "--lora_target_modules", *build_modules([e["modules"] for e in entries]),
             "--max_lora_rank", str(max(e["rank"] for e in entries))]
 
