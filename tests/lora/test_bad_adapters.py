@@ -87,3 +87,24 @@ def test_lora_is_refused_where_no_model_reads_it(models, tmp_path, capsys):
             "--dry-run", "--out", str(tmp_path / "repo"), "--lora", f"A={models['gpt_A']}"]
     assert main(argv) == 2
     assert "--lora" in capsys.readouterr().err
+
+
+def test_adapter_rank_beyond_the_cache_page_is_refused(models, tmp_path, capsys):
+    from forge.cli import main
+
+    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run",
+            "--out", str(tmp_path / "repo"), "--lora", f"A={models['gpt_A']}", "-o", "lora_cache_max_adapter_size=2"]
+    assert main(argv) == 2
+    assert "adapter rank 4 exceeds lora_cache_max_adapter_size 2" in capsys.readouterr().err
+
+
+def test_dash_o_lora_is_the_same_as_the_flag(models, tmp_path, capsys):
+    import json
+
+    from forge.cli import main
+
+    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run", "--json",
+            "--out", str(tmp_path / "repo"), "-o", f"lora=A={models['gpt_A']},B={models['gpt_B']}"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["spec"]["options"]["lora"] == {
+        "A": str(models["gpt_A"]), "B": str(models["gpt_B"])}

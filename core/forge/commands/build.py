@@ -103,10 +103,12 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
         value = getattr(args, key)
         if value is not None and value is not False:
             options.setdefault(key, value)
-    if "lora" in options and not isinstance(options["lora"], dict):  # --lora NAME=DIR, repeated
+    if "lora" in options and not isinstance(options["lora"], dict):  # --lora NAME=DIR (repeated) or -o lora=…
         from ..llm.lora import parse_option
 
-        options["lora"] = {name: str(path.resolve()) for name, path in parse_option(",".join(options["lora"])).items()}
+        value = options["lora"]
+        value = ",".join(value) if isinstance(value, list) else str(value)
+        options["lora"] = {name: str(path.resolve()) for name, path in parse_option(value).items()}
     if "store" in options:  # a relative Lite path means the same store from any working directory
         from ..retrieval.store import normalize_uri
 

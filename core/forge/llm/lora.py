@@ -403,10 +403,11 @@ def check_build(spec, profile, adapters: list[Adapter]) -> None:
                          f"--lora_target_modules, --max_lora_rank); --backend-version {profile.version} predates them",
                          hint="choose --backend-version v0.9.0 or newer")
     rank = max(a.rank for a in adapters)
-    limit = spec.options.get("lora_cache_max_adapter_size")
+    parameter = profile.parameter("tensorrt_llm", "lora_cache_max_adapter_size")
+    limit = spec.options.get("lora_cache_max_adapter_size", parameter.default if parameter else None)
     if limit is not None and int(limit) < rank:
-        raise UsageError(f"-o lora_cache_max_adapter_size={limit} is smaller than adapter rank {rank}; "
-                         "the LoRA cache could not hold it")
+        raise UsageError(f"adapter rank {rank} exceeds lora_cache_max_adapter_size {limit}; the LoRA cache could not "
+                         "hold it", hint=f"set -o lora_cache_max_adapter_size={rank}")
 
 
 def _npy(array: np.ndarray) -> bytes:
