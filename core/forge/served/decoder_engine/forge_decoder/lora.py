@@ -45,7 +45,7 @@ class LoraModules:
     model: Any
     modules: Mapping[int, str]  # TensorRT-LLM module id → module path, ``{i}`` = layer
     shapes: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # → (Hi, Ho)
-    rows: list[Adapter | None] | None = None
+    groups: list[tuple[Adapter, torch.Tensor | None]] | None = None  # per adapter of the batch: its rows (None: all)
 
     def __post_init__(self) -> None:
         config = self.model.config
@@ -61,27 +61,36 @@ class LoraModules:
                 module.register_forward_hook(self._hook((int(module_id), layer)))
 
     def select(self, rows: list[Adapter | None] | None) -> None:
-        """The adapter of every row of the next forward pass (None: the base model)."""
-        self.rows = rows if rows and any(a is not None for a in rows) else None
+        """The adapter of every row of the next forward pass (None: the base model).
+
+        The rows of each adapter are gathered here, once per forward pass, not in every hooked module.
+        """
+        self.groups = None
+        if not rows or all(a is None for a in rows):
+            return
+        groups: dict[int, tuple[Adapter, list[int]]] = {}
+        for i, adapter in enumerate(rows):
+            if adapter is not None:
+                groups.setdefault(id(adapter), (adapter, []))[1].append(i)
+        device = next(self.model.parameters()).device
+        self.groups = [(adapter, None if len(index) == len(rows) else torch.tensor(index, device=device))
+                       for adapter, index in groups.values()]
 
     def _hook(self, key: tuple[int, int]) -> Callable:
         def apply(module, inputs, output):
-            rows = self.rows
-            if rows is None:
+            if self.groups is None:
                 return None
             x = inputs[0]
-            groups: dict[int, tuple[Adapter, list[int]]] = {}
-            for i, adapter in enumerate(rows):
-                if adapter is not None and key in adapter.deltas:
-                    groups.setdefault(id(adapter), (adapter, []))[1].append(i)
-            for adapter, index in groups.values():
-                a, b = adapter.deltas[key]
-                if len(index) == len(rows):  # one adapter for the whole batch: no gather
-                    output = output + ((x.to(a.dtype) @ a.T) @ b.T).to(output.dtype)
+            for adapter, index in self.groups:
+                pair = adapter.deltas.get(key)
+                if pair is None:
                     continue
-                idx = torch.tensor(index, device=x.device)
-                delta = (x.index_select(0, idx).to(a.dtype) @ a.T) @ b.T
-                output = output.index_add(0, idx, delta.to(output.dtype))
+                a, b = pair
+                if index is None:  # one adapter for the whole batch: no gather
+                    output = output + ((x.to(a.dtype) @ a.T) @ b.T).to(output.dtype)
+                else:
+                    delta = (x.index_select(0, index).to(a.dtype) @ a.T) @ b.T
+                    output = output.index_add(0, index, delta.to(output.dtype))
             return output
         return apply
 
