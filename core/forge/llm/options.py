@@ -50,7 +50,6 @@ FORGE = (
     Option("logits_datatype", "str", f"dtype of context/generation logits outputs: {DTYPES}"),
     Option("prompt_embedding_table_data_type", "str", f"dtype of prompt_embedding_table: {DTYPES}"),
     Option("encoder_input_features_data_type", "str", f"dtype of encoder_input_features: {DTYPES}"),
-    Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR,… (--lora NAME=DIR)", None, flag="--lora"),
     Option("parity", "bool", "check the exported checkpoint's logits against transformers", False),
     Option("parity_tolerance", "float", "max relative |Δlogit| of -o parity (default: the family's)", None,
            minimum=0, flag="--parity-tolerance"),
@@ -78,6 +77,10 @@ FORGE = (
 
 # An option that names no target is read by the targets with the text models, not by hf-pipeline.
 FORGE = tuple(o if o.targets else replace(o, targets=ALL) for o in FORGE)
+
+#: ``--lora``: declared by the decoder families that convert and ship adapters (forge.llm.plugin), not by
+#: every family that reuses the decoder options.
+LORA = Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR,… (--lora NAME=DIR)", None, ALL, flag="--lora")
 
 #: Template parameters of the multimodal path, which forge's text models do not have yet (issue 10):
 #: not declared, so the driver refuses them instead of writing values nothing reads.

@@ -10,7 +10,7 @@ from forge.components import Component, Family
 from forge.errors import UsageError
 
 from .adapter import DecoderAdapter
-from .options import decoder_options
+from .options import LORA, decoder_options
 
 TARGETS = ("tensorrtllm", "python", "hf-pipeline")
 QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
@@ -59,7 +59,7 @@ class DecoderPlugin:
         register(Family(name=a.family, kind="decoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
                         components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm",),
-                        options=decoder_options()))
+                        options=decoder_options() + (LORA,)))
 
     @hookimpl
     def forge_export(self, component, ctx):
