@@ -55,7 +55,7 @@ def clamped_limits(spec, meta: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any], spec,
-                  options: Mapping[str, Any]) -> list[str]:
+                  options: Mapping[str, Any], lora: Mapping[str, Any] | None = None) -> list[str]:
     """The ``trtllm-build`` argv for a checkpoint, the build limits and the backend version."""
     version = parse_version(spec.backend_version)
     lim = spec.limits
@@ -85,6 +85,10 @@ def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any
         argv += ["--use_paged_context_fmha", _switch(fmha and bool(options.get("paged_context_fmha", True)))]
     if version >= BUILD_FLAGS["multiple_profiles"]:
         argv += ["--multiple_profiles", _switch(bool(options.get("multiple_profiles", True)))]
+    if lora:
+        from .lora import build_flags
+
+        argv += build_flags(lora, dtype)
     workers = int(options.get("workers") or meta.get("world_size", 1))
     if workers > 1:
         argv += ["--workers", str(workers)]
@@ -94,14 +98,16 @@ def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any
     return argv
 
 
-def compile(artifact: Artifact, ctx) -> Artifact | None:  # noqa: A001 (the stage's name)
-    """The compile stage: build engines into ``ctx.workdir/engine`` (only record the command on --dry-run)."""
+def compile(artifact: Artifact, ctx, lora: Mapping[str, Any] | None = None) -> Artifact | None:  # noqa: A001
+    """The compile stage: build engines into ``ctx.workdir/engine`` (only record the command on --dry-run).
+
+    ``lora``: the build's adapters (:func:`forge.llm.lora.summary`), which add the LoRA plugin flags."""
     meta = dict(artifact.meta)
     spec = ctx.spec
     output_dir = ctx.workdir / "engine"
     # Run inside the stage's work directory with a relative --output_dir: the recorded command stays
     # meaningful after the driver moves the work directory into its cache.
-    argv = build_command(artifact.path, Path("engine"), meta, spec, spec.options)
+    argv = build_command(artifact.path, Path("engine"), meta, spec, spec.options, lora)
     version = parse_version(spec.backend_version)
     max_input_len, max_seq_len = sequence_limits(spec, meta)
     clamped = clamped_limits(spec, meta)
