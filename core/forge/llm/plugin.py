@@ -58,7 +58,7 @@ class DecoderPlugin:
         a = self.adapter
         register(Family(name=a.family, kind="decoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
-                        components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm",),
+                        components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm", "python"),
                         options=decoder_options() + (LORA,)))
 
     @hookimpl
