@@ -68,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="count generated tokens with this tokenizer (default: each repository's own)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below this (default: the repository's vocabulary, else 1000)")
+    p.add_argument("--lora", default=None, metavar="NAME[,NAME…]",
+                   help="mix these LoRA adapters of the repository over the requests in turn ('base': none); "
+                        "gRPC; weights go with each adapter's first request")
+    p.add_argument("--lora-repo", type=Path, default=None, metavar="DIR",
+                   help="the repository whose manifest names the --lora adapters (default: the target repository)")
     p.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
                    help="send images (repeatable; requests take them in turn) to a multimodal ensemble")
     p.add_argument("--image-placeholder", default="<image>",
@@ -196,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise UsageError(f"--plot {args.plot} must name a .png file")
     protocol = protocol_of(args, specs)
+    if args.lora and protocol != "grpc":
+        raise UsageError("--lora sends LoRA tensors over gRPC; drop --protocol http")
     progress = None if legacy else Progress()
 
     from .infer import read_image

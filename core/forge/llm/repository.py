@@ -230,6 +230,11 @@ def tensorrt_llm_model(component: Component, profile: Profile, ctx, artifact: Ar
     default_path = str((spec.out / name / "1").resolve())
     inputs, outputs = tensorrt_llm_io(profile, spec, artifact.meta, engine_dir)
     params = tensorrt_llm_parameters(profile, spec, engine_dir=default_path, log=ctx.log)
+    if component.options.get("lora") and profile.parameter(LLM, "lora_prefetch_dir") and \
+            "lora_prefetch_dir" not in spec.options:  # the backend loads the shipped adapters at start
+        from .lora import FOLDER
+
+        params["lora_prefetch_dir"] = str((spec.out / name / FOLDER).resolve())
     decoupled = truthy(ctx.option("decoupled", False))
     batching = _batching(ctx, spec.limits.max_batch_size) if LLM in profile.dynamic_batching else False
     config = tc.model_config(name, backend="tensorrtllm", max_batch_size=spec.limits.max_batch_size,
@@ -278,6 +283,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     if builder is None:
         raise UsageError(f"decoders build for --target {' or '.join(LLM_BUILDERS)}, not {ctx.target}")
     llm, engine_dir = builder(adapter, component, artifact, ctx, profile)
+    _ship_loras(adapter, component, ctx, llm)
     decoupled = llm.config.model_transaction_policy.decoupled
     models = [preprocessing_model(component, profile, ctx, tokenizer, defaults, meta), llm,
               postprocessing_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled)]
@@ -288,6 +294,24 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     ctx.log(f"{component.name}: tensorrtllm_backend {profile.version} interface "
             f"(container {profile.container})")
     return models
+
+
+def _ship_loras(adapter, component: Component, ctx, llm: TritonModel) -> None:
+    """``--lora``: the adapters in the tensorrt_llm model's ``lora/<task id>/`` (the form a client sends,
+    and tensorrtllm_backend's lora_prefetch_dir layout) and their manifest entries."""
+    lora = component.options.get("lora")
+    if not lora:
+        return
+    from .lora import repository_files
+
+    files, entries = repository_files(adapter, ctx.spec, component.source, lora)
+    llm.files.update(files)
+    ctx.note("lora", {"model": llm.name, "adapters": entries})
+    for entry in entries:
+        for warning in entry["warnings"]:
+            ctx.log(f"warning: {warning}")
+    ctx.log(f"{llm.name}: LoRA adapters " + ", ".join(f"{e['name']} (task {e['task_id']}, rank {e['rank']})"
+                                                     for e in entries))
 
 
 def edges(component: Component, models: Mapping[str, TritonModel], ctx) -> list[Edge]:

@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
+from forge_decoder import lora as lora_mod  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
 
@@ -141,7 +142,13 @@ class TritonPythonModel:
         torch.set_num_threads(threads)
         dtype = engine_mod.choose_dtype(device, _parameter(config, "compute_dtype", "auto"),
                                         _parameter(config, "dtype", "float16"))
-        model = engine_mod.load_model(weights, device, dtype)
+        tp = int(_parameter(config, "tensor_parallel", "1") or 1)
+        if tp > 1:  # rank 0 of a tensor-parallel group: the followers join every step of the engine
+            from forge_decoder import distributed
+
+            model, make_engine = distributed.lead(tp, weights, device, dtype, threads)
+        else:
+            model, make_engine = engine_mod.load_model(weights, device, dtype), engine_mod.Engine
         vocab = int(model.get_output_embeddings().weight.shape[0])
         self.limits = Limits(vocab_size=vocab, hidden_size=int(model.get_input_embeddings().embedding_dim),
                              max_input_len=int(_parameter(config, "max_input_len", "1024")),
@@ -149,16 +156,20 @@ class TritonPythonModel:
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
         rows = engine_mod.choose_rows(device, int(_parameter(config, "inflight_sequences", "0") or 0),
                                       int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
-        self.engine = engine_mod.Engine(
+        self.engine = make_engine(
             model, self.limits, max_rows=rows,
             max_prefill_tokens=int(_parameter(config, "max_num_tokens", "8192")),
             cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms", "100")),
-            log=pb_utils.Logger.log_error).start()
+            log=pb_utils.Logger.log_error)
+        self.loras = lora_mod.from_parameters(model, lambda key, default: _parameter(config, key, default),
+                                              dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
+        self.engine.lora = None if self.loras is None else self.loras.modules
+        self.engine.start()
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()
         pb_utils.Logger.log_info(
-            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, "
+            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, tp {tp}, "
             f"{torch.get_num_threads()} torch threads), "
             f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
             f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}")
@@ -221,6 +232,7 @@ class TritonPythonModel:
                     continue
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
                              warn=pb_utils.Logger.log_warn)
+                self._resolve_loras(rows)
             except RequestError as exc:
                 forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue
@@ -235,6 +247,13 @@ class TritonPythonModel:
             self.engine.submit(pending.sequences)
         self.busy_gauge.set(self.engine.busy)
         return None
+
+    def _resolve_loras(self, rows: list[GenerationRequest]) -> None:
+        """Each row's LoRA adapter from its task id / weights (tensorrtllm_backend's cache semantics)."""
+        if self.loras is not None:
+            self.loras.resolve_rows(rows)
+        elif any(r.lora_task_id is not None or r.lora_weights is not None for r in rows):
+            raise RequestError("this model was built without LoRA modules; leave out lora_task_id / lora_weights")
 
     def finalize(self):
         self.engine.stop()
