@@ -123,3 +123,9 @@ def test_a_tp2_repository_started_outside_a_launch_fails_in_one_line(repos, tmp_
     with pytest.raises(ForgeError) as info:
         TritonServer(repos["gpt-tp2"], startup_timeout=300).start()
     assert "tensor parallel over 2 ranks but was started in a world of 1" in str(info.value)
+
+
+def test_serve_refuses_a_world_size_the_repository_was_not_built_for(repos, capsys):
+    assert main(["serve", str(repos["gpt-tp2"]), "--world-size", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--world-size 3 disagrees with the repository, which was built for 2 rank(s)" in err[0]

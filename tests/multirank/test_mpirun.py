@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,14 @@ def test_llama_tp2_answers_like_tp1_and_a_dead_rank_stops_the_server_naming_it(r
         http = server.info["http"].removeprefix("http://")
         for prompt in PROMPTS:
             assert ask(http, "ensemble", prompt) == reference["llama"][prompt]
+        # Together, of different lengths: rows join and leave the ranks' shared batch between steps.
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda args: ask(http, "ensemble", args[0], max_tokens=args[1]),
+                                    [(PROMPTS[0], 20), (PROMPTS[1], 7), (PROMPTS[0], 3)]))
+        assert answers[0] == reference["llama"][PROMPTS[0]]
+        for answer, prompt in ((answers[1], PROMPTS[1]), (answers[2], PROMPTS[0])):  # shorter: a prefix
+            assert reference["llama"][prompt].startswith(answer) and len(prompt) < len(answer) < len(
+                reference["llama"][prompt])
         os.kill(follower_pid(repo), signal.SIGKILL)
         status, stderr = server.finish()
     finally:
