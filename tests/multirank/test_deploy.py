@@ -7,7 +7,6 @@ tensorrtllm_backend's multi-node recipe needs (pmix, one task per rank, containe
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

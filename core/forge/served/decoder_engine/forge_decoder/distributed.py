@@ -33,6 +33,8 @@ from . import kvcache
 RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK", "SLURM_NTASKS"),
                   ("PMI_RANK", "PMI_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+# Ranks that have not all arrived after this long give up (one line naming the address they waited on).
+JOIN_TIMEOUT = datetime.timedelta(minutes=10)
 # Idle servers wait on the next broadcast for as long as nobody asks anything.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
@@ -72,8 +74,8 @@ class Group:
 
     rank: int
     size: int
-    control: Any = None  # the group of the commands (None: the default group, gloo)
-    compute: Any = None  # the group of the all-reduces (None: the default group; NCCL on GPUs)
+    control: Any = None  # the group of the commands (gloo, waits as long as the server idles)
+    compute: Any = None  # the group of the all-reduces (the same on CPUs; NCCL on GPUs)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0 sends ``obj``; every rank returns it."""
@@ -100,7 +102,7 @@ class Group:
 
 
 def join(expected: int) -> Group:
-    """Join the launcher's world of ``expected`` ranks over gloo (the commands' channel)."""
+    """Join the launcher's world of ``expected`` ranks over gloo (within JOIN_TIMEOUT)."""
     import torch.distributed as dist
 
     rank, size = world_from_env()
@@ -114,10 +116,12 @@ def join(expected: int) -> Group:
                                "start the ranks with forge serve or forge deploy's scripts")
     try:
         dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=size,
-                                timeout=IDLE_TIMEOUT)
+                                timeout=JOIN_TIMEOUT)
+        commands = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     except Exception as exc:
-        raise DistributedError(f"rank {rank} could not join {address}:{port}: {exc}") from exc
-    return Group(rank, size)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DistributedError(f"rank {rank} of {size} could not meet the others at {address}:{port}: {first}") from exc
+    return Group(rank, size, control=commands, compute=commands)
 
 
 def use_device(group: Group, device: torch.device) -> None:
