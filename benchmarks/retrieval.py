@@ -95,6 +95,7 @@ def bench_milvus(data, queries, exact, ef: int, workdir: Path) -> dict:
             client.insert("bench", rows)
         client.flush("bench")  # seals the segments and builds their index (forge index does the same)
         client.load_collection("bench")
+        forge_store.settle(uri, "bench")  # what forge index does: wait for compaction and the HNSW graphs
         client.search("bench", data=[queries[0].tolist()], limit=K, search_params={"params": {"ef": ef}})
         seconds = time.perf_counter() - started
         result["ingest_vectors_per_s"] = round(len(data) / seconds, 1)

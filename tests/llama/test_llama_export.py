@@ -188,3 +188,37 @@ def test_smollm2_at_tp3_reproduces_transformers(tmp_path):
     got = ReferenceModel(out).logits(ids)
     assert close(got, expected, 1e-5)
     assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_in_kernel_copies_write_the_same_bytes(tiny_llama, tmp_path, monkeypatch, tp):
+    """Unchanged tensors go file to file (copy_file_range); the rank files equal the through-process ones."""
+    from forge.llm import checkpoint
+
+    copied = []
+    real_copy = checkpoint.RankWriter.copy
+    monkeypatch.setattr(checkpoint.RankWriter, "copy",
+                        lambda self, *a: copied.append(a[0]) or real_copy(self, *a))
+    assert export(tiny_llama, tmp_path / "kernel", "--dtype", "float32", "--tp", str(tp)) == 0
+    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
+    assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
+    assert copied, "no tensor was copied in the kernel"
+    for rank in range(tp):
+        name = f"rank{rank}.safetensors"
+        assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_refuses_nan_in_a_tensor_copied_in_the_kernel(tiny_llama, tmp_path, capsys, value):
+    """Bad input: a NaN/Inf in a float32 weight exported as float32 (its bytes go file to file, checked beside)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "bad"
+    shutil.copytree(tiny_llama, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_proj.weight"][3, 4] = value
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--dtype", "float32"),
+            "model.layers.1.self_attn.q_proj.weight contains NaN or Inf")

@@ -83,8 +83,34 @@ class RankWriter:
             done = os.pwrite(self.fd, view, pos)
             view, pos = view[done:], pos + done
 
+    def copy(self, name: str, byte_offset: int, src_fd: int, src_offset: int, length: int) -> bool:
+        """Copy ``length`` bytes of another file into tensor ``name`` inside the kernel.
+
+        False (nothing written) where the kernel or file system cannot; the caller writes instead.
+        """
+        if not _IN_KERNEL:
+            return False
+        pos = self.data_start + self.offsets[name] + byte_offset
+        try:
+            while length:
+                done = os.copy_file_range(src_fd, self.fd, length, src_offset, pos)
+                if done == 0:
+                    raise OSError("copy_file_range copied nothing")
+                src_offset, pos, length = src_offset + done, pos + done, length - done
+        except OSError:
+            if pos != self.data_start + self.offsets[name] + byte_offset:
+                raise  # a partial copy is not retried as a write of the whole block
+            return False
+        return True
+
     def close(self) -> None:
         os.close(self.fd)
+
+
+# Tensors whose bytes do not change (same dtype, whole rows) go file to file in the kernel; set
+# FORGE_EXPORT_IN_KERNEL=0 to send every byte through the process (to compare, or on a system
+# whose copy_file_range misbehaves).
+_IN_KERNEL = hasattr(os, "copy_file_range") and os.environ.get("FORGE_EXPORT_IN_KERNEL", "1") != "0"
 
 
 def _blocks(piece: Piece, cols_hint: int) -> Iterator[tuple[int, np.ndarray | None, int]]:
@@ -124,8 +150,53 @@ def _chunks(planned: Planned, tag: str) -> Iterator[tuple[int, Piece, np.ndarray
         row += piece.rows[1] - piece.rows[0]
 
 
+def _unchanged_span(piece: Piece, block: np.ndarray | None, out: np.ndarray) -> tuple[int, int, int] | None:
+    """(source fd, offset, length) when ``out`` is ``block`` itself: bytes that can be copied file to file."""
+    if block is None or out is not block or not _IN_KERNEL:
+        return None
+    source = piece.ref.file
+    if not hasattr(source, "byte_range"):
+        return None
+    span = source.byte_range(piece.ref, block)
+    return None if span is None else (source.fileno(), *span)
+
+
+class Checker:
+    """Checks blocks whose bytes are copied unchanged for NaN/Inf on a second thread.
+
+    Their bytes go file to file in the kernel, so reading them for the check is the only work
+    this process does on them; on another core it overlaps the copies. ``finish`` raises the
+    first failure (the output is discarded by the caller).
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forge-check")
+        self._scratch = Scratch()
+        self._pending: list = []
+
+    def submit(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
+        self._pending.append(self._pool.submit(self._check, block, name, tag, where))
+
+    def _check(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
+        if nonfinite(block, tag, self._scratch):
+            raise UsageError(f"{where}: tensor {name} contains NaN or Inf values; "
+                             "the checkpoint is corrupt or was saved after a diverged step")
+
+    def finish(self) -> None:
+        try:
+            for future in self._pending:
+                future.result()
+        finally:
+            for future in self._pending:
+                future.cancel()
+            self._pool.shutdown(wait=True)
+            self._pending = []
+
+
 def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
-              scratch: Scratch | None = None) -> int:
+              scratch: Scratch | None = None, checker: Checker | None = None) -> int:
     """Convert and write one tensor to every rank that holds it; returns the bytes written.
 
     Ranks holding identical copies (embeddings, norms, row-parallel biases) share one conversion,
@@ -147,14 +218,18 @@ def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
                 out = np.zeros((rows, *planned.shape[1:]), dtype=NUMPY_TYPES[tag])
             else:
                 out = convert(block, piece.ref.tag, tag, scratch)
-                if nonfinite(out, tag, scratch):
+                if out is block and checker is not None:
+                    checker.submit(block, piece.ref.name, tag, where)  # checked beside the kernel's copy
+                elif nonfinite(out, tag, scratch):
                     if nonfinite(block, piece.ref.tag):
                         raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
                                          "the checkpoint is corrupt or was saved after a diverged step")
                     raise UsageError(f"{where}: tensor {piece.ref.name} has values beyond the {tag} range",
                                      hint="export with --dtype bfloat16 or float32")
+            span = _unchanged_span(piece, block, out)
             for rank in ranks:
-                writers[rank].write(planned.name, offset, out)
+                if span is None or not writers[rank].copy(planned.name, offset, *span):
+                    writers[rank].write(planned.name, offset, out)
                 written += out.nbytes
     for ref in job.sources:
         ref.release()
@@ -251,12 +326,17 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
             for rank, planned in job.per_rank.items():
                 layouts[rank].append((planned.name, planned.shape))
         writers = {r: RankWriter(out / f"rank{r}.safetensors", layouts[r], tag) for r in layouts}
+        checker = Checker() if _IN_KERNEL else None
         try:
             total = 0
             scratch = Scratch()
             for job in jobs:
-                total += write_job(job, writers, tag, where, scratch)
+                total += write_job(job, writers, tag, where, scratch, checker)
+            if checker is not None:
+                checker.finish()
         finally:
+            if checker is not None:
+                checker.finish()
             for w in writers.values():
                 w.close()
     log(f"wrote {tp * pp} rank file(s), {total / 2**20:.1f} MiB of {dtype} weights")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,7 +165,34 @@ class SafetensorsFile:
         if end > start and hasattr(self._mm, "madvise"):
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def byte_range(self, ref: TensorRef, block: np.ndarray) -> tuple[int, int] | None:
+        """(file offset, length) of ``block`` when it is a contiguous view into this file, else None.
+
+        Such a block can be copied file to file inside the kernel (``os.copy_file_range``) instead
+        of through this process.
+        """
+        if not block.flags.c_contiguous or block.base is None:
+            return None
+        start = block.__array_interface__["data"][0] - self._address()
+        if start < 0 or start + block.nbytes > len(self._mm):
+            return None
+        return start, block.nbytes
+
+    def _address(self) -> int:
+        if not hasattr(self, "_base"):
+            self._base = np.frombuffer(self._mm, dtype=np.uint8, count=1).__array_interface__["data"][0]
+        return self._base
+
+    def fileno(self) -> int:
+        """A read descriptor of the file (for in-kernel copies), opened on first use."""
+        if getattr(self, "_fd", None) is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        return self._fd
+
     def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
         try:
             self._mm.close()
         except BufferError:  # a numpy view is still alive; the map closes when it is collected

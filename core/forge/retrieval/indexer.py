@@ -208,5 +208,8 @@ def index(repo: Path, source: Path, *, uri: str | None = None, collection: str |
         total = client.get_collection_stats(name).get("row_count", len(documents))
         grown = store.grow_index(client, name, int(total))
         report["index"] = grown or store.current_index(client, name)
+        if grown:
+            client.load_collection(name)
+        forge_store.settle(uri, name)  # return with every segment indexed, not scanned
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report

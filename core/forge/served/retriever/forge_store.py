@@ -138,6 +138,30 @@ def _release_all() -> None:
         release(path)
 
 
+def settle(uri: str, collection: str, timeout: float = 600.0) -> bool:
+    """Wait until Milvus Lite has compacted and indexed what was flushed; False when it cannot tell.
+
+    A Lite flush returns before its background worker has merged segments and built their HNSW
+    graphs, and ``describe_index`` reports "Finished" all along; until the worker is done,
+    searches scan the unindexed segments one vector at a time (~100× slower at 100k vectors).
+    Only the process that opened the file holds the engine; a server (or a store opened by another
+    process) settles on its own.
+    """
+    if not is_lite(uri):
+        return False
+    owned = _owned.get(os.path.abspath(uri).rstrip("/"))
+    drain = None
+    if owned is not None:
+        try:
+            drain = getattr(owned[1].get_collection(collection), "_wait_for_bg", None)
+        except Exception:  # noqa: BLE001 - a missing collection has nothing to settle
+            return False
+    if drain is None:
+        return False
+    drain(timeout=timeout)
+    return True
+
+
 def collection_dim(client, collection: str) -> int | None:
     """The vector dimension of ``collection`` (None when it does not exist)."""
     if not client.has_collection(collection):
