@@ -85,6 +85,32 @@ class Group:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def send(self, cmd: "Command") -> None:
+        """Rank 0: one command to every follower. A decoding step, the common case, travels as two plain
+        tensor broadcasts (a header and ids | positions | mask); the rest pickled (3 ms more here)."""
+        import torch.distributed as dist
+
+        if cmd.op == "decode":
+            rows, width = cmd.mask.shape
+            dist.broadcast(torch.tensor([1, rows, width]), 0, group=self.control)
+            dist.broadcast(torch.cat([cmd.ids, cmd.positions, cmd.mask], dim=1).to(torch.long), 0, group=self.control)
+            return
+        dist.broadcast(torch.tensor([0, 0, 0]), 0, group=self.control)
+        self.broadcast(cmd)
+
+    def receive(self) -> "Command":
+        """A follower: the next command of rank 0 (see ``send``)."""
+        import torch.distributed as dist
+
+        header = torch.zeros(3, dtype=torch.long)
+        dist.broadcast(header, 0, group=self.control)
+        kind, rows, width = (int(x) for x in header)
+        if kind == 1:
+            step = torch.zeros((rows, width + 2), dtype=torch.long)
+            dist.broadcast(step, 0, group=self.control)
+            return Command("decode", ids=step[:, :1], positions=step[:, 1:2], mask=step[:, 2:])
+        return self.broadcast()
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
@@ -285,9 +311,9 @@ class LeaderEngine(engine_mod.Engine):
     def _forward(self, ids, mask, positions, cache, keep_all=False, embeds=None):
         decode = self._batch is not None and cache is self._batch.cache
         if decode:
-            self.group.broadcast(Command("decode", ids=ids.cpu(), mask=mask.cpu(), positions=positions.cpu()))
+            self.group.send(Command("decode", ids=ids.cpu(), mask=mask.cpu(), positions=positions.cpu()))
         else:
-            self.group.broadcast(Command(
+            self.group.send(Command(
                 "prefill", ids=ids.cpu(), mask=mask.cpu(), positions=positions.cpu(), keep_all=keep_all,
                 embeds=None if embeds is None else embeds.cpu(),
                 merge=self._batch is not None and bool(self._active)))
@@ -295,24 +321,24 @@ class LeaderEngine(engine_mod.Engine):
             return super()._forward(ids, mask, positions, cache, keep_all=keep_all, embeds=embeds)
         except Exception:
             if not decode:
-                self.group.broadcast(Command("abort"))  # the followers drop the cache they just filled
+                self.group.send(Command("abort"))  # the followers drop the cache they just filled
             raise
 
     def _drop_finished(self) -> None:
         keep = [i for i, s in enumerate(self._active) if not s.finished]
         if len(keep) != len(self._active):
-            self.group.broadcast(Command("select", rows=keep) if keep else Command("reset"))
+            self.group.send(Command("select", rows=keep) if keep else Command("reset"))
         super()._drop_finished()
 
     def _fail_all(self, message: str, pending: bool = False) -> None:
         if self._active:
-            self.group.broadcast(Command("reset"))
+            self.group.send(Command("reset"))
         super()._fail_all(message, pending)
 
     def stop(self) -> None:
         super().stop()
         try:
-            self.group.broadcast(Command("stop"))
+            self.group.send(Command("stop"))
         except Exception:  # a follower already gone (the launcher is stopping every rank)
             pass
         self.group.close()
@@ -344,7 +370,7 @@ class Follower:
         device = self.runner.device
         with torch.inference_mode():
             while True:
-                cmd: Command = self.group.broadcast()
+                cmd = self.group.receive()
                 if cmd.op == "abort":
                     self.pending = None
                     continue
