@@ -92,6 +92,9 @@ def test_shell_script_without_container_uses_this_installation(repos, tmp_path):
     (["slurm", "{repo}", "--out", "/nonexistent/dir/job.sbatch"], "directory /nonexistent/dir does not exist"),
     (["slurm", "/nonexistent/repo"], "/nonexistent/repo is not a directory"),
     (["mesos", "{repo}"], "invalid choice: 'mesos'"),
+    (["shell", "{repo}", "--container-image", "none", "--gpus", "0"], "--gpus chooses a container"),
+    (["slurm", "{repo}", "--container-image", "none", "--backend-version", "v0.13.0"],
+     "--backend-version chooses a container"),
 ])
 def test_bad_input_is_one_line_and_exit_2(repos, capsys, argv, message):
     argv = [a.replace("{repo}", str(repos["gpt-tp2"])) for a in argv]
