@@ -161,7 +161,7 @@ def use_device(group: Group, device: torch.device) -> None:
 
 # -- sharding ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Layout:
+class Sharding:
     """Which modules of a Hugging Face decoder are split how (module name suffixes)."""
 
     qkv_fused: tuple[str, ...] = ()  # Conv1D [in, q|k|v] (GPT-2's c_attn)
@@ -171,12 +171,12 @@ class Layout:
     row: tuple[str, ...] = ()  # input features split, then all-reduced
 
 
-LAYOUTS = {
-    "gpt2": Layout(qkv_fused=("attn.c_attn",), column=("mlp.c_fc",), row=("attn.c_proj", "mlp.c_proj")),
-    "llama": Layout(q=("self_attn.q_proj",), kv=("self_attn.k_proj", "self_attn.v_proj"),
+SHARDINGS = {
+    "gpt2": Sharding(qkv_fused=("attn.c_attn",), column=("mlp.c_fc",), row=("attn.c_proj", "mlp.c_proj")),
+    "llama": Sharding(q=("self_attn.q_proj",), kv=("self_attn.k_proj", "self_attn.v_proj"),
                     column=("mlp.gate_proj", "mlp.up_proj"), row=("self_attn.o_proj", "mlp.down_proj")),
 }
-LAYOUTS["mistral"] = LAYOUTS["llama"]
+SHARDINGS["mistral"] = SHARDINGS["llama"]
 
 
 def _heads(config) -> tuple[int, int, int]:
@@ -199,8 +199,8 @@ def _kv_rows(kv: int, head_dim: int, tp: int, rank: int) -> slice:
 
 def check_shardable(config, tp: int) -> None:
     """Refuse (one line) a model this runtime cannot split over ``tp`` ranks."""
-    if config.model_type not in LAYOUTS:
-        raise DistributedError(f"tensor parallelism of the python target covers {', '.join(sorted(LAYOUTS))} "
+    if config.model_type not in SHARDINGS:
+        raise DistributedError(f"tensor parallelism of the python target covers {', '.join(sorted(SHARDINGS))} "
                                f"models, not {config.model_type!r}")
     heads, kv, _ = _heads(config)
     if heads % tp or (kv >= tp and kv % tp) or (kv < tp and tp % kv):
@@ -211,7 +211,7 @@ def shard(model, tp: int, rank: int, group: Group) -> None:
     """Keep this rank's slice of every split module of ``model`` (in place) and hook the all-reduces."""
     config = model.config
     check_shardable(config, tp)
-    layout = LAYOUTS[config.model_type]
+    split = SHARDINGS[config.model_type]
     heads, kv, head_dim = _heads(config)
     q_rows = slice(rank * heads * head_dim // tp, (rank + 1) * heads * head_dim // tp)
     kv_rows = _kv_rows(kv, head_dim, tp, rank)
@@ -239,19 +239,19 @@ def shard(model, tp: int, rank: int, group: Group) -> None:
 
     for name, module in model.named_modules():
         conv1d = type(module).__name__ == "Conv1D"
-        if name.endswith(layout.qkv_fused):
+        if name.endswith(split.qkv_fused):
             q_dim, kv_dim = heads * head_dim, kv * head_dim
             rows = (list(range(q_dim))[q_rows] + list(range(q_dim, q_dim + kv_dim))[kv_rows]
                     + list(range(q_dim + kv_dim, q_dim + 2 * kv_dim))[kv_rows])
             keep(module, rows, conv1d=conv1d)
-        elif name.endswith(layout.q):
+        elif name.endswith(split.q):
             keep(module, q_rows, conv1d=conv1d)
-        elif name.endswith(layout.kv):
+        elif name.endswith(split.kv):
             keep(module, kv_rows, conv1d=conv1d)
-        elif name.endswith(layout.column):
+        elif name.endswith(split.column):
             n = (module.weight.shape[1 if conv1d else 0]) // tp
             keep(module, slice(rank * n, (rank + 1) * n), conv1d=conv1d)
-        elif name.endswith(layout.row):
+        elif name.endswith(split.row):
             split_inputs(module, conv1d=conv1d)
         # Attention modules that remember their head counts see their local share.
         if hasattr(module, "split_size") and hasattr(module, "c_attn"):  # GPT-2: q|k|v widths of c_attn
