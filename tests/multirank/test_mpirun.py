@@ -177,3 +177,20 @@ def test_deploy_shell_script_runs_the_ranks_and_sigterm_stops_them(repos, refere
             os.killpg(process.pid, signal.SIGKILL)
         log.close()
     assert wait_gone(repo) == [], (tmp_path / "serve.log").read_text()[-2000:]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family, ranks", [("llama", 4)])
+def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks):
+    """Four ranks on the engine alone (no server): the 2 KV heads of the tiny Llama are copied over 4 ranks."""
+    import forge.served as served
+    from forge.serving.server import free_port
+
+    need_mpirun()
+    result = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--noprefix", "-n", str(ranks),
+         "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}", sys.executable,
+         str(Path(__file__).parent / "engine_ranks.py"), str(served.DECODER_RUNTIME.parent), str(models[family])],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "EQUAL" in result.stdout.splitlines(), result.stdout[-3000:]
