@@ -13,7 +13,7 @@ from .errors import UsageError
 #: families declare these like any ``-o`` key, errors name the flag the user typed.
 FLAG_OPTIONS = {"decoupled": "--decoupled", "calib_data": "--calib-data", "group_size": "--group-size",
                 "instances": "--instances", "parity_tolerance": "--parity-tolerance",
-                "store": "--store", "collection": "--collection"}
+                "store": "--store", "collection": "--collection", "lora": "--lora"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 

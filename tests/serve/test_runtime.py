@@ -49,7 +49,7 @@ def test_defaults_are_tensorrt_llm_defaults():
     (dict(repetition_penalty=np.array([[0.0]], np.float32)), "repetition_penalty must be > 0"),
     (dict(streaming=np.array([[True]])), "streaming needs a decoupled model"),
     (dict(embedding_bias=np.ones((1, 7), np.float32)), "embedding_bias has 7 values"),
-    (dict(lora_task_id=np.array([[4]], np.uint64)), "'lora_task_id' is not supported"),
+    (dict(guided_decoding_guide=np.array([[b"x"]], object)), "'guided_decoding_guide' is not supported"),
     (dict(stop_words_list=np.array([[[5, 6], [3, -1]]], np.int32)), "invalid offset 3"),
 ])
 def test_bad_requests_get_one_clear_error(extra, message):
@@ -107,7 +107,7 @@ def test_input_lengths_beyond_input_ids_is_refused():
 
 
 def test_inputs_it_cannot_honour_are_accepted_when_empty_or_zero():
-    t = tensors(prompt_embedding_table=np.zeros((1, 0, 4), np.float16), lora_task_id=np.array([[0]], np.uint64),
+    t = tensors(prompt_embedding_table=np.zeros((1, 0, 4), np.float16),
                 guided_decoding_guide=np.array([[b""]], object))
     assert len(parse(t)) == 1
 

@@ -68,6 +68,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="count generated tokens with this tokenizer (default: each repository's own)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids are drawn below this (default: the repository's vocabulary, else 1000)")
+    p.add_argument("--lora", default=None, metavar="NAME[,NAME…]",
+                   help="mix these LoRA adapters of the repository over the requests in turn ('base': none); "
+                        "gRPC; weights go with each adapter's first request")
+    p.add_argument("--lora-repo", type=Path, default=None, metavar="DIR",
+                   help="the repository whose manifest names the --lora adapters (default: the target repository)")
+    p.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
+                   help="send images (repeatable; requests take them in turn) to a multimodal ensemble")
+    p.add_argument("--image-placeholder", default="<image>",
+                   help="put before prompts that lack it when --image is given (default <image>)")
     p.add_argument("--json", action="store_true", help="print the results as json")
     workloads = p.add_subparsers(dest="workload", metavar="WORKLOAD")
     dist = workloads.add_parser("token-norm-dist", help="normally distributed input/output lengths")
@@ -192,9 +201,18 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         raise UsageError(f"--plot {args.plot} must name a .png file")
     protocol = protocol_of(args, specs)
+    if args.lora and protocol != "grpc":
+        raise UsageError("--lora sends LoRA tensors over gRPC; drop --protocol http")
     progress = None if legacy else Progress()
 
-    sources = resolve(specs, args, protocol, prefer_tokens=legacy and workload == "token-norm-dist")
+    from .infer import read_image
+
+    images = [read_image(path) for path in args.image]
+    # images go to the ensemble (text_input + image), never to the token-id tensorrt_llm model
+    sources = resolve(specs, args, protocol, prefer_tokens=legacy and workload == "token-norm-dist" and not images)
+    if images and any(source.token_mode for source in sources):
+        raise UsageError("--image needs a multimodal ensemble (text_input + image), not a token-id model",
+                         hint="point --model at the ensemble")
     baseline = _baseline(sources, args.baseline)
     explicit = args.tokenizer or getattr(args, "tokenizer_dir", None)
     dirs = tokenizer_dirs(sources, explicit, compare)
@@ -220,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     if len(items) < offered:
         sources[0].notes.append(f"{offered - len(items)} of {offered} {workload} requests are longer than a "
                                 "target's max input and were left out (--skip-long)")
+    if images:
+        bench.attach_images(items, images)
     plot_path = args.plot
     if plot_path is None and sweeping:
         plot_path = Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
@@ -238,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
                                                                  "arrivals")}
         summary.update({"model": sources[0].model, "workload": workload, "mode": load_points[0].legacy_mode,
                         "stream": args.stream, "protocol": protocol})
+        if images:
+            summary["images"] = [str(path) for path in args.image]
         if args.json:
             emit_json(summary)
         else:
@@ -286,4 +308,6 @@ def _workload_facts(args: argparse.Namespace, workload: str, requests: int) -> d
             facts[key] = getattr(args, key)
     if workload == "dataset":
         facts["dataset"] = str(args.dataset)
+    if args.image:
+        facts["images"] = [str(path) for path in args.image]
     return facts

@@ -57,6 +57,8 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the family's export parity tolerance (max abs diff)")
     p.add_argument("-o", "--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                    help="family option; 'forge options --family NAME' lists them; repeatable")
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
+                   help="decoders: ship this PEFT LoRA adapter (repeatable); task ids follow the order, from 1")
     p.add_argument("--store", default=None, metavar="URI",
                    help="add retrieval: a Milvus Lite file (PATH.db) or a Milvus server (http://host:19530); "
                    "the token comes from MILVUS_TOKEN, never from the command line")
@@ -101,6 +103,12 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
         value = getattr(args, key)
         if value is not None and value is not False:
             options.setdefault(key, value)
+    if "lora" in options and not isinstance(options["lora"], dict):  # --lora NAME=DIR (repeated) or -o lora=…
+        from ..llm.lora import parse_option
+
+        value = options["lora"]
+        value = ",".join(value) if isinstance(value, list) else str(value)
+        options["lora"] = {name: str(path.resolve()) for name, path in parse_option(value).items()}
     if "store" in options:  # a relative Lite path means the same store from any working directory
         from ..retrieval.store import normalize_uri
 

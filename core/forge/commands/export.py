@@ -19,6 +19,11 @@ def run(args: argparse.Namespace) -> int:
     from ..plugins import registry
     from ..ui import Progress, emit_json
 
+    if args.lora:
+        from ..errors import UsageError
+
+        raise UsageError("--lora adapters ship with the repository that forge build writes; forge export writes "
+                         "only the checkpoint", hint="drop --lora (trtllm-build --lora_dir takes the PEFT folders)")
     spec = spec_from_args(args)
     plans = Driver(registry(), log=Progress(quiet=args.json)).export(spec)
     if spec.dry_run:

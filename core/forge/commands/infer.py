@@ -36,6 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never generate this text (repeatable)")
     p.add_argument("--chat-template", type=Path, default=None, metavar="TOKENIZER_DIR",
                    help="wrap the prompt as a user message with this tokenizer's chat template")
+    p.add_argument("--lora", default=None, metavar="NAME",
+                   help="answer with this LoRA adapter of --repo (or a task id the server holds); sent over gRPC, "
+                        "weights only when the server does not hold the adapter yet")
+    p.add_argument("--repo", type=Path, default=None, metavar="DIR",
+                   help="the served repository whose manifest names the --lora adapters")
+    p.add_argument("--image", type=Path, default=None, metavar="FILE",
+                   help="an image (PNG, JPEG, …) for a multimodal ensemble; the prompt holds its placeholder, "
+                        "e.g. \"USER: <image>\\nWhat is shown? ASSISTANT:\"")
     p.add_argument("--json", action="store_true", help="print the whole response as json")
 
 
@@ -61,6 +69,18 @@ def chat_prompt(tokenizer_dir: Path, text: str) -> str:
                                          add_generation_prompt=True)
 
 
+def read_image(path: Path | None) -> bytes | None:
+    """The bytes of ``--image FILE`` (the server decodes them; a bad image is its error to report)."""
+    if path is None:
+        return None
+    if not path.is_file():
+        raise UsageError(f"--image {path} is not a file")
+    data = path.read_bytes()
+    if not data:
+        raise UsageError(f"--image {path} is empty")
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
     from ..serving import client
     from ..ui import emit_json
@@ -74,11 +94,20 @@ def run(args: argparse.Namespace) -> int:
                 "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
                 "frequency_penalty": args.frequency_penalty, "min_length": args.min_length}
     sampling = {k: v for k, v in sampling.items() if v is not None}
+    image = read_image(args.image)
 
-    if not args.stream and args.stop_after_ms is None:
+    adapter = None
+    if args.lora is not None:
+        from ..serving import lora
+
+        (adapter,) = lora.resolve([args.lora], args.repo)
+    elif args.repo is not None:
+        raise UsageError("--repo only names the adapters of --lora; give --lora NAME too")
+
+    if not args.stream and args.stop_after_ms is None and adapter is None:
         inputs = client.ModelInputs.from_config(client.model_config(args.url, args.model))
         payload = client.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,
-                                          bad_words=args.bad_words, **sampling)
+                                          bad_words=args.bad_words, image=image, **sampling)
         response = client.generate(args.url, args.model, payload)
         if args.json:
             emit_json(response)
@@ -90,15 +119,24 @@ def run(args: argparse.Namespace) -> int:
     with client.GrpcSession(_grpc_url(args)) as session:
         inputs = session.config(args.model)
         tensors = client.text_request(inputs, prompt, args.max_tokens, stream=args.stream,
-                                      stop_words=args.stop_words, bad_words=args.bad_words, **sampling)
+                                      stop_words=args.stop_words, bad_words=args.bad_words, image=image, **sampling)
         pieces: list[str] = []
-        try:
-            for event in session.stream(args.model, tensors, stop_after_s=stop_s):
+
+        def ask(extra) -> None:
+            for event in session.stream(args.model, {**tensors, **extra}, stop_after_s=stop_s):
                 if "text_output" in event.outputs:
                     piece = client.text_of(event.outputs["text_output"])
                     pieces.append(piece)
                     if not args.json:
                         print(piece, end="" if args.stream else "\n", flush=True)
+
+        try:
+            if adapter is None:
+                ask({})
+            else:
+                from ..serving.lora import LoraRequests
+
+                LoraRequests(inputs, weights_first=False).call(adapter, ask)
         except TimeoutError as exc:
             if not args.json:
                 print(("\n" if args.stream and pieces else "") + f"({exc})", file=sys.stderr)

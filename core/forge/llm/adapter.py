@@ -16,6 +16,7 @@ COLUMN = "column"  # output features split: rank r holds rows [r·n/tp, (r+1)·n
 ROW = "row"  # input features split: rank r holds columns [r·n/tp, (r+1)·n/tp)
 QKV = "qkv"  # fused [Q; K; V]: each rank holds its heads of Q, K and V (KV heads duplicated if < tp)
 VOCAB = "vocab"  # lm_head: rows padded with zeros to a multiple of tp, then split like COLUMN
+KV = "kv"  # a separate K or V projection: each rank holds its KV heads (duplicated if < tp), as in QKV
 
 #: Normalized dimension names usable in :attr:`Weight.shape` (see :meth:`DecoderAdapter.normalize`).
 DERIVED_DIMS = ("q_dim", "kv_dim", "qkv_dim")
@@ -36,6 +37,20 @@ class Weight:
     transpose: bool = False  # GPT-2's Conv1D stores [in, out]; TensorRT-LLM wants [out, in]
     tied: str | None = None  # used instead of ``source`` when the config ties the embeddings
     when: str | None = None  # a normalized boolean; the tensor exists only when it is true
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """How TensorRT-LLM applies a LoRA adapter to one Hugging Face module of every layer.
+
+    ``module`` is TensorRT-LLM's LoRA module name (``attn_qkv``, ``mlp_h_to_4h`` …); ``dims`` the
+    module's (out, in) features in normalized dimension names; ``split`` how its tensor-parallel
+    layer is cut (the LoRA ``B`` rows follow a column split, the ``A`` columns a row split).
+    """
+
+    module: str
+    dims: tuple[str, str]
+    split: str
 
 
 class DecoderAdapter:
@@ -66,6 +81,8 @@ class DecoderAdapter:
     layer_weights: ClassVar[Mapping[str, Weight]]  # ``transformer.layers.{local}.`` + key
     first_stage_weights: ClassVar[Mapping[str, Weight]]  # on pipeline stage 0 only
     last_stage_weights: ClassVar[Mapping[str, Weight]]  # on the last pipeline stage only
+    #: LoRA: module path inside the transformers model (``{i}`` = layer) → TensorRT-LLM's LoRA module
+    lora_targets: ClassVar[Mapping[str, LoraTarget]] = {}
 
     def accepts(self, architecture: str) -> bool:
         """True when a checkpoint whose ``architectures[0]`` is ``architecture`` can be exported."""

@@ -78,13 +78,18 @@ FORGE = (
 # An option that names no target is read by the targets with the text models, not by hf-pipeline.
 FORGE = tuple(o if o.targets else replace(o, targets=ALL) for o in FORGE)
 
+#: ``--lora``: declared by the decoder families that convert and ship adapters (forge.llm.plugin), not by
+#: every family that reuses the decoder options.
+LORA = Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR,… (--lora NAME=DIR)", None, ALL, flag="--lora")
+
 #: Template parameters of the multimodal path, which forge's text models do not have yet (issue 10):
 #: not declared, so the driver refuses them instead of writing values nothing reads.
 _MULTIMODAL = {"hf_model_path", "max_num_images", "multimodal_model_path", "visual_model_path",
                "multimodal_encoders_name"}
 
 #: tensorrt_llm parameters the python target honours too (same name, same meaning).
-_PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms"}
+_PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms", "lora_cache_host_memory_bytes",
+                 "lora_cache_max_adapter_size", "lora_prefetch_dir"}
 
 
 def _from_parameters(versions: list[tuple[str, profiles.Parameter]]) -> Option:

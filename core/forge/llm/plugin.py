@@ -10,7 +10,7 @@ from forge.components import Component, Family
 from forge.errors import UsageError
 
 from .adapter import DecoderAdapter
-from .options import decoder_options
+from .options import LORA, decoder_options
 
 TARGETS = ("tensorrtllm", "python", "hf-pipeline")
 QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
@@ -42,9 +42,16 @@ class DecoderPlugin:
 
             check_spec(spec)
         family = self.adapter.family
+        options = {}
+        if "lora" in spec.options:  # bad adapters fail here, before any stage runs
+            from .lora import check_build, for_build, summary
+
+            adapters = for_build(self.adapter, spec, spec.source_for(family))
+            check_build(spec, profile, adapters)
+            options["lora"] = summary(adapters)
         return [Component(name=f"{spec.name_prefix}{family}", family=family, role="llm",
                           source=spec.source_for(family), prefix=spec.name_prefix,
-                          ensemble=f"{spec.name_prefix}ensemble")]
+                          ensemble=f"{spec.name_prefix}ensemble", options=options)]
 
     @hookimpl
     def forge_register_families(self, register):
@@ -52,7 +59,7 @@ class DecoderPlugin:
         register(Family(name=a.family, kind="decoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
                         components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm", "python"),
-                        options=decoder_options()))
+                        options=decoder_options() + (LORA,)))
 
     @hookimpl
     def forge_export(self, component, ctx):
@@ -78,9 +85,11 @@ class DecoderPlugin:
     def forge_compile(self, component, artifact, ctx):
         if not self._mine(component) or ctx.target != "tensorrtllm":
             return None  # the python target serves the checkpoint as it is
-        from . import engine
+        from . import engine, multimodal
 
-        return engine.compile(artifact, ctx)
+        table = multimodal.prompt_table(component)  # an encoder fills its prompt table (llava)
+        return engine.compile(artifact, ctx, lora=component.options.get("lora"),
+                              prompt_table_rows=table["rows"] if table else 0)
 
     @hookimpl
     def forge_emit_config(self, component, artifact, ctx):

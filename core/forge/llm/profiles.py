@@ -282,6 +282,13 @@ BUILD_FLAGS: Mapping[str, tuple[int, int]] = {
     # pinned down here, so uneven splits are allowed from 1.0 on and refused before.
     "uneven_pp": (1, 0),
     "kv_cache_type": (1, 0),  # --kv_cache_type paged supersedes --paged_kv_cache enable
+    # --lora_dir / --lora_target_modules / --max_lora_rank: in trtllm-build from 0.9 (the 0.8 LoRA recipe
+    # passed them to the model's build script); seen in tensorrtllm_backend v0.10.0's LoRA recipe and in
+    # TensorRT-LLM 0.16's argparse, the 0.9 boundary itself is not read from a 0.9 source
+    "lora_dir": (0, 9),
+    # prompt-table rows (multimodal): --max_prompt_embedding_table_size since trtllm-build; the backend's
+    # multimodal docs (v0.12.0 on) use its alias --max_multimodal_len
+    "max_multimodal_len": (0, 12),
 }
 _NEWEST_FLAGS = (99, 0, 0)  # no --backend-version: the newest flag set
 

@@ -18,7 +18,7 @@ from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import ForgeError, UsageError
 from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
 
-from . import profiles
+from . import multimodal, profiles
 from .engine import sequence_limits  # the one clamping rule of prompt and sequence limits
 from .interface import (BLS, LLM, POST, PRE, truthy, message_input, parameter_value, profile_of,
                         resolve_dtype, tensorrt_llm_io, tensorrt_llm_parameters)
@@ -127,10 +127,12 @@ def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: 
     })
     if "gpt_model_path" in {p.key for p in profile.params(PRE)} and "engine_dir" in spec.options:
         params["gpt_model_path"] = str(spec.options["engine_dir"])
+    table_inputs, table_params = multimodal.preprocessing_io(component)  # an encoder fills the prompt table
+    params.update(table_params)
     batching = _batching(ctx, spec.limits.max_batch_size) if PRE in profile.dynamic_batching else False
     config = tc.model_config(
         component.model_name(PRE), backend="python", max_batch_size=spec.limits.max_batch_size,
-        inputs=[message_input(t, t.dtype, ensemble_facing=True) for t in inputs],
+        inputs=[message_input(t, t.dtype, ensemble_facing=True) for t in inputs] + table_inputs,
         outputs=[tc.model_output(t.name, t.dtype, t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "preprocessing_instance_count"),
         dynamic_batching=batching)
@@ -228,6 +230,11 @@ def tensorrt_llm_model(component: Component, profile: Profile, ctx, artifact: Ar
     default_path = str((spec.out / name / "1").resolve())
     inputs, outputs = tensorrt_llm_io(profile, spec, artifact.meta, engine_dir)
     params = tensorrt_llm_parameters(profile, spec, engine_dir=default_path, log=ctx.log)
+    if component.options.get("lora") and profile.parameter(LLM, "lora_prefetch_dir") and \
+            "lora_prefetch_dir" not in spec.options:  # the backend loads the shipped adapters at start
+        from .lora import FOLDER
+
+        params["lora_prefetch_dir"] = str((spec.out / name / FOLDER).resolve())
     decoupled = truthy(ctx.option("decoupled", False))
     batching = _batching(ctx, spec.limits.max_batch_size) if LLM in profile.dynamic_batching else False
     config = tc.model_config(name, backend="tensorrtllm", max_batch_size=spec.limits.max_batch_size,
@@ -276,6 +283,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     if builder is None:
         raise UsageError(f"decoders build for --target {' or '.join(LLM_BUILDERS)}, not {ctx.target}")
     llm, engine_dir = builder(adapter, component, artifact, ctx, profile)
+    _ship_loras(adapter, component, ctx, llm)
     decoupled = llm.config.model_transaction_policy.decoupled
     models = [preprocessing_model(component, profile, ctx, tokenizer, defaults, meta), llm,
               postprocessing_model(component, profile, ctx, tokenizer, meta, engine_dir, decoupled)]
@@ -288,14 +296,36 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     return models
 
 
+def _ship_loras(adapter, component: Component, ctx, llm: TritonModel) -> None:
+    """``--lora``: the adapters in the tensorrt_llm model's ``lora/<task id>/`` (the form a client sends,
+    and tensorrtllm_backend's lora_prefetch_dir layout) and their manifest entries."""
+    lora = component.options.get("lora")
+    if not lora:
+        return
+    from .lora import repository_files
+
+    files, entries = repository_files(adapter, ctx.spec, component.source, lora)
+    llm.files.update(files)
+    ctx.note("lora", {"model": llm.name, "adapters": entries})
+    for entry in entries:
+        for warning in entry["warnings"]:
+            ctx.log(f"warning: {warning}")
+    ctx.log(f"{llm.name}: LoRA adapters " + ", ".join(f"{e['name']} (task {e['task_id']}, rank {e['rank']})"
+                                                     for e in entries))
+
+
 def edges(component: Component, models: Mapping[str, TritonModel], ctx) -> list[Edge]:
     """The ensemble of a decoder component: ``text_input`` → preprocessing → tensorrt_llm → postprocessing."""
     profile = profile_of(ctx.spec)
     ensemble = component.ensemble
     name = {role: component.model_name(role) for role in (PRE, LLM, POST)}
     routes = profiles.routes(profile, include=lambda model, t: not t.multimodal)
+    # tensors another component's model produces (multimodal.edges) are not the client's to send
+    linked = {(LLM, t) for t in multimodal.FED} if multimodal.prompt_table(component) else set()
     result: list[Edge] = []
     for feed, model, tensor in routes.feeds:
+        if (model, tensor) in linked:
+            continue
         result.append(Edge.feed(feed, name[model], tensor, ensemble=ensemble))
     for src_model, src_tensor, dst_model, dst_tensor in routes.links:
         result.append(Edge.link(name[src_model], src_tensor, name[dst_model], dst_tensor, ensemble=ensemble))

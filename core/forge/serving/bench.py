@@ -46,6 +46,7 @@ class Item:
     output_len: int
     tokens: list[int] | None = None  # token mode
     text: str | None = None  # text mode
+    image: bytes | None = None  # multimodal ensembles: the request's encoded image
 
 
 @dataclass
@@ -140,6 +141,12 @@ def read_dataset(path: Path, *, num_requests: int | None = None, op_tokens_per_w
     return items
 
 
+def attach_images(items: list[Item], images: list[bytes]) -> None:
+    """Give the requests the images in turn (a multimodal workload: the same prompts, each with an image)."""
+    for index, item in enumerate(items):
+        item.image = images[index % len(images)]
+
+
 def prompts(texts: list[str], n: int, output_len: int) -> list[Item]:
     """``n`` requests cycling through ``texts``."""
     if not texts:
@@ -169,6 +176,9 @@ class Target:
         self.echoes = echoes
         self._encoded: dict[int, list[int]] = {}  # items are shared between targets; their ids are not
         self.extra = extra or {}
+        self.lora = None  # serving.lora.LoraRequests when requests mix LoRA adapters
+        self._adapters: dict[int, Any] = {}
+        self.placeholder = "<image>"  # set from --image-placeholder when images are sent
         self.token_mode = "input_ids" in inputs.inputs
         if not self.token_mode and not {"text_input", "max_tokens"} <= set(inputs.inputs):
             raise UsageError(f"model {inputs.name!r} is not a text-generation model (it takes neither input_ids "
@@ -188,7 +198,20 @@ class Target:
             payload.update(self.extra)
             return payload
         text = item.text if item.text is not None else " ".join(_WORDS[t % len(_WORDS)] for t in item.tokens)
-        return generate_payload(self.inputs, text, item.output_len, stream=self.stream, **self.extra)
+        if item.image is not None and self.placeholder not in text:
+            text = f"{self.placeholder}\n{text}"  # the image goes where its placeholder is
+        return generate_payload(self.inputs, text, item.output_len, stream=self.stream, image=item.image,
+                                **self.extra)
+
+    def use_lora(self, adapters: list, items: list[Item]) -> None:
+        """Send the items with these adapters in turn (None: the base model), the backend's cache protocol."""
+        from .lora import LoraRequests
+
+        self.lora = LoraRequests(self.inputs)
+        self._adapters = {id(item): adapters[n % len(adapters)] for n, item in enumerate(items)}
+
+    def adapter(self, item: Item):
+        return self._adapters.get(id(item))
 
     def prompt_ids(self, item: Item) -> list[int]:
         """The item's token ids: its own, or its text encoded with this target's tokenizer (once)."""
@@ -243,31 +266,41 @@ class Target:
 
 def _one(session, target: Target, item: Item, sample: Sample, timeout_s: float) -> None:
     try:
-        tokens, pieces = 0, []
-        for event in session.send(target.inputs, target.payload(item), stream=target.stream,
-                                  stop_after_s=timeout_s):
-            if not event.outputs:
-                continue
-            if target.token_mode:
-                produced = target.count(item, event.outputs, streamed=target.stream)
-                tokens = tokens + produced if target.stream else max(tokens, produced)
-                carried = produced > 0
-            else:
-                piece = target.text(event.outputs)
-                pieces.append(piece)
-                carried = bool(piece)
-            if carried and target.stream:
-                at = event.at or time.perf_counter()
-                sample.first = at if sample.first is None else sample.first
-                sample.last = at
-        sample.output_tokens = tokens
-        if not target.token_mode:
-            sample.output_text = "".join(pieces)
+        if target.lora is None:
+            _answer(session.send(target.inputs, target.payload(item), stream=target.stream, stop_after_s=timeout_s),
+                    target, item, sample)
+        else:  # LoRA arrays are sent as tensors (gRPC)
+            target.lora.call(target.adapter(item), lambda extra: _answer(
+                session.stream(target.inputs.name, {**target.tensors(item), **extra}, stop_after_s=timeout_s),
+                target, item, sample))
     except (ForgeError, TimeoutError) as exc:
         sample.error = str(exc)
     except Exception as exc:  # a broken connection counts as a failed request, not a crashed bench
         sample.error = f"{type(exc).__name__}: {exc}"
     sample.done = time.perf_counter()
+
+
+def _answer(events, target: Target, item: Item, sample: Sample) -> None:
+    """Count one request's responses into ``sample``."""
+    tokens, pieces = 0, []
+    for event in events:
+        if not event.outputs:
+            continue
+        if target.token_mode:
+            produced = target.count(item, event.outputs, streamed=target.stream)
+            tokens = tokens + produced if target.stream else max(tokens, produced)
+            carried = produced > 0
+        else:
+            piece = target.text(event.outputs)
+            pieces.append(piece)
+            carried = bool(piece)
+        if carried and target.stream:
+            at = event.at or time.perf_counter()
+            sample.first = at if sample.first is None else sample.first
+            sample.last = at
+    sample.output_tokens = tokens
+    if not target.token_mode:
+        sample.output_text = "".join(pieces)
 
 
 def arrival_times(n: int, start: float, *, request_rate: float, arrivals: str = "poisson",

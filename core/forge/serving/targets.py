@@ -431,6 +431,22 @@ def endpoint(source: Source, protocol: str, startup_timeout: float, progress=Non
         yield server.http_url if protocol == "http" else server.grpc_url
 
 
+def lora_mix(source: Source, args: argparse.Namespace, protocol: str) -> list:
+    """``--lora A,B,base``: the adapters the requests use in turn (None: the base model)."""
+    if not getattr(args, "lora", None):
+        if getattr(args, "lora_repo", None) is not None:
+            raise UsageError("--lora-repo only names the adapters of --lora; give --lora NAME[,NAME…] too")
+        return []
+    from . import lora
+
+    if protocol != "grpc":
+        raise UsageError("--lora sends LoRA tensors over gRPC; drop --protocol http")
+    names = [n.strip() for n in args.lora.split(",") if n.strip()]
+    repo = args.lora_repo or source.repo
+    resolved = iter(lora.resolve([n for n in names if n != "base"], repo))
+    return [None if n == "base" else next(resolved) for n in names]
+
+
 def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str, stream: bool, items: list,
              load_points: list[Load], tokenizer, progress=None) -> list[dict]:
     from . import bench
@@ -445,6 +461,10 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
         echoes = lambda text: [tokenizer.decode(tokenizer.encode(text), skip_special_tokens=skip)  # noqa: E731
                                for skip in (True, False)]
     target = bench.Target(inputs, stream=stream, count_text=count, encode=encode, echoes=echoes)
+    mix = lora_mix(source, args, protocol)
+    if mix:
+        target.use_lora(mix, items)
+    target.placeholder = getattr(args, "image_placeholder", target.placeholder)
     if stream and protocol == "http" and target.token_mode:
         raise UsageError("--stream over HTTP needs a text model (generate_stream); use --protocol grpc for token ids")
     if args.warmup > 0:
@@ -455,6 +475,9 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
                                   arrivals=load.arrivals, timeout_s=args.timeout, protocol=protocol)
         row = {"target": source.label, "load": load.label, "concurrency": load.concurrency,
                "request_rate": load.rate, "arrivals": load.arrivals, **bench.summarize(samples, wall)}
+        if mix:
+            row["lora"] = [a.name if a else "base" for a in mix]
+            row["lora_weights_resent"] = target.lora.retries
         rows.append(row)
         if progress:
             progress(f"{source.label}, {load.label}: {row['req_per_s']:.2f} req/s, {row['tokens_per_s']:.1f} tok/s, "

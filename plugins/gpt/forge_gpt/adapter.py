@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forge.llm.adapter import COLUMN, QKV, ROW, VOCAB, DecoderAdapter, Weight
+from forge.llm.adapter import COLUMN, QKV, ROW, VOCAB, DecoderAdapter, LoraTarget, Weight
 
 
 class GPTAdapter(DecoderAdapter):
@@ -64,6 +64,14 @@ class GPTAdapter(DecoderAdapter):
         "transformer.ln_f.weight": Weight("ln_f.weight", ("hidden_size",)),
         "transformer.ln_f.bias": Weight("ln_f.bias", ("hidden_size",)),
         "lm_head.weight": Weight("lm_head.weight", ("vocab_size", "hidden_size"), VOCAB, tied="wte.weight"),
+    }
+    # GPT-2 fuses Q, K and V in c_attn, so its LoRA is TensorRT-LLM's attn_qkv. (TensorRT-LLM's own HF
+    # mapping for GPT names only c_fc/c_proj, which sends attn.c_proj to mlp_4h_to_h; the paths keep them apart.)
+    lora_targets = {
+        "transformer.h.{i}.attn.c_attn": LoraTarget("attn_qkv", ("qkv_dim", "hidden_size"), QKV),
+        "transformer.h.{i}.attn.c_proj": LoraTarget("attn_dense", ("hidden_size", "q_dim"), ROW),
+        "transformer.h.{i}.mlp.c_fc": LoraTarget("mlp_h_to_4h", ("intermediate_size", "hidden_size"), COLUMN),
+        "transformer.h.{i}.mlp.c_proj": LoraTarget("mlp_4h_to_h", ("hidden_size", "intermediate_size"), ROW),
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from forge.llm.adapter import COLUMN, QKV, ROW, VOCAB, DecoderAdapter, Weight
+from forge.llm.adapter import COLUMN, KV, QKV, ROW, VOCAB, DecoderAdapter, LoraTarget, Weight
 
 _ATTN = "model.layers.{i}.self_attn."
 _MLP = "model.layers.{i}.mlp."
@@ -72,6 +72,17 @@ class LlamaAdapter(DecoderAdapter):
         "transformer.ln_f.weight": Weight("model.norm.weight", ("hidden_size",)),
         "lm_head.weight": Weight("lm_head.weight", ("vocab_size", "hidden_size"), VOCAB,
                                  tied="model.embed_tokens.weight"),
+    }
+    # TensorRT-LLM's LoRA modules of its LLaMA (lora_manager's default HF mapping): gate_proj is mlp_h_to_4h
+    # and up_proj mlp_gate, as in the GatedMLP weights above.
+    lora_targets = {
+        _ATTN + "q_proj": LoraTarget("attn_q", ("q_dim", "hidden_size"), COLUMN),
+        _ATTN + "k_proj": LoraTarget("attn_k", ("kv_dim", "hidden_size"), KV),
+        _ATTN + "v_proj": LoraTarget("attn_v", ("kv_dim", "hidden_size"), KV),
+        _ATTN + "o_proj": LoraTarget("attn_dense", ("hidden_size", "q_dim"), ROW),
+        _MLP + "gate_proj": LoraTarget("mlp_h_to_4h", ("intermediate_size", "hidden_size"), COLUMN),
+        _MLP + "up_proj": LoraTarget("mlp_gate", ("intermediate_size", "hidden_size"), COLUMN),
+        _MLP + "down_proj": LoraTarget("mlp_4h_to_h", ("hidden_size", "intermediate_size"), ROW),
     }
 
     def normalize_extra(self, hf_config: Mapping[str, Any], norm: dict[str, Any]) -> None:

@@ -109,6 +109,27 @@ def runtime_choices(spec, ctx) -> dict[str, Any]:
     return resolved
 
 
+def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, Any]:
+    """The served model's LoRA settings: which modules take adapters, the adapter cache bounds (the backend's
+    lora_cache_* parameters of the profile), and the shipped adapters to load at start (lora_prefetch_dir)."""
+    from ..interface import parameter_value
+    from ..lora import FOLDER, served_modules
+
+    if not adapter.lora_targets or profile.interface("tensorrt_llm").input("lora_weights") is None:
+        return {}
+    values: dict[str, Any] = {"lora_modules": served_modules(adapter)}
+    for key in ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size"):
+        p = profile.parameter("tensorrt_llm", key)
+        if p is not None:
+            values[key] = parameter_value(p, spec.options)
+    if profile.parameter("tensorrt_llm", "lora_prefetch_dir") is not None:
+        if "lora_prefetch_dir" in spec.options:
+            values["lora_prefetch_dir"] = str(spec.options["lora_prefetch_dir"])
+        elif component.options.get("lora"):
+            values["lora_prefetch_dir"] = FOLDER  # relative: the model directory's lora/
+    return values
+
+
 def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) -> TritonModel:
     """The python-backend ``tensorrt_llm`` model of ``component`` for ``profile``'s interface."""
     from ..interface import tensorrt_llm_io, truthy
@@ -137,6 +158,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),
         "exclude_input_in_output": None if exclude is None else truthy(exclude),
+        **_lora_parameters(adapter, component, spec, profile),
     }
     config = tc.model_config(
         component.model_name("tensorrt_llm"), backend="python", max_batch_size=spec.limits.max_batch_size,

@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
+from forge_decoder import lora as lora_mod  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
 
@@ -159,7 +160,11 @@ class TritonPythonModel:
             model, self.limits, max_rows=rows,
             max_prefill_tokens=int(_parameter(config, "max_num_tokens", "8192")),
             cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms", "100")),
-            log=pb_utils.Logger.log_error).start()
+            log=pb_utils.Logger.log_error)
+        self.loras = lora_mod.from_parameters(model, lambda key, default: _parameter(config, key, default),
+                                              dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
+        self.engine.lora = None if self.loras is None else self.loras.modules
+        self.engine.start()
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()
@@ -227,6 +232,7 @@ class TritonPythonModel:
                     continue
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
                              warn=pb_utils.Logger.log_warn)
+                self._resolve_loras(rows)
             except RequestError as exc:
                 forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue
@@ -241,6 +247,13 @@ class TritonPythonModel:
             self.engine.submit(pending.sequences)
         self.busy_gauge.set(self.engine.busy)
         return None
+
+    def _resolve_loras(self, rows: list[GenerationRequest]) -> None:
+        """Each row's LoRA adapter from its task id / weights (tensorrtllm_backend's cache semantics)."""
+        if self.loras is not None:
+            self.loras.resolve_rows(rows)
+        elif any(r.lora_task_id is not None or r.lora_weights is not None for r in rows):
+            raise RequestError("this model was built without LoRA modules; leave out lora_task_id / lora_weights")
 
     def finalize(self):
         self.engine.stop()

@@ -165,6 +165,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._last_cancel_check = 0.0
         self.steps = 0
+        self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
 
     # -- public, thread-safe ----------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -303,7 +304,10 @@ class Engine:
         return embeds
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
-                 keep_all: bool = False, embeds: torch.Tensor | None = None) -> torch.Tensor:
+                 keep_all: bool = False, embeds: torch.Tensor | None = None,
+                 rows: list[Sequence] | None = None) -> torch.Tensor:
+        if self.lora is not None:
+            self.lora.select([s.request.lora for s in rows or ()])
         kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=positions,
                                       past_key_values=cache, use_cache=True)
         if embeds is None:
@@ -334,7 +338,7 @@ class Engine:
         keep_all = any(s.request.return_context_logits for s in admitted)
         try:
             logits = self._forward(ids, mask, positions, cache, keep_all=keep_all,
-                                   embeds=self._embed(ids, admitted))
+                                   embeds=self._embed(ids, admitted), rows=admitted)
         except Exception as exc:
             self.log(f"forge decoder prefill failed: {traceback.format_exc()}")
             for seq in admitted:
@@ -355,7 +359,7 @@ class Engine:
         ids = torch.tensor([[s.tokens[-1]] for s in self._active], dtype=torch.long, device=self.device)
         mask = self._batch.extend_mask()
         positions = (mask.sum(-1, keepdim=True) - 1)
-        logits = self._forward(ids, mask, positions, self._batch.cache)
+        logits = self._forward(ids, mask, positions, self._batch.cache, rows=self._active)
         self._advance(logits[:, -1, :], self._active)
 
     def _advance(self, logits: torch.Tensor, rows: list[Sequence]) -> None:

@@ -35,7 +35,7 @@ HONOURED = frozenset({
     "return_context_logits", "return_generation_logits", "exclude_input_in_output", "streaming",
     "stop", "beam_width", "num_return_sequences", "return_perf_metrics", "return_num_input_tokens",
     "return_num_output_tokens", "prompt_embedding_table", "prompt_vocab_size", "decoder_input_ids",
-    "decoder_input_lengths", "prompt_table_extra_ids",
+    "decoder_input_lengths", "prompt_table_extra_ids", "lora_task_id", "lora_weights", "lora_config",
 }) | BEAM_ONLY
 
 # ``prompt_table_extra_ids`` only keys TensorRT-LLM's KV-cache reuse of prompt-table tokens: this runtime
@@ -105,6 +105,11 @@ class GenerationRequest:
     batch_index: int = 0
     # rows selected by prompt ids ≥ the vocabulary size (``prompt_embedding_table``), [rows, hidden]
     prompt_table: np.ndarray | None = None
+    # LoRA (see lora.py): the request's task id and adapter arrays, and the adapter they resolve to
+    lora_task_id: int | None = None
+    lora_weights: np.ndarray | None = None
+    lora_config: np.ndarray | None = None
+    lora: object | None = None
 
 
 def _rows(tensors: Mapping[str, np.ndarray], name: str, batch: int) -> np.ndarray | None:
@@ -193,6 +198,8 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
 
     _check_decoder_prompt(tensors, batch)
     tables, prompt_vocab = _prompt_tables(tensors, batch)
+    lora_ids = _rows(tensors, "lora_task_id", batch)
+    lora_weights, lora_config = _per_row(tensors, "lora_weights", batch), _per_row(tensors, "lora_config", batch)
 
     def get(name: str, row: int, default):
         column = values[name]
@@ -288,8 +295,23 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
             return_generation_logits=bool(get("return_generation_logits", row, False)),
             return_perf_metrics=bool(get("return_perf_metrics", row, False)),
             exclude_input=bool(get("exclude_input_in_output", row, exclude_input)),
-            streaming=streaming, batch_index=row, prompt_table=table))
+            streaming=streaming, batch_index=row, prompt_table=table,
+            lora_task_id=None if lora_ids is None else int(np.asarray(lora_ids[row]).astype(np.uint64).item()),
+            lora_weights=lora_weights(row), lora_config=lora_config(row)))
     return requests
+
+
+def _per_row(tensors: Mapping[str, np.ndarray], name: str, batch: int) -> Callable[[int], np.ndarray | None]:
+    """A [batch, …] input's row (one row is shared by every row); absent or empty → None."""
+    value = tensors.get(name)
+    if value is None or np.asarray(value).size == 0:
+        return lambda row: None
+    value = np.asarray(value)
+    if value.ndim == 3 and value.shape[0] not in (1, batch):
+        raise RequestError(f"input {name!r} has {value.shape[0]} rows for a batch of {batch}")
+    if value.ndim == 3 and value.shape[0] == batch:
+        return lambda row: value[row]
+    return lambda row: value
 
 
 def _prompt_tables(tensors: Mapping[str, np.ndarray], batch: int) -> tuple[np.ndarray | None, list[int]]:
