@@ -107,10 +107,11 @@ def test_bad_input_is_one_line_and_exit_2(repos, capsys, argv, message):
     (["--pp", "2"], "--target python runs tensor parallel only"),
     (["--tp", "2", "--instances", "2"], "runs one model instance"),
     (["--tp", "3"], "cannot be split over --tp 3"),
+    (["--tp", "2", "--lora", "a={tmp}"], "--target python at --tp 2 serves no LoRA adapters"),
 ])
 def test_python_target_parallelism_it_cannot_run_is_refused(models, tmp_path, capsys, extra, message):
     argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python",
-            "--out", str(tmp_path / "repo"), *extra]
+            "--out", str(tmp_path / "repo"), *(a.replace("{tmp}", str(tmp_path)) for a in extra)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and not (tmp_path / "repo").exists()

@@ -308,7 +308,7 @@ class LeaderEngine(engine_mod.Engine):
         super().__init__(model, limits, **kwargs)
         self.group = group
 
-    def _forward(self, ids, mask, positions, cache, keep_all=False, embeds=None):
+    def _forward(self, ids, mask, positions, cache, keep_all=False, embeds=None, rows=None):
         decode = self._batch is not None and cache is self._batch.cache
         if decode:
             self.group.send(Command("decode", ids=ids.cpu(), mask=mask.cpu(), positions=positions.cpu()))
@@ -318,7 +318,7 @@ class LeaderEngine(engine_mod.Engine):
                 embeds=None if embeds is None else embeds.cpu(),
                 merge=self._batch is not None and bool(self._active)))
         try:
-            return super()._forward(ids, mask, positions, cache, keep_all=keep_all, embeds=embeds)
+            return super()._forward(ids, mask, positions, cache, keep_all=keep_all, embeds=embeds, rows=rows)
         except Exception:
             if not decode:
                 self.group.send(Command("abort"))  # the followers drop the cache they just filled
