@@ -96,11 +96,12 @@ CURL_BODY = {"text_input": "What is machine learning?", "max_tokens": 20, "bad_w
 PROMPTS = ("What is machine learning?", "hello world")
 
 
-def ask(http_url: str, model: str, prompt: str) -> str:
+def ask(http_url: str, model: str, prompt: str, max_tokens: int = 20) -> str:
     """The seed's curl: POST /v2/models/<model>/generate; the generated text."""
     from forge.serving.client import generate, text_of
 
-    return text_of(generate(http_url, model, {**CURL_BODY, "text_input": prompt}, timeout=120)["text_output"])
+    body = {**CURL_BODY, "text_input": prompt, "max_tokens": max_tokens}
+    return text_of(generate(http_url, model, body, timeout=120)["text_output"])
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,8 @@ def _binary(name: str) -> str:
 class SlurmCluster:
     def __init__(self, root: Path, cpus: int | None = None):
         self.root = root
-        self.cpus = cpus or os.cpu_count() or 1
+        # at least 4 CPUs declared (and believed: config_overrides), so a 2-rank job fits a 1-core machine
+        self.cpus = cpus or max(4, os.cpu_count() or 1)
         self.node = "forgenode"
         self.processes: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
@@ -65,7 +66,7 @@ class SlurmCluster:
             "SlurmctldLogFile": r / "log" / "slurmctld.log", "SlurmdLogFile": r / "log" / "slurmd.log",
             "ProctrackType": "proctrack/linuxproc", "TaskPlugin": "task/none",
             "SelectType": "select/cons_tres", "SelectTypeParameters": "CR_Core",
-            "MpiDefault": "none", "ReturnToService": 2, "SchedulerType": "sched/backfill",
+            "SlurmdParameters": "config_overrides", "MpiDefault": "none", "ReturnToService": 2, "SchedulerType": "sched/backfill",
             "JobAcctGatherType": "jobacct_gather/none", "AccountingStorageType": "accounting_storage/none",
             "SlurmctldTimeout": 30, "SlurmdTimeout": 30, "KillWait": 5, "InactiveLimit": 0, "MinJobAge": 30,
         }

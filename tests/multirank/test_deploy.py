@@ -7,7 +7,6 @@ tensorrtllm_backend's multi-node recipe needs (pmix, one task per rank, containe
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -93,6 +92,9 @@ def test_shell_script_without_container_uses_this_installation(repos, tmp_path):
     (["slurm", "{repo}", "--out", "/nonexistent/dir/job.sbatch"], "directory /nonexistent/dir does not exist"),
     (["slurm", "/nonexistent/repo"], "/nonexistent/repo is not a directory"),
     (["mesos", "{repo}"], "invalid choice: 'mesos'"),
+    (["shell", "{repo}", "--container-image", "none", "--gpus", "0"], "--gpus chooses a container"),
+    (["slurm", "{repo}", "--container-image", "none", "--backend-version", "v0.13.0"],
+     "--backend-version chooses a container"),
 ])
 def test_bad_input_is_one_line_and_exit_2(repos, capsys, argv, message):
     argv = [a.replace("{repo}", str(repos["gpt-tp2"])) for a in argv]
@@ -105,10 +107,11 @@ def test_bad_input_is_one_line_and_exit_2(repos, capsys, argv, message):
     (["--pp", "2"], "--target python runs tensor parallel only"),
     (["--tp", "2", "--instances", "2"], "runs one model instance"),
     (["--tp", "3"], "cannot be split over --tp 3"),
+    (["--tp", "2", "--lora", "a={tmp}"], "--target python at --tp 2 serves no LoRA adapters"),
 ])
 def test_python_target_parallelism_it_cannot_run_is_refused(models, tmp_path, capsys, extra, message):
     argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python",
-            "--out", str(tmp_path / "repo"), *extra]
+            "--out", str(tmp_path / "repo"), *(a.replace("{tmp}", str(tmp_path)) for a in extra)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and not (tmp_path / "repo").exists()
@@ -123,3 +126,9 @@ def test_a_tp2_repository_started_outside_a_launch_fails_in_one_line(repos, tmp_
     with pytest.raises(ForgeError) as info:
         TritonServer(repos["gpt-tp2"], startup_timeout=300).start()
     assert "tensor parallel over 2 ranks but was started in a world of 1" in str(info.value)
+
+
+def test_serve_refuses_a_world_size_the_repository_was_not_built_for(repos, capsys):
+    assert main(["serve", str(repos["gpt-tp2"]), "--world-size", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--world-size 3 disagrees with the repository, which was built for 2 rank(s)" in err[0]

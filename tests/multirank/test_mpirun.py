@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,14 @@ def test_llama_tp2_answers_like_tp1_and_a_dead_rank_stops_the_server_naming_it(r
         http = server.info["http"].removeprefix("http://")
         for prompt in PROMPTS:
             assert ask(http, "ensemble", prompt) == reference["llama"][prompt]
+        # Together, of different lengths: rows join and leave the ranks' shared batch between steps.
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda args: ask(http, "ensemble", args[0], max_tokens=args[1]),
+                                    [(PROMPTS[0], 20), (PROMPTS[1], 7), (PROMPTS[0], 3)]))
+        assert answers[0] == reference["llama"][PROMPTS[0]]
+        for answer, prompt in ((answers[1], PROMPTS[1]), (answers[2], PROMPTS[0])):  # shorter: a prefix
+            assert reference["llama"][prompt].startswith(answer) and len(prompt) < len(answer) < len(
+                reference["llama"][prompt])
         os.kill(follower_pid(repo), signal.SIGKILL)
         status, stderr = server.finish()
     finally:
@@ -131,3 +140,57 @@ def test_llama_tp2_answers_like_tp1_and_a_dead_rank_stops_the_server_naming_it(r
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert lines[0].startswith("forge: error: rank 1 (the follower of model 'tensorrt_llm') exited on signal 9")
     assert wait_gone(repo) == []
+
+
+@pytest.mark.heavy
+def test_deploy_shell_script_runs_the_ranks_and_sigterm_stops_them(repos, reference, tmp_path):
+    """``forge deploy shell --container-image none``: the script itself serves, as written."""
+    from forge.cli import main
+    from forge.serving.server import free_port
+
+    need_mpirun()
+    repo = repos["gpt-tp2"]
+    ports = [free_port() for _ in range(4)]
+    script = tmp_path / "serve.sh"
+    assert main(["deploy", "shell", str(repo), "--container-image", "none", "--host", "127.0.0.1",
+                 "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),
+                 "--rendezvous-port", str(ports[3]), "--out", str(script)]) == 0
+    log = open(tmp_path / "serve.log", "w")
+    process = subprocess.Popen(["bash", str(script)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    http = f"127.0.0.1:{ports[0]}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not READY"
+            try:
+                ask(http, "ensemble", PROMPTS[0], max_tokens=1)
+                break
+            except Exception:
+                time.sleep(1)
+        assert ask(http, "ensemble", PROMPTS[0]) == reference["gpt"][PROMPTS[0]]
+    finally:
+        process.send_signal(signal.SIGTERM)  # the script exec'd mpirun: it stops every rank
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+    assert wait_gone(repo) == [], (tmp_path / "serve.log").read_text()[-2000:]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family, ranks", [("llama", 4)])
+def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks):
+    """Four ranks on the engine alone (no server): the 2 KV heads of the tiny Llama are copied over 4 ranks."""
+    import forge.served as served
+    from forge.serving.server import free_port
+
+    need_mpirun()
+    result = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--noprefix", "-n", str(ranks),
+         "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}", sys.executable,
+         str(Path(__file__).parent / "engine_ranks.py"), str(served.DECODER_RUNTIME.parent), str(models[family])],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "EQUAL" in result.stdout.splitlines(), result.stdout[-3000:]

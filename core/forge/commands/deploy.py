@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         k.add_argument("--http-port", type=_port, default=8000)
         k.add_argument("--grpc-port", type=_port, default=8001)
         k.add_argument("--metrics-port", type=_port, default=8002)
-        k.add_argument("--rendezvous-port", type=_port, default=29500,
+        k.add_argument("--rendezvous-port", type=_port, default=None,
                        help="where a tensor-parallel python model's ranks meet rank 0 (default 29500)")
         if kind == "slurm":
             k.add_argument("--nodes", type=int, default=1, help="nodes (default 1); ranks are spread evenly")
@@ -52,8 +52,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             k.add_argument("--output", default=None, help="job log (sbatch --output)")
             k.add_argument("--mpi", default="pmix", help="srun --mpi plugin (default pmix)")
         else:
-            k.add_argument("--gpus", default="all", help="GPUs to pass to the container (all, none, or ids like 0,1)")
-            k.add_argument("--shm-size", default="2g", help="container shared memory (default 2g)")
+            k.add_argument("--gpus", default=None, help="GPUs to pass to the container (all, none, or ids like 0,1; "
+                                                         "default all)")
+            k.add_argument("--shm-size", default=None, help="container shared memory (default 2g)")
+
+
+def _refuse_unused(args: argparse.Namespace, world) -> None:
+    """Flags the artifact would not use are errors, never silently dropped."""
+    from ..serving.deploy import NO_CONTAINER
+
+    if args.container_image == NO_CONTAINER:
+        unused = [flag for flag, value in (("--backend-version", args.backend_version),
+                                           ("--gpus", getattr(args, "gpus", None)),
+                                           ("--shm-size", getattr(args, "shm_size", None))) if value]
+        if unused:
+            raise UsageError(f"{', '.join(unused)} choose{'s' if len(unused) == 1 else ''} a container; "
+                             "--container-image none runs this machine's forge installation",
+                             hint=f"drop {', '.join(unused)}, or name a container")
+    if args.rendezvous_port is not None and world.follower_dir is None:
+        raise UsageError("--rendezvous-port is where a tensor-parallel python model's ranks meet; this repository "
+                         "has none (tensorrtllm ranks meet through MPI)", hint="drop --rendezvous-port")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,8 +82,10 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "compose" and args.container_image == deploy.NO_CONTAINER:
         raise UsageError("forge deploy compose runs a container; --container-image none has nothing to run",
                          hint="leave --container-image out (the profile's NGC container) or name an image")
+    _refuse_unused(args, world)
     rt = deploy.runtime(args.repo, args.container_image, args.backend_version)
-    ends = deploy.Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port, args.rendezvous_port)
+    ends = deploy.Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port,
+                            args.rendezvous_port or deploy.Endpoints.rendezvous_port)
     if len({ends.http_port, ends.grpc_port, ends.metrics_port}) < 3:
         raise UsageError("--http-port, --grpc-port and --metrics-port must differ")
     if args.kind == "slurm":
@@ -73,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
                                    partition=args.partition, time_limit=args.time_limit, job_name=args.job_name,
                                    output=args.output, mpi=args.mpi)
     elif args.kind == "compose":
-        text = deploy.compose_file(args.repo, world, rt, ends, gpus=args.gpus, shm_size=args.shm_size)
+        text = deploy.compose_file(args.repo, world, rt, ends, gpus=args.gpus or "all", shm_size=args.shm_size or "2g")
     else:
-        text = deploy.shell_script(args.repo, world, rt, ends, gpus=args.gpus, shm_size=args.shm_size)
+        text = deploy.shell_script(args.repo, world, rt, ends, gpus=args.gpus or "all", shm_size=args.shm_size or "2g")
     out = args.out or Path(DEFAULT_OUT[args.kind])
     if str(out) == "-":
         sys.stdout.write(text)

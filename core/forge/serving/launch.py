@@ -3,7 +3,10 @@
 Multi-GPU TensorRT-LLM repositories run one tritonserver per rank under MPI, the way
 tensorrtllm_backend's ``launch_triton_server.py`` does it: rank 0 serves every model, the other ranks
 load only the tensorrt_llm models (explicit model control, no HTTP/gRPC/metrics endpoints), and each
-rank gets its own python-backend shared-memory prefix.
+rank gets its own python-backend shared-memory prefix. A tensor-parallel ``--target python`` model
+(its ``tensor_parallel`` parameter > 1) runs the same way, except that ranks > 0 are its followers
+(``python -m forge_decoder.follower``, shipped in the model directory), which meet rank 0 at
+``MASTER_ADDR``/``MASTER_PORT``.
 """
 
 from __future__ import annotations

@@ -67,6 +67,9 @@ def check_spec(spec) -> None:
     if spec.pp > 1:
         raise UsageError(f"--target python runs tensor parallel only; --pp {spec.pp} applies to TensorRT-LLM engines",
                          hint=f"use --tp {spec.world_size} instead, or build --target tensorrtllm")
+    if spec.tp > 1 and spec.options.get("lora"):
+        raise UsageError(f"--target python at --tp {spec.tp} serves no LoRA adapters (their weights are not split "
+                         "over the ranks)", hint="drop --lora, or build at --tp 1")
     if spec.tp > 1 and int(spec.options.get("instances", 1) or 1) > 1:
         raise UsageError(f"--target python at --tp {spec.tp} runs one model instance (its ranks form one group); "
                          f"--instances {spec.options['instances']} would need one group each",
@@ -116,6 +119,8 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
     from ..lora import FOLDER, served_modules
 
     if not adapter.lora_targets or profile.interface("tensorrt_llm").input("lora_weights") is None:
+        return {}
+    if spec.tp > 1:  # the ranks hold slices of the layers adapters would patch: served without LoRA modules
         return {}
     values: dict[str, Any] = {"lora_modules": served_modules(adapter)}
     for key in ("lora_cache_host_memory_bytes", "lora_cache_max_adapter_size"):

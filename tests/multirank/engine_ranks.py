@@ -1,0 +1,56 @@
+"""Run under ``mpirun -n N``: the python target's engine at tp N against tp 1, in one process group.
+
+Rank 0 generates greedily for sequences of different prompt and output lengths (joining the batch at
+different steps) with the plain engine on the whole model, then with the tensor-parallel engine while
+ranks 1..N-1 follow; it prints ``EQUAL`` when every sequence's ids agree, else both results.
+Usage: mpirun -n N python engine_ranks.py RUNTIME_DIR MODEL_DIR (MASTER_ADDR/MASTER_PORT set).
+"""
+
+import sys
+
+import torch
+
+sys.path.insert(0, sys.argv[1])
+from forge_decoder import distributed, engine  # noqa: E402
+from forge_decoder.request import GenerationRequest, Limits  # noqa: E402
+
+PROMPTS = [[5, 9, 13, 40], [7, 3], [11, 12, 13, 14, 15, 16, 17], [20, 21]]
+
+
+def generate(model, make_engine) -> dict:
+    eng = make_engine(model, Limits(1000, 64, 128), max_rows=2)
+    outputs = {}
+
+    def done(seq, update):
+        if update.finished:
+            outputs[tuple(seq.request.prompt)] = list(seq.output)
+
+    sequences = [engine.Sequence(GenerationRequest(p, 6 + 3 * i), done) for i, p in enumerate(PROMPTS)]
+    eng.submit(sequences[:2])
+    eng.step()
+    eng.submit(sequences[2:])
+    eng.run_until_idle()
+    return outputs
+
+
+def main() -> None:
+    weights = sys.argv[2]
+    torch.set_num_threads(1)
+    rank, size = distributed.world_from_env()
+    if rank:
+        group = distributed.join(size)
+        settings = group.broadcast().settings
+        model = distributed.load_shard(settings["weights"], torch.device("cpu"), torch.float32, group)
+        distributed.Follower(model, group).run()
+        return
+    whole = engine.load_model(weights, torch.device("cpu"), torch.float32)
+    model, make_engine = distributed.lead(size, weights, torch.device("cpu"), torch.float32, 1)
+    single = generate(whole, engine.Engine)
+    parallel = generate(model, make_engine)
+    make_engine.keywords["group"].send(distributed.Command("stop"))
+    make_engine.keywords["group"].close()
+    print("EQUAL" if single == parallel else f"DIFFERENT tp1 {single} tp{size} {parallel}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
