@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from tritonclient.grpc import model_config_pb2 as mc
+if TYPE_CHECKING:  # tritonclient.grpc takes 0.15 s to import; forge export never needs it
+    from tritonclient.grpc import model_config_pb2 as mc
 
 
 #: Kinds of ``-o`` values; the driver checks a value against its option's kind before any stage runs.

@@ -6,9 +6,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from tritonclient.grpc import model_config_pb2 as mc
 
 from . import tritonconfig as tc
+from .tritonconfig import mc
 from .components import Edge, Port
 from .errors import ValidationError
 

@@ -207,3 +207,18 @@ def test_in_kernel_copies_write_the_same_bytes(tiny_llama, tmp_path, monkeypatch
     for rank in range(tp):
         name = f"rank{rank}.safetensors"
         assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_refuses_nan_in_a_tensor_copied_in_the_kernel(tiny_llama, tmp_path, capsys, value):
+    """Bad input: a NaN/Inf in a float32 weight exported as float32 (its bytes go file to file, checked beside)."""
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "bad"
+    shutil.copytree(tiny_llama, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_proj.weight"][3, 4] = value
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--dtype", "float32"),
+            "model.layers.1.self_attn.q_proj.weight contains NaN or Inf")

@@ -161,8 +161,42 @@ def _unchanged_span(piece: Piece, block: np.ndarray | None, out: np.ndarray) -> 
     return None if span is None else (source.fileno(), *span)
 
 
+class Checker:
+    """Checks blocks whose bytes are copied unchanged for NaN/Inf on a second thread.
+
+    Their bytes go file to file in the kernel, so reading them for the check is the only work
+    this process does on them; on another core it overlaps the copies. ``finish`` raises the
+    first failure (the output is discarded by the caller).
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forge-check")
+        self._scratch = Scratch()
+        self._pending: list = []
+
+    def submit(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
+        self._pending.append(self._pool.submit(self._check, block, name, tag, where))
+
+    def _check(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
+        if nonfinite(block, tag, self._scratch):
+            raise UsageError(f"{where}: tensor {name} contains NaN or Inf values; "
+                             "the checkpoint is corrupt or was saved after a diverged step")
+
+    def finish(self) -> None:
+        try:
+            for future in self._pending:
+                future.result()
+        finally:
+            for future in self._pending:
+                future.cancel()
+            self._pool.shutdown(wait=True)
+            self._pending = []
+
+
 def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
-              scratch: Scratch | None = None) -> int:
+              scratch: Scratch | None = None, checker: Checker | None = None) -> int:
     """Convert and write one tensor to every rank that holds it; returns the bytes written.
 
     Ranks holding identical copies (embeddings, norms, row-parallel biases) share one conversion,
@@ -184,7 +218,9 @@ def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
                 out = np.zeros((rows, *planned.shape[1:]), dtype=NUMPY_TYPES[tag])
             else:
                 out = convert(block, piece.ref.tag, tag, scratch)
-                if nonfinite(out, tag, scratch):
+                if out is block and checker is not None:
+                    checker.submit(block, piece.ref.name, tag, where)  # checked beside the kernel's copy
+                elif nonfinite(out, tag, scratch):
                     if nonfinite(block, piece.ref.tag):
                         raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
                                          "the checkpoint is corrupt or was saved after a diverged step")
@@ -290,12 +326,17 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
             for rank, planned in job.per_rank.items():
                 layouts[rank].append((planned.name, planned.shape))
         writers = {r: RankWriter(out / f"rank{r}.safetensors", layouts[r], tag) for r in layouts}
+        checker = Checker() if _IN_KERNEL else None
         try:
             total = 0
             scratch = Scratch()
             for job in jobs:
-                total += write_job(job, writers, tag, where, scratch)
+                total += write_job(job, writers, tag, where, scratch, checker)
+            if checker is not None:
+                checker.finish()
         finally:
+            if checker is not None:
+                checker.finish()
             for w in writers.values():
                 w.close()
     log(f"wrote {tp * pp} rank file(s), {total / 2**20:.1f} MiB of {dtype} weights")

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from tritonclient.grpc import model_config_pb2 as mc
 
 from forge import tritonconfig as tc
+from forge.tritonconfig import mc
 from forge.errors import UsageError
 
 from . import profiles
