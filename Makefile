@@ -21,7 +21,8 @@ demo: $(TOX)
 
 test: $(TOX)
 	@test -n "$(PY312)" || { echo "make test: no runnable python3.12 (the serve312 tox env runs the serving tests under 3.12); install it (apt-get install python3.12, pyenv install 3.12) or set PY312=/path/to/python3.12" >&2; exit 2; }
-	FORGE_PY312=$(PY312) $(TOX) -e core,gpt,llama,clip,minilm,serve312 -- -p no:cacheprovider
+	@sh scripts/system-packages.sh
+	FORGE_PY312=$(PY312) $(TOX) -e core,gpt,llama,clip,minilm,llava,serve312,multirank -- -p no:cacheprovider
 
 clean:
 	rm -rf $(BOOT) .tox build *.egg-info

@@ -13,7 +13,7 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ForgeError
 
 # name → module in forge.commands; each module has HELP, add_arguments(parser), run(args) -> int
 COMMANDS = ("build", "export", "plugins", "options", "validate", "doctor", "serve", "infer", "bench", "index",
-            "search")
+            "search", "deploy")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ TOOLS = (
     Tool("trtllm-build", "--target tensorrtllm (TensorRT-LLM engines for gpt, llama)"),
     Tool("trtexec", "--target tensorrt (TensorRT plans for clip, minilm)", ("--help",)),
     Tool("tritonserver", "forge serve without the nvidia-pytriton wheel"),
-    Tool("mpirun", "forge serve of multi-GPU tensorrt_llm repositories"),
+    Tool("mpirun", "forge serve of repositories built for several ranks (--tp; tensorrtllm or python target)"),
 )
 
 

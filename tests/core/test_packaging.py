@@ -26,5 +26,5 @@ def test_entry_points_name_every_builtin_family():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     points = dict(line.split(" = ") for line in cfg["options.entry_points"]["forge.plugins"].strip().splitlines())
-    assert points == {**{f: f"forge_{f}:plugin" for f in ("gpt", "llama", "clip", "minilm")},
+    assert points == {**{f: f"forge_{f}:plugin" for f in ("gpt", "llama", "clip", "minilm", "llava")},
                       "retrieval": "forge.retrieval:plugin"}

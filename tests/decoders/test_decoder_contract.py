@@ -16,7 +16,7 @@ from forge.cli import main
      "-o enable_kv_cache_reuse has no effect on --target python of family gpt; it is read by --target tensorrtllm"),
     (["--target", "python", "-o", "batching_strategy=V1"], "-o batching_strategy has no effect on --target python"),
     (["--target", "python", "-o", "kv_cache_free_gpu_mem_fraction=0.5"], "has no effect on --target python"),
-    (["--target", "python", "--tp", "2"], "family 'gpt' cannot split across ranks for --target python"),
+    (["--target", "python", "--pp", "2"], "--target python runs tensor parallel only; --pp 2 applies to TensorRT-LLM"),
     (["-o", "batching_strategy=V2"], "-o batching_strategy=V2 is not valid; choose one of"),
     (["-o", "max_queue_delay_microseconds=soon"], "-o max_queue_delay_microseconds takes an integer"),
     (["--target", "tensorrtllm", "-o", "device=cuda"], "-o device has no effect on --target tensorrtllm"),

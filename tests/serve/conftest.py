@@ -86,5 +86,6 @@ def server(merged_repo, tmp_path_factory):
     """One real tritonserver serving the merged repository for the session."""
     from forge.serving.server import TritonServer
 
-    with TritonServer(merged_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as s:
+    with TritonServer(merged_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log",
+                      startup_timeout=900.0) as s:
         yield s

@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gRPC; weights go with each adapter's first request")
     p.add_argument("--lora-repo", type=Path, default=None, metavar="DIR",
                    help="the repository whose manifest names the --lora adapters (default: the target repository)")
+    p.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
+                   help="send images (repeatable; requests take them in turn) to a multimodal ensemble")
+    p.add_argument("--image-placeholder", default="<image>",
+                   help="put before prompts that lack it when --image is given (default <image>)")
     p.add_argument("--json", action="store_true", help="print the results as json")
     workloads = p.add_subparsers(dest="workload", metavar="WORKLOAD")
     dist = workloads.add_parser("token-norm-dist", help="normally distributed input/output lengths")
@@ -201,7 +205,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--lora sends LoRA tensors over gRPC; drop --protocol http")
     progress = None if legacy else Progress()
 
-    sources = resolve(specs, args, protocol, prefer_tokens=legacy and workload == "token-norm-dist")
+    from .infer import read_image
+
+    images = [read_image(path) for path in args.image]
+    # images go to the ensemble (text_input + image), never to the token-id tensorrt_llm model
+    sources = resolve(specs, args, protocol, prefer_tokens=legacy and workload == "token-norm-dist" and not images)
+    if images and any(source.token_mode for source in sources):
+        raise UsageError("--image needs a multimodal ensemble (text_input + image), not a token-id model",
+                         hint="point --model at the ensemble")
     baseline = _baseline(sources, args.baseline)
     explicit = args.tokenizer or getattr(args, "tokenizer_dir", None)
     dirs = tokenizer_dirs(sources, explicit, compare)
@@ -227,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     if len(items) < offered:
         sources[0].notes.append(f"{offered - len(items)} of {offered} {workload} requests are longer than a "
                                 "target's max input and were left out (--skip-long)")
+    if images:
+        bench.attach_images(items, images)
     plot_path = args.plot
     if plot_path is None and sweeping:
         plot_path = Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
@@ -245,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
                                                                  "arrivals")}
         summary.update({"model": sources[0].model, "workload": workload, "mode": load_points[0].legacy_mode,
                         "stream": args.stream, "protocol": protocol})
+        if images:
+            summary["images"] = [str(path) for path in args.image]
         if args.json:
             emit_json(summary)
         else:
@@ -293,4 +308,6 @@ def _workload_facts(args: argparse.Namespace, workload: str, requests: int) -> d
             facts[key] = getattr(args, key)
     if workload == "dataset":
         facts["dataset"] = str(args.dataset)
+    if args.image:
+        facts["images"] = [str(path) for path in args.image]
     return facts

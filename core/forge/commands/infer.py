@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "weights only when the server does not hold the adapter yet")
     p.add_argument("--repo", type=Path, default=None, metavar="DIR",
                    help="the served repository whose manifest names the --lora adapters")
+    p.add_argument("--image", type=Path, default=None, metavar="FILE",
+                   help="an image (PNG, JPEG, …) for a multimodal ensemble; the prompt holds its placeholder, "
+                        "e.g. \"USER: <image>\\nWhat is shown? ASSISTANT:\"")
     p.add_argument("--json", action="store_true", help="print the whole response as json")
 
 
@@ -66,6 +69,18 @@ def chat_prompt(tokenizer_dir: Path, text: str) -> str:
                                          add_generation_prompt=True)
 
 
+def read_image(path: Path | None) -> bytes | None:
+    """The bytes of ``--image FILE`` (the server decodes them; a bad image is its error to report)."""
+    if path is None:
+        return None
+    if not path.is_file():
+        raise UsageError(f"--image {path} is not a file")
+    data = path.read_bytes()
+    if not data:
+        raise UsageError(f"--image {path} is empty")
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
     from ..serving import client
     from ..ui import emit_json
@@ -79,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
                 "frequency_penalty": args.frequency_penalty, "min_length": args.min_length}
     sampling = {k: v for k, v in sampling.items() if v is not None}
+    image = read_image(args.image)
 
     adapter = None
     if args.lora is not None:
@@ -91,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.stream and args.stop_after_ms is None and adapter is None:
         inputs = client.ModelInputs.from_config(client.model_config(args.url, args.model))
         payload = client.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,
-                                          bad_words=args.bad_words, **sampling)
+                                          bad_words=args.bad_words, image=image, **sampling)
         response = client.generate(args.url, args.model, payload)
         if args.json:
             emit_json(response)
@@ -103,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     with client.GrpcSession(_grpc_url(args)) as session:
         inputs = session.config(args.model)
         tensors = client.text_request(inputs, prompt, args.max_tokens, stream=args.stream,
-                                      stop_words=args.stop_words, bad_words=args.bad_words, **sampling)
+                                      stop_words=args.stop_words, bad_words=args.bad_words, image=image, **sampling)
         pieces: list[str] = []
 
         def ask(extra) -> None:

@@ -91,9 +91,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  log      {info['log']}")
             print("press Ctrl-C to stop", flush=True)
         sys.stdout.flush()
-        status = server.wait()
-        raise ForgeError(f"tritonserver exited with status {status}: {server.failure()}",
-                         hint=f"full log: {server.log_file}")
+        server.wait()
+        raise ForgeError(server.exit_message(), hint=f"full log: {server.log_file}")
     except (_Stop, KeyboardInterrupt):
         print("stopping tritonserver", file=sys.stderr)
         return 0

@@ -55,8 +55,14 @@ def clamped_limits(spec, meta: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any], spec,
-                  options: Mapping[str, Any], lora: Mapping[str, Any] | None = None) -> list[str]:
-    """The ``trtllm-build`` argv for a checkpoint, the build limits and the backend version."""
+                  options: Mapping[str, Any], lora: Mapping[str, Any] | None = None,
+                  prompt_table_rows: int = 0) -> list[str]:
+    """The ``trtllm-build`` argv for a checkpoint, the build limits and the backend version.
+
+    ``lora``: the build's adapters (LoRA plugin flags). ``prompt_table_rows``: the prompt-table rows of
+    one request (a multimodal model's visual tokens); the engine reserves them for every sequence of a
+    full batch.
+    """
     version = parse_version(spec.backend_version)
     lim = spec.limits
     max_input_len, max_seq_len = sequence_limits(spec, meta)
@@ -71,6 +77,10 @@ def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any
     argv += ["--max_beam_width", str(lim.max_beam_width)]
     if lim.max_num_tokens:
         argv += ["--max_num_tokens", str(lim.max_num_tokens)]
+    if prompt_table_rows:
+        table_flag = "--max_multimodal_len" if version >= BUILD_FLAGS["max_multimodal_len"] \
+            else "--max_prompt_embedding_table_size"
+        argv += [table_flag, str(lim.max_batch_size * prompt_table_rows)]
     argv += ["--gpt_attention_plugin", dtype]
     if quant.get("quant_algo") != "FP8":  # FP8 GEMMs run in TensorRT itself, not the gemm plugin
         argv += ["--gemm_plugin", dtype]
@@ -98,16 +108,18 @@ def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any
     return argv
 
 
-def compile(artifact: Artifact, ctx, lora: Mapping[str, Any] | None = None) -> Artifact | None:  # noqa: A001
+def compile(artifact: Artifact, ctx, lora: Mapping[str, Any] | None = None,  # noqa: A001 (the stage's name)
+            prompt_table_rows: int = 0) -> Artifact | None:
     """The compile stage: build engines into ``ctx.workdir/engine`` (only record the command on --dry-run).
 
-    ``lora``: the build's adapters (:func:`forge.llm.lora.summary`), which add the LoRA plugin flags."""
+    ``lora``: the build's adapters (:func:`forge.llm.lora.summary`), which add the LoRA plugin flags;
+    ``prompt_table_rows``: a multimodal model's prompt-table rows per request."""
     meta = dict(artifact.meta)
     spec = ctx.spec
     output_dir = ctx.workdir / "engine"
     # Run inside the stage's work directory with a relative --output_dir: the recorded command stays
     # meaningful after the driver moves the work directory into its cache.
-    argv = build_command(artifact.path, Path("engine"), meta, spec, spec.options, lora)
+    argv = build_command(artifact.path, Path("engine"), meta, spec, spec.options, lora, prompt_table_rows)
     version = parse_version(spec.backend_version)
     max_input_len, max_seq_len = sequence_limits(spec, meta)
     clamped = clamped_limits(spec, meta)
@@ -143,6 +155,7 @@ def compile(artifact: Artifact, ctx, lora: Mapping[str, Any] | None = None) -> A
         "max_batch_size": lim.max_batch_size, "max_input_len": max_input_len,
         "max_seq_len": max_seq_len, "max_num_tokens": lim.max_num_tokens,
         "max_beam_width": lim.max_beam_width, "paged_kv_cache": True, "remove_input_padding": True,
+        "max_prompt_embedding_table_size": lim.max_batch_size * prompt_table_rows,
         "trtllm_version": built.get("version"),
     }
     ctx.note("engine", {"files": sorted(p.name for p in output_dir.iterdir()), "command": shlex.join(argv)})

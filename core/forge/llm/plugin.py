@@ -58,7 +58,7 @@ class DecoderPlugin:
         a = self.adapter
         register(Family(name=a.family, kind="decoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
-                        components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm",),
+                        components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm", "python"),
                         options=decoder_options() + (LORA,)))
 
     @hookimpl
@@ -85,9 +85,11 @@ class DecoderPlugin:
     def forge_compile(self, component, artifact, ctx):
         if not self._mine(component) or ctx.target != "tensorrtllm":
             return None  # the python target serves the checkpoint as it is
-        from . import engine
+        from . import engine, multimodal
 
-        return engine.compile(artifact, ctx, lora=component.options.get("lora"))
+        table = multimodal.prompt_table(component)  # an encoder fills its prompt table (llava)
+        return engine.compile(artifact, ctx, lora=component.options.get("lora"),
+                              prompt_table_rows=table["rows"] if table else 0)
 
     @hookimpl
     def forge_emit_config(self, component, artifact, ctx):

@@ -286,6 +286,9 @@ BUILD_FLAGS: Mapping[str, tuple[int, int]] = {
     # passed them to the model's build script); seen in tensorrtllm_backend v0.10.0's LoRA recipe and in
     # TensorRT-LLM 0.16's argparse, the 0.9 boundary itself is not read from a 0.9 source
     "lora_dir": (0, 9),
+    # prompt-table rows (multimodal): --max_prompt_embedding_table_size since trtllm-build; the backend's
+    # multimodal docs (v0.12.0 on) use its alias --max_multimodal_len
+    "max_multimodal_len": (0, 12),
 }
 _NEWEST_FLAGS = (99, 0, 0)  # no --backend-version: the newest flag set
 

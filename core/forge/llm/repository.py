@@ -18,7 +18,7 @@ from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import ForgeError, UsageError
 from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
 
-from . import profiles
+from . import multimodal, profiles
 from .engine import sequence_limits  # the one clamping rule of prompt and sequence limits
 from .interface import (BLS, LLM, POST, PRE, truthy, message_input, parameter_value, profile_of,
                         resolve_dtype, tensorrt_llm_io, tensorrt_llm_parameters)
@@ -127,10 +127,12 @@ def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: 
     })
     if "gpt_model_path" in {p.key for p in profile.params(PRE)} and "engine_dir" in spec.options:
         params["gpt_model_path"] = str(spec.options["engine_dir"])
+    table_inputs, table_params = multimodal.preprocessing_io(component)  # an encoder fills the prompt table
+    params.update(table_params)
     batching = _batching(ctx, spec.limits.max_batch_size) if PRE in profile.dynamic_batching else False
     config = tc.model_config(
         component.model_name(PRE), backend="python", max_batch_size=spec.limits.max_batch_size,
-        inputs=[message_input(t, t.dtype, ensemble_facing=True) for t in inputs],
+        inputs=[message_input(t, t.dtype, ensemble_facing=True) for t in inputs] + table_inputs,
         outputs=[tc.model_output(t.name, t.dtype, t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "preprocessing_instance_count"),
         dynamic_batching=batching)
@@ -318,8 +320,12 @@ def edges(component: Component, models: Mapping[str, TritonModel], ctx) -> list[
     ensemble = component.ensemble
     name = {role: component.model_name(role) for role in (PRE, LLM, POST)}
     routes = profiles.routes(profile, include=lambda model, t: not t.multimodal)
+    # tensors another component's model produces (multimodal.edges) are not the client's to send
+    linked = {(LLM, t) for t in multimodal.FED} if multimodal.prompt_table(component) else set()
     result: list[Edge] = []
     for feed, model, tensor in routes.feeds:
+        if (model, tensor) in linked:
+            continue
         result.append(Edge.feed(feed, name[model], tensor, ensemble=ensemble))
     for src_model, src_tensor, dst_model, dst_tensor in routes.links:
         result.append(Edge.link(name[src_model], src_tensor, name[dst_model], dst_tensor, ensemble=ensemble))

@@ -8,6 +8,7 @@ ship ``forge_text.py``. The build imports these files for parity checks, never t
     decoder_engine/   the python target's tensorrt_llm model (model.py) and its engine (forge_decoder/)
     hf_pipeline.py    --target hf-pipeline: the Hugging Face text-generation pipeline per request
     encoder/          tokenizer, image preprocessing, ONNX Runtime encoder
+    multimodal/       multimodal_encoders: images → the decoder's prompt table (llava)
     retriever/        the retriever model and forge_store.py (Milvus access, also used by forge index/search)
 """
 
@@ -25,6 +26,7 @@ HF_PIPELINE = HERE / "hf_pipeline.py"  # --target hf-pipeline: seed 000's per-re
 TOKENIZER = HERE / "encoder" / "tokenizer.py"
 IMAGE = HERE / "encoder" / "image.py"
 ONNX_ENCODER = HERE / "encoder" / "onnx_encoder.py"
+MULTIMODAL_ENCODERS = HERE / "multimodal" / "encoders.py"  # image → the decoder's prompt table
 RETRIEVER = HERE / "retriever" / "model.py"
 STORE = HERE / "retriever" / "forge_store.py"  # shipped as 1/forge_store.py with the retriever
 

@@ -60,6 +60,24 @@ def token_ids(text: str, tokenizer, add_special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
+def expand_image(ids: list[int], image_token_id: int, placeholder: str, vocab_size: int, rows: int) -> list[int]:
+    """Replace the image placeholder token by the prompt table's ids ``vocab_size … vocab_size+rows−1``.
+
+    ``rows`` is the number of visual features of the request's image (0: no image was sent). One image
+    per prompt, at the placeholder: a placeholder without an image, or an image without one, is an error.
+    """
+    where = [i for i, t in enumerate(ids) if t == image_token_id]
+    if rows <= 0:
+        if where:
+            raise ValueError(f"the prompt holds the image placeholder {placeholder} but no image was sent")
+        return ids
+    if len(where) != 1:
+        raise ValueError(f"the prompt must hold the image placeholder {placeholder} exactly once where the image "
+                         f"belongs (found {len(where)})")
+    at = where[0]
+    return ids[:at] + list(range(vocab_size, vocab_size + rows)) + ids[at + 1:]
+
+
 def word_list(batch: Sequence[Sequence[Any]] | None, batch_size: int, tokenizer,
               extra_ids: Sequence[int] = ()) -> np.ndarray:
     """Stop/bad words in TensorRT-LLM's ``[batch, 2, n]`` layout: flat ids, then end offsets (-1 padded).

@@ -46,6 +46,7 @@ class Item:
     output_len: int
     tokens: list[int] | None = None  # token mode
     text: str | None = None  # text mode
+    image: bytes | None = None  # multimodal ensembles: the request's encoded image
 
 
 @dataclass
@@ -140,6 +141,12 @@ def read_dataset(path: Path, *, num_requests: int | None = None, op_tokens_per_w
     return items
 
 
+def attach_images(items: list[Item], images: list[bytes]) -> None:
+    """Give the requests the images in turn (a multimodal workload: the same prompts, each with an image)."""
+    for index, item in enumerate(items):
+        item.image = images[index % len(images)]
+
+
 def prompts(texts: list[str], n: int, output_len: int) -> list[Item]:
     """``n`` requests cycling through ``texts``."""
     if not texts:
@@ -171,6 +178,7 @@ class Target:
         self.extra = extra or {}
         self.lora = None  # serving.lora.LoraRequests when requests mix LoRA adapters
         self._adapters: dict[int, Any] = {}
+        self.placeholder = "<image>"  # set from --image-placeholder when images are sent
         self.token_mode = "input_ids" in inputs.inputs
         if not self.token_mode and not {"text_input", "max_tokens"} <= set(inputs.inputs):
             raise UsageError(f"model {inputs.name!r} is not a text-generation model (it takes neither input_ids "
@@ -190,7 +198,10 @@ class Target:
             payload.update(self.extra)
             return payload
         text = item.text if item.text is not None else " ".join(_WORDS[t % len(_WORDS)] for t in item.tokens)
-        return generate_payload(self.inputs, text, item.output_len, stream=self.stream, **self.extra)
+        if item.image is not None and self.placeholder not in text:
+            text = f"{self.placeholder}\n{text}"  # the image goes where its placeholder is
+        return generate_payload(self.inputs, text, item.output_len, stream=self.stream, image=item.image,
+                                **self.extra)
 
     def use_lora(self, adapters: list, items: list[Item]) -> None:
         """Send the items with these adapters in turn (None: the base model), the backend's cache protocol."""

@@ -11,6 +11,7 @@ load generator is written once for both protocols.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import queue
@@ -115,9 +116,19 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
 
 
 def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_words: list[str] = (),
-                     bad_words: list[str] = (), stream: bool = False, **sampling: Any) -> dict[str, Any]:
-    """The JSON body of a generate request: only inputs the model has (unknown sampling flags refused)."""
+                     bad_words: list[str] = (), stream: bool = False, image: bytes | None = None,
+                     **sampling: Any) -> dict[str, Any]:
+    """The inputs of a generate request: only inputs the model has (unknown sampling flags refused).
+
+    ``image`` (encoded bytes) goes to a multimodal ensemble's ``image`` input; JSON bodies carry it
+    base64-encoded (:func:`json_body`).
+    """
     payload: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens}
+    if image is not None:
+        if "image" not in inputs.inputs:
+            raise UsageError(f"model {inputs.name!r} takes no image (no input 'image')",
+                             hint="serve a multimodal repository (forge build --family llava) and ask its ensemble")
+        payload["image"] = image
     if "bad_words" in inputs.inputs:
         payload["bad_words"] = ",".join(bad_words) if bad_words else ""
     if "stop_words" in inputs.inputs:
@@ -139,10 +150,15 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
     return payload
 
 
+def json_body(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """A generate request's inputs as JSON values: bytes (an image) become base64 strings."""
+    return {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in payload.items()}
+
+
 def generate(http_url: str, model: str, payload: Mapping[str, Any], timeout: float = 600.0) -> dict[str, Any]:
     """POST /v2/models/<model>/generate; the response JSON (``text_output`` …)."""
     request = urllib.request.Request(f"{http_base(http_url)}/v2/models/{model}/generate",
-                                     data=json.dumps(payload).encode(), method="POST",
+                                     data=json.dumps(json_body(payload)).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -378,7 +394,7 @@ class HttpSession:
                 if stream:
                     yield from self._generate_stream(inputs.name, payload, started, stop_after_s)
                     return
-                answer = self._json(f"/v2/models/{inputs.name}/generate", dict(payload), timeout_s=stop_after_s)
+                answer = self._json(f"/v2/models/{inputs.name}/generate", json_body(payload), timeout_s=stop_after_s)
                 at = time.perf_counter()
                 yield StreamEvent({k: v for k, v in answer.items() if k not in ("model_name", "model_version")},
                                   True, at - started, at)
@@ -399,7 +415,7 @@ class HttpSession:
 
     def _generate_stream(self, model: str, payload: Mapping[str, Any], started: float,
                          stop_after_s: float | None) -> Iterator[StreamEvent]:
-        response = self._open(f"/v2/models/{model}/generate_stream", dict(payload), timeout_s=stop_after_s)
+        response = self._open(f"/v2/models/{model}/generate_stream", json_body(payload), timeout_s=stop_after_s)
         if response.status != 200:
             raise ForgeError(f"the server refused the request: {_json_error(response.read().decode(errors='replace'))}")
         deadline = None if stop_after_s is None else started + stop_after_s
@@ -448,8 +464,9 @@ def _grpc_message(error: Exception) -> str:
 
 
 def text_request(inputs: ModelInputs, prompt: str, max_tokens: int, *, stream: bool = False,
-                 stop_words: list[str] = (), bad_words: list[str] = (), **sampling: Any) -> dict[str, np.ndarray]:
+                 stop_words: list[str] = (), bad_words: list[str] = (), image: bytes | None = None,
+                 **sampling: Any) -> dict[str, np.ndarray]:
     """gRPC tensors for a text model (ensemble, BLS, or any model with text_input/max_tokens)."""
     payload = generate_payload(inputs, prompt, max_tokens, stop_words=stop_words, bad_words=bad_words,
-                               stream=stream, **sampling)
+                               stream=stream, image=image, **sampling)
     return {name: inputs.array(name, value) for name, value in payload.items()}

@@ -28,6 +28,13 @@ class Layout:
     world_size: int
     llm_models: tuple[str, ...]  # backend tensorrtllm models (loaded on every rank)
     gpus: bool  # whether any model needs a GPU (tensorrtllm backend or KIND_GPU instances)
+    # A tensor-parallel python-target model: ranks > 0 run its follower (forge_decoder.follower) instead of
+    # tritonserver; this is its version directory (the follower's PYTHONPATH).
+    follower_dir: Path | None = None
+
+    @property
+    def follower_model(self) -> str | None:
+        return self.follower_dir.parent.name if self.follower_dir is not None else None
 
 
 def _engine_world(config, model_dir: Path) -> int | None:
@@ -60,9 +67,15 @@ def layout(repo: Path, world_size: int | None = None) -> Layout:
     worlds: dict[str, int] = {}
     llm_models = []
     gpus = False
+    followers = []
     for name, config in configs.items():
         if any(g.kind == g.KIND_GPU for g in config.instance_group):
             gpus = True
+        tp = tritonconfig.parameter(config, "tensor_parallel")
+        if config.backend == "python" and tp and tp.isdigit() and int(tp) > 1:
+            worlds[name] = int(tp)
+            followers.append(name)
+            continue
         if config.backend != "tensorrtllm":
             continue
         gpus = True
@@ -75,10 +88,14 @@ def layout(repo: Path, world_size: int | None = None) -> Layout:
         raise ValidationError("the repository's engines disagree on the world size: "
                               + ", ".join(f"{m} {w}" for m, w in sorted(worlds.items())))
     engine_world = engine_worlds.pop() if engine_worlds else 1
+    if followers and (llm_models or len(followers) > 1):
+        raise ValidationError("a repository serves one tensor-parallel model per rank group; this one has "
+                              + ", ".join(sorted(followers + llm_models)))
     if world_size is not None and world_size != engine_world:
-        raise UsageError(f"--world-size {world_size} disagrees with the engine, which was built for "
+        raise UsageError(f"--world-size {world_size} disagrees with the repository, which was built for "
                          f"{engine_world} rank(s) (tp × pp)", hint=f"use --world-size {engine_world} or rebuild")
-    return Layout(engine_world, tuple(sorted(llm_models)), gpus)
+    follower_dir = dirs[followers[0]] / "1" if followers else None
+    return Layout(engine_world, tuple(sorted(llm_models)), gpus, follower_dir)
 
 
 def tritonserver_args(repo: Path, *, rank: int, world: Layout, host: str, http_port: int, grpc_port: int,
@@ -99,16 +116,33 @@ def tritonserver_args(repo: Path, *, rank: int, world: Layout, host: str, http_p
     return args
 
 
+def follower_command(world: Layout, python: str = "python3") -> list[str]:
+    """A follower rank of a tensor-parallel python-target model (its runtime ships in the repository)."""
+    return ["env", f"PYTHONPATH={world.follower_dir}", python, "-m", "forge_decoder.follower"]
+
+
 def mpirun_command(tritonserver: str, repo: Path, world: Layout, *, host: str = "127.0.0.1",
                    http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
                    shm_prefix: str = "prefix", extra: list[str] | None = None,
-                   log_file: Path | None = None, mpirun: str = "mpirun") -> list[str]:
-    """One mpirun line starting ``world.world_size`` tritonservers (MPMD, one rank each)."""
-    argv = [mpirun, "--allow-run-as-root"]
+                   log_file: Path | None = None, mpirun: str = "mpirun", python: str = "python3",
+                   options: list[str] | None = None, rendezvous: tuple[str, int] | None = None) -> list[str]:
+    """One mpirun line starting ``world.world_size`` ranks (MPMD, one rank each).
+
+    Rank 0 is tritonserver; the other ranks are tritonservers holding only their engine shard
+    (tensorrtllm), or followers of a tensor-parallel python model, which meet rank 0 at ``rendezvous``.
+    """
+    argv = [mpirun, "--allow-run-as-root", *(options or [])]
+    exports: list[str] = []  # -x holds for one app context of an MPMD line: repeated in each
+    if world.follower_dir is not None:
+        address, port = rendezvous or ("127.0.0.1", 29500)
+        exports = ["-x", f"MASTER_ADDR={address}", "-x", f"MASTER_PORT={port}"]
     for rank in range(world.world_size):
         if rank:
             argv.append(":")
-        argv += ["-n", "1", tritonserver, *tritonserver_args(
+        if rank and world.follower_dir is not None:
+            argv += ["-n", "1", *exports, *follower_command(world, python)]
+            continue
+        argv += ["-n", "1", *exports, tritonserver, *tritonserver_args(
             repo, rank=rank, world=world, host=host, http_port=http_port, grpc_port=grpc_port,
             metrics_port=metrics_port, shm_prefix=shm_prefix, log_file=log_file)]
         if rank == 0 and extra:

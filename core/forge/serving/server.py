@@ -102,6 +102,10 @@ def tritonserver_binary() -> Path:
     return pytriton_root() / "tritonserver" / "bin" / "tritonserver"
 
 
+# mpirun's account of the first rank that failed (Open MPI 4): killed by a signal, or a non-zero exit.
+_RANK_SIGNAL = re.compile(r"process rank (?P<rank>\d+) with PID \d+ on node \S+ exited on signal "
+                          r"(?P<signal>\d+)(?: \((?P<name>[^)]*)\))?")
+_RANK_STATUS = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*Exit code:\s*(?P<status>\d+)")
 _LOAD_FAILURE = re.compile(r"failed to load '(?P<model>[^']+)' version \d+: (?P<reason>.*)")
 
 
@@ -116,6 +120,31 @@ def _first_line(reason: str) -> str:
 
 def _sigterm_to_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt("SIGTERM")
+
+
+def session_processes(sid: int) -> list[int]:
+    """Processes of session ``sid`` (Linux /proc), other than this one."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session …
+        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL whatever is left of session ``sid`` (the server was started as its leader)."""
+    for pid in session_processes(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -141,7 +170,8 @@ class TritonServer:
     startup_timeout: float = 300.0
     extra_args: list[str] = field(default_factory=list)
     shm_prefix: str = ""
-    world: launch.Layout | None = None  # several ranks: one tritonserver per rank under mpirun
+    world: launch.Layout | None = None  # several ranks: one tritonserver (or follower) per rank under mpirun
+    rendezvous_port: int = 0  # where the followers of a tensor-parallel python model meet rank 0 (0: a free port)
     process: subprocess.Popen | None = None
 
     @property
@@ -164,12 +194,20 @@ class TritonServer:
         repo = Path(self.repo).resolve()
         prefix = self.shm_prefix or f"forge{os.getpid()}_{self.http_port}_"
         if self.world is not None and self.world.world_size > 1:
+            # Every rank on this machine: no core binding (the ranks share the cores with tritonserver's
+            # stubs), more ranks than cores allowed, PATH/LD_LIBRARY_PATH as set here (an absolute mpirun path
+            # otherwise puts its prefix's bin/lib first, and the stubs find the system's Python); followers
+            # use this interpreter (forge's environment).
+            if not self.rendezvous_port:
+                self.rendezvous_port = free_port(self._client_host)
             return launch.mpirun_command(
                 str(tritonserver_binary()), repo, self.world, host=self.host, http_port=self.http_port,
                 grpc_port=self.grpc_port, metrics_port=self.metrics_port, shm_prefix=prefix,
-                extra=["--exit-on-error=true", "--strict-readiness=true", "--exit-timeout-secs=10",
-                       *self.extra_args],
-                mpirun=launch.find_mpirun() or "mpirun")
+                extra=[f"--backend-directory={backend_directory()}", "--exit-on-error=true",
+                       "--strict-readiness=true", "--exit-timeout-secs=10", *self.extra_args],
+                mpirun=launch.find_mpirun() or "mpirun", python=sys.executable,
+                options=["--oversubscribe", "--bind-to", "none", "--noprefix"],
+                rendezvous=(self._client_host, self.rendezvous_port))
         return [str(tritonserver_binary()), f"--model-repository={repo}",
                 f"--backend-directory={backend_directory()}",
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
@@ -230,8 +268,7 @@ class TritonServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ForgeError(f"tritonserver exited with status {self.process.returncode}: {self.failure()}",
-                                 hint=f"full log: {self.log_file}")
+                raise ForgeError(self.exit_message(), hint=f"full log: {self.log_file}")
             try:
                 status, _ = self._get("/v2/health/ready")
             except (urllib.error.URLError, ConnectionError, OSError):
@@ -242,9 +279,36 @@ class TritonServer:
         raise ForgeError(f"tritonserver did not become ready within {self.startup_timeout:.0f}s: "
                          f"{self.failure()}", hint=f"full log: {self.log_file}")
 
+    def exit_message(self) -> str:
+        """One line on why the server (or, with several ranks, which rank) stopped."""
+        status = self.process.returncode if self.process is not None else None
+        ranks = self.rank_failure() if self.world is not None and self.world.world_size > 1 else None
+        reason = self.failure()
+        if ranks:
+            return f"{ranks} (mpirun exit status {status})" + (
+                f"; tritonserver: {reason}" if _LOAD_FAILURE.search(reason) or reason.startswith("model ") else "")
+        launcher = "mpirun" if self.world is not None and self.world.world_size > 1 else "tritonserver"
+        if status is not None and status < 0:
+            return f"{launcher} was killed by signal {-status}: {reason}"
+        return f"{launcher} exited with status {status}: {reason}"
+
     def wait(self) -> int:
         """Block until the server exits; its exit status."""
         return self.process.wait() if self.process is not None else 0
+
+    def rank_failure(self) -> str | None:
+        """Which rank ended a multi-rank server, as mpirun reported it (None: no rank failed)."""
+        log = Path(self.log_file) if self.log_file else None
+        text = log.read_text(errors="replace") if log and log.exists() else ""
+        match = _RANK_SIGNAL.search(text) or _RANK_STATUS.search(text)
+        if match is None:
+            return None
+        rank = int(match["rank"])
+        what = "tritonserver" if rank == 0 or self.world is None or self.world.follower_dir is None else (
+            f"the follower of model {self.world.follower_model!r}")
+        how = (f"exited on signal {match['signal']}" + (f" ({match['name']})" if match["name"] else "")
+               if "signal" in match.groupdict() else f"exited with status {match['status']}")
+        return f"rank {rank} ({what}) {how}; mpirun stopped every rank"
 
     def failure(self) -> str:
         """The most specific error the server reported (a model's load failure if there is one)."""
@@ -261,6 +325,8 @@ class TritonServer:
             if match:
                 return f"model {match['model']!r}: {_first_line(match['reason'])}"
         for line in text.splitlines():
+            if "CudaDriverHelper has not been initialized" in line:
+                continue  # every CPU-only start logs it
             if line[:1] == "E" or "error" in line.lower():
                 return _first_line(line.split("] ", 1)[-1])
         lines = [l for l in text.splitlines() if l.strip()]
@@ -284,6 +350,8 @@ class TritonServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            # MPI ranks have process groups of their own and outlive a killed mpirun; they stay in its session.
+            kill_session(self.process.pid)
         finally:
             if getattr(self, "_restore_sigterm", False) and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)

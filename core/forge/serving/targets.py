@@ -464,6 +464,7 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
     mix = lora_mix(source, args, protocol)
     if mix:
         target.use_lora(mix, items)
+    target.placeholder = getattr(args, "image_placeholder", target.placeholder)
     if stream and protocol == "http" and target.token_mode:
         raise UsageError("--stream over HTTP needs a text model (generate_stream); use --protocol grpc for token ids")
     if args.warmup > 0:

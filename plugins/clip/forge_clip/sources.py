@@ -9,14 +9,12 @@ from typing import Any
 
 from forge.context import BuildContext
 from forge.encoder.adapter import EMBEDDING, IMAGE, TEXT, EncoderAdapter, TensorSpec, TowerInterface
+from forge.encoder.hfimage import OPENAI_MEAN, OPENAI_STD, clip_image_recipe, pair as _pair
 from forge.errors import ForgeError, UsageError
 from forge.hf import inspect_checkpoint, read_json, safetensors_header
 
 from .tokenizer import EOS, clip_tokenizer, open_clip_dir
 
-OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 
@@ -33,16 +31,6 @@ def _normalize(ctx: BuildContext) -> bool:
     if not isinstance(value, bool):
         raise UsageError(f"-o normalize={value!r}: expected true or false")
     return value
-
-
-def _pair(value: Any, what: str) -> tuple[int, int]:
-    if isinstance(value, int):
-        return value, value
-    if isinstance(value, dict) and "height" in value and "width" in value:
-        return int(value["height"]), int(value["width"])
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        return int(value[0]), int(value[1])
-    raise UsageError(f"cannot read {what} {value!r}")
 
 
 def _text_interface(role: str, context_length: int, pad_id: int, clean: str, notes: dict) -> TowerInterface:
@@ -89,25 +77,7 @@ class HFClipSource:
 
     def _image_recipe(self, image_size: int) -> dict[str, Any]:
         """CLIPImageProcessor's settings from preprocessor_config.json (its defaults when absent)."""
-        file = self.path / "preprocessor_config.json"
-        cfg = read_json(file, "the image processor config") if file.is_file() else {}
-        size = cfg.get("size", {"shortest_edge": image_size})
-        if isinstance(size, dict) and "shortest_edge" in size:
-            resize = {"resize_mode": "shortest_edge", "size": [int(size["shortest_edge"])]}
-        elif isinstance(size, int):
-            resize = {"resize_mode": "shortest_edge", "size": [size]}
-        else:
-            resize = {"resize_mode": "exact", "size": list(_pair(size, "image processor size"))}
-        if not cfg.get("do_resize", True):
-            resize = {"resize_mode": "none", "size": []}
-        crop = list(_pair(cfg.get("crop_size", image_size), "crop_size")) if cfg.get("do_center_crop", True) else None
-        return {**resize, "crop": crop, "crop_rounding": "floor",
-                "resample": PIL_RESAMPLE.get(cfg.get("resample", 3), "bicubic"),
-                "rgb": "composite_white", "rgb_step": "first",
-                "rescale": float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else 1.0,
-                "mean": list(cfg.get("image_mean", OPENAI_MEAN)) if cfg.get("do_normalize", True) else [0.0] * 3,
-                "std": list(cfg.get("image_std", OPENAI_STD)) if cfg.get("do_normalize", True) else [1.0] * 3,
-                "processor": "preprocessor_config.json" if cfg else "CLIPImageProcessor defaults"}
+        return clip_image_recipe(self.path, image_size)
 
     def _pad_id(self) -> int:
         """The id the model's processor pads texts with (irrelevant to CLIP's causal text tower)."""

@@ -64,9 +64,13 @@ def check_spec(spec) -> None:
     if spec.quant:
         raise UsageError(f"--target python serves the checkpoint's own weights and cannot apply --quant "
                          f"{','.join(spec.quant)}", hint="drop --quant, or build --target tensorrtllm")
-    if spec.world_size > 1:
-        raise UsageError(f"--target python runs one model copy on one device; --tp {spec.tp} --pp {spec.pp} "
-                         "only apply to TensorRT-LLM engines", hint="drop --tp/--pp, or build --target tensorrtllm")
+    if spec.pp > 1:
+        raise UsageError(f"--target python runs tensor parallel only; --pp {spec.pp} applies to TensorRT-LLM engines",
+                         hint=f"use --tp {spec.world_size} instead, or build --target tensorrtllm")
+    if spec.tp > 1 and int(spec.options.get("instances", 1) or 1) > 1:
+        raise UsageError(f"--target python at --tp {spec.tp} runs one model instance (its ranks form one group); "
+                         f"--instances {spec.options['instances']} would need one group each",
+                         hint="drop --instances")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
 
@@ -139,6 +143,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
     exclude = ctx.option("exclude_input_in_output", None)
     parameters = {
         "forge_target": "python",
+        "tensor_parallel": spec.tp,  # > 1: rank 0 of a group launched by forge serve / forge deploy
         "weights": WEIGHTS_DIR,
         "dtype": spec.dtype,
         "device": ctx.option("device", "auto"),

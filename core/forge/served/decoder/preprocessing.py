@@ -31,6 +31,9 @@ class TritonPythonModel:
         self.stop_token_ids = [int(t) for t in (params.get("stop_token_ids") or "").split(",") if t.strip()]
         self.vocab_size = int(params.get("vocab_size") or len(self.tokenizer))
         self.max_input_len = int(params.get("max_input_len") or 0)
+        # multimodal repositories: the image placeholder becomes the prompt table's ids (forge_text.expand_image)
+        self.image_token_id = int(params["image_token_id"]) if params.get("image_token_id") else None
+        self.image_placeholder = params.get("image_placeholder") or "<image>"
         self.inputs = {t["name"] for t in config["input"]}
         self.dtypes = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
 
@@ -51,12 +54,15 @@ class TritonPythonModel:
             return np.full((batch, 1), default, dtype=np.int64)
         return given.reshape(batch, -1)[:, :1].astype(np.int64)
 
-    def _tokenize(self, texts, what):
+    def _tokenize(self, texts, what, table_rows=None):
         rows = []
         for index, row in enumerate(texts):
             text = row.reshape(-1)[0] if np.ndim(row) else row
             text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
             ids = forge_text.token_ids(text, self.tokenizer, self.add_special_tokens)
+            if self.image_token_id is not None:
+                ids = forge_text.expand_image(ids, self.image_token_id, self.image_placeholder, self.vocab_size,
+                                              0 if table_rows is None else int(table_rows.reshape(-1)[index]))
             if not ids:
                 raise ValueError(f"{what} of batch row {index} is empty after tokenization")
             if self.max_input_len and len(ids) > self.max_input_len:
@@ -74,7 +80,7 @@ class TritonPythonModel:
         query = self._get(request, "QUERY")
         batch = query.shape[0]
         out = []
-        input_ids, input_lengths = self._tokenize(query, "text_input")
+        input_ids, input_lengths = self._tokenize(query, "text_input", self._get(request, "PROMPT_VOCAB_SIZE"))
         out.append(self._out("INPUT_ID", input_ids))
         out.append(self._out("REQUEST_INPUT_LEN", input_lengths))
 

@@ -142,7 +142,13 @@ class TritonPythonModel:
         torch.set_num_threads(threads)
         dtype = engine_mod.choose_dtype(device, _parameter(config, "compute_dtype", "auto"),
                                         _parameter(config, "dtype", "float16"))
-        model = engine_mod.load_model(weights, device, dtype)
+        tp = int(_parameter(config, "tensor_parallel", "1") or 1)
+        if tp > 1:  # rank 0 of a tensor-parallel group: the followers join every step of the engine
+            from forge_decoder import distributed
+
+            model, make_engine = distributed.lead(tp, weights, device, dtype, threads)
+        else:
+            model, make_engine = engine_mod.load_model(weights, device, dtype), engine_mod.Engine
         vocab = int(model.get_output_embeddings().weight.shape[0])
         self.limits = Limits(vocab_size=vocab, hidden_size=int(model.get_input_embeddings().embedding_dim),
                              max_input_len=int(_parameter(config, "max_input_len", "1024")),
@@ -150,7 +156,7 @@ class TritonPythonModel:
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
         rows = engine_mod.choose_rows(device, int(_parameter(config, "inflight_sequences", "0") or 0),
                                       int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
-        self.engine = engine_mod.Engine(
+        self.engine = make_engine(
             model, self.limits, max_rows=rows,
             max_prefill_tokens=int(_parameter(config, "max_num_tokens", "8192")),
             cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms", "100")),
@@ -163,7 +169,7 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self._metrics()
         pb_utils.Logger.log_info(
-            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, "
+            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, tp {tp}, "
             f"{torch.get_num_threads()} torch threads), "
             f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
             f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}")

@@ -1,0 +1,382 @@
+"""Tensor-parallel decoding over ``torch.distributed``: rank 0 serves, the other ranks follow.
+
+A repository built with ``--target python --tp N`` runs as N processes started by ``mpirun`` or
+``srun`` (one rank each, the way tensorrtllm_backend orchestrates ranks): rank 0 is tritonserver,
+whose python model drives the continuous-batching engine; ranks 1..N-1 run
+``python -m forge_decoder.follower`` (this directory on ``PYTHONPATH``). Every rank holds its shard of
+each attention and MLP block, split exactly like the TensorRT-LLM rank files forge exports: Q heads and
+the MLP's first projection(s) by output rows (column parallel; key/value heads too, or one copy of a KV
+head per rank when there are fewer KV heads than ranks), the attention output and the MLP's last
+projection by input columns (row parallel, summed with an all-reduce). Embeddings and the LM head stay
+whole on every rank, so sampling happens on rank 0 alone.
+
+Before each forward pass rank 0 broadcasts a :class:`Command` (the step's token ids, mask, positions,
+and the KV-cache bookkeeping of the batch), and the followers repeat it on their own shard and cache;
+the all-reduces inside the forward pass then meet. Transport: gloo on CPU, NCCL on GPU (commands always
+travel over the default gloo group). Rank and world size come from the launcher's environment (Open MPI, PMI,
+Slurm); the rendezvous address from ``MASTER_ADDR``/``MASTER_PORT``, which forge sets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import engine as engine_mod
+from . import kvcache
+
+# (rank variable, size variable) of each launcher, in the order they are trusted.
+RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK", "SLURM_NTASKS"),
+                  ("PMI_RANK", "PMI_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
+LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+# Idle servers wait on the next broadcast for as long as nobody asks anything.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+class DistributedError(RuntimeError):
+    """The ranks cannot form (or lost) their group; one line for the log."""
+
+
+def world_from_env(env: dict[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world size) as the launcher (mpirun, srun) set them; (0, 1) when none did."""
+    env = os.environ if env is None else env
+    for rank_var, size_var in RANK_VARIABLES:
+        if env.get(rank_var, "").isdigit() and env.get(size_var, "").isdigit():
+            return int(env[rank_var]), int(env[size_var])
+    return 0, 1
+
+
+def local_rank(env: dict[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    for name in LOCAL_RANK_VARIABLES:
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 0
+
+
+def rank_device(name: str) -> torch.device:
+    """This rank's device: ``auto`` is the GPU of its local rank where there are GPUs, else the CPU."""
+    device = engine_mod.choose_device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank() % max(1, torch.cuda.device_count()))
+    return device
+
+
+@dataclass
+class Group:
+    """This process's place in the tensor-parallel group and the channel rank 0 commands through."""
+
+    rank: int
+    size: int
+    control: Any = None  # the group of the commands (None: the default group, gloo)
+    compute: Any = None  # the group of the all-reduces (None: the default group; NCCL on GPUs)
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0 sends ``obj``; every rank returns it."""
+        import torch.distributed as dist
+
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, group=self.compute)
+        return tensor
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone: nothing left to tear down cleanly
+                pass
+
+
+def join(expected: int) -> Group:
+    """Join the launcher's world of ``expected`` ranks over gloo (the commands' channel)."""
+    import torch.distributed as dist
+
+    rank, size = world_from_env()
+    if size != expected:
+        raise DistributedError(
+            f"this model is tensor parallel over {expected} ranks but was started in a world of {size}; "
+            f"start it with forge serve (or mpirun/srun -n {expected})")
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port:
+        raise DistributedError("MASTER_ADDR and MASTER_PORT are not set: rank 0's address is unknown; "
+                               "start the ranks with forge serve or forge deploy's scripts")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=size,
+                                timeout=IDLE_TIMEOUT)
+    except Exception as exc:
+        raise DistributedError(f"rank {rank} could not join {address}:{port}: {exc}") from exc
+    return Group(rank, size)
+
+
+def use_device(group: Group, device: torch.device) -> None:
+    """All-reduce on ``device``: NCCL for GPUs (every rank calls this, in the same order), else gloo."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        group.compute = dist.new_group(backend="nccl")
+
+
+# -- sharding ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Which modules of a Hugging Face decoder are split how (module name suffixes)."""
+
+    qkv_fused: tuple[str, ...] = ()  # Conv1D [in, q|k|v] (GPT-2's c_attn)
+    q: tuple[str, ...] = ()  # Linear, split by heads
+    kv: tuple[str, ...] = ()  # Linear, split by KV heads (or one copy of a head per rank)
+    column: tuple[str, ...] = ()  # output features split
+    row: tuple[str, ...] = ()  # input features split, then all-reduced
+
+
+LAYOUTS = {
+    "gpt2": Layout(qkv_fused=("attn.c_attn",), column=("mlp.c_fc",), row=("attn.c_proj", "mlp.c_proj")),
+    "llama": Layout(q=("self_attn.q_proj",), kv=("self_attn.k_proj", "self_attn.v_proj"),
+                    column=("mlp.gate_proj", "mlp.up_proj"), row=("self_attn.o_proj", "mlp.down_proj")),
+}
+LAYOUTS["mistral"] = LAYOUTS["llama"]
+
+
+def _heads(config) -> tuple[int, int, int]:
+    """(attention heads, KV heads, head size) of a Hugging Face config."""
+    heads = int(getattr(config, "num_attention_heads", None) or config.n_head)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    hidden = int(getattr(config, "hidden_size", None) or config.n_embd)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    return heads, kv, head_dim
+
+
+def _kv_rows(kv: int, head_dim: int, tp: int, rank: int) -> slice:
+    """This rank's KV rows: its share of the heads, or (fewer heads than ranks) a copy of head rank·kv/tp."""
+    if kv >= tp:
+        n = kv * head_dim // tp
+        return slice(rank * n, (rank + 1) * n)
+    start = (rank * kv // tp) * head_dim
+    return slice(start, start + head_dim)
+
+
+def check_shardable(config, tp: int) -> None:
+    """Refuse (one line) a model this runtime cannot split over ``tp`` ranks."""
+    if config.model_type not in LAYOUTS:
+        raise DistributedError(f"tensor parallelism of the python target covers {', '.join(sorted(LAYOUTS))} "
+                               f"models, not {config.model_type!r}")
+    heads, kv, _ = _heads(config)
+    if heads % tp or (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise DistributedError(f"{heads} attention heads / {kv} KV heads cannot be split over {tp} ranks")
+
+
+def shard(model, tp: int, rank: int, group: Group) -> None:
+    """Keep this rank's slice of every split module of ``model`` (in place) and hook the all-reduces."""
+    config = model.config
+    check_shardable(config, tp)
+    layout = LAYOUTS[config.model_type]
+    heads, kv, head_dim = _heads(config)
+    q_rows = slice(rank * heads * head_dim // tp, (rank + 1) * heads * head_dim // tp)
+    kv_rows = _kv_rows(kv, head_dim, tp, rank)
+    local_heads, local_kv = heads // tp, max(1, kv // tp)
+
+    def keep(module, rows: slice | list, *, conv1d: bool) -> None:
+        # nn.Linear holds [out, in], transformers' Conv1D [in, out]: output features are dim 0 or 1.
+        out_dim = 1 if conv1d else 0
+        index = torch.arange(module.weight.shape[out_dim])[rows] if isinstance(rows, slice) else torch.tensor(rows)
+        module.weight = torch.nn.Parameter(module.weight.index_select(out_dim, index).contiguous(), False)
+        if getattr(module, "bias", None) is not None:
+            module.bias = torch.nn.Parameter(module.bias.index_select(0, index).contiguous(), False)
+        _set_features(module, out=len(index), conv1d=conv1d)
+
+    def split_inputs(module, *, conv1d: bool) -> None:
+        in_dim = 0 if conv1d else 1
+        n = module.weight.shape[in_dim] // tp
+        module.weight = torch.nn.Parameter(
+            module.weight.narrow(in_dim, rank * n, n).contiguous(), False)
+        if getattr(module, "bias", None) is not None and rank:
+            # The bias is added once: by rank 0, before the sum.
+            module.bias = torch.nn.Parameter(torch.zeros_like(module.bias), False)
+        _set_features(module, inp=n, conv1d=conv1d)
+        module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+
+    for name, module in model.named_modules():
+        conv1d = type(module).__name__ == "Conv1D"
+        if name.endswith(layout.qkv_fused):
+            q_dim, kv_dim = heads * head_dim, kv * head_dim
+            rows = (list(range(q_dim))[q_rows] + list(range(q_dim, q_dim + kv_dim))[kv_rows]
+                    + list(range(q_dim + kv_dim, q_dim + 2 * kv_dim))[kv_rows])
+            keep(module, rows, conv1d=conv1d)
+        elif name.endswith(layout.q):
+            keep(module, q_rows, conv1d=conv1d)
+        elif name.endswith(layout.kv):
+            keep(module, kv_rows, conv1d=conv1d)
+        elif name.endswith(layout.column):
+            n = (module.weight.shape[1 if conv1d else 0]) // tp
+            keep(module, slice(rank * n, (rank + 1) * n), conv1d=conv1d)
+        elif name.endswith(layout.row):
+            split_inputs(module, conv1d=conv1d)
+        # Attention modules that remember their head counts see their local share.
+        if hasattr(module, "split_size") and hasattr(module, "c_attn"):  # GPT-2: q|k|v widths of c_attn
+            module.split_size = local_heads * head_dim
+            if hasattr(module, "num_heads"):
+                module.num_heads = local_heads
+            if hasattr(module, "embed_dim"):
+                module.embed_dim = local_heads * head_dim
+        if hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = local_heads // local_kv
+
+
+def _set_features(module, *, out: int | None = None, inp: int | None = None, conv1d: bool) -> None:
+    if conv1d:
+        if out is not None and hasattr(module, "nf"):
+            module.nf = out
+        if inp is not None and hasattr(module, "nx"):
+            module.nx = inp
+        return
+    if out is not None:
+        module.out_features = out
+    if inp is not None:
+        module.in_features = inp
+
+
+def load_shard(weights, device: torch.device, dtype: torch.dtype, group: Group):
+    """The Hugging Face model with this rank's shard of each split module (loaded whole, then cut)."""
+    model = engine_mod.load_model(weights, torch.device("cpu"), dtype)
+    use_device(group, device)
+    shard(model, group.size, group.rank, group)
+    return model.to(device).eval()
+
+
+# -- the step protocol ---------------------------------------------------------------------------------
+@dataclass
+class Command:
+    """What every follower repeats: a forward pass or a change of the running batch's cache."""
+
+    op: str  # "settings", "prefill", "decode", "abort", "select", "reset", "stop"
+    ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+    keep_all: bool = False
+    merge: bool = False  # prefill: join the running batch (else replace it)
+    rows: list[int] = field(default_factory=list)  # select: the rows that stay
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+class LeaderEngine(engine_mod.Engine):
+    """The engine of rank 0: the plain engine, announcing every forward pass and cache change first."""
+
+    def __init__(self, model, limits, *, group: Group, **kwargs):
+        super().__init__(model, limits, **kwargs)
+        self.group = group
+
+    def _forward(self, ids, mask, positions, cache, keep_all=False, embeds=None):
+        decode = self._batch is not None and cache is self._batch.cache
+        if decode:
+            self.group.broadcast(Command("decode", ids=ids.cpu(), mask=mask.cpu(), positions=positions.cpu()))
+        else:
+            self.group.broadcast(Command(
+                "prefill", ids=ids.cpu(), mask=mask.cpu(), positions=positions.cpu(), keep_all=keep_all,
+                embeds=None if embeds is None else embeds.cpu(),
+                merge=self._batch is not None and bool(self._active)))
+        try:
+            return super()._forward(ids, mask, positions, cache, keep_all=keep_all, embeds=embeds)
+        except Exception:
+            if not decode:
+                self.group.broadcast(Command("abort"))  # the followers drop the cache they just filled
+            raise
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, s in enumerate(self._active) if not s.finished]
+        if len(keep) != len(self._active):
+            self.group.broadcast(Command("select", rows=keep) if keep else Command("reset"))
+        super()._drop_finished()
+
+    def _fail_all(self, message: str, pending: bool = False) -> None:
+        if self._active:
+            self.group.broadcast(Command("reset"))
+        super()._fail_all(message, pending)
+
+    def stop(self) -> None:
+        super().stop()
+        try:
+            self.group.broadcast(Command("stop"))
+        except Exception:  # a follower already gone (the launcher is stopping every rank)
+            pass
+        self.group.close()
+
+
+class Follower:
+    """A rank > 0: repeats rank 0's forward passes on its shard and keeps its cache in step."""
+
+    def __init__(self, model, group: Group):
+        self.model = model
+        self.group = group
+        self.runner = engine_mod.Engine(model, engine_mod.Limits(0, 0, 0), log=lambda _m: None)
+        self.batch: kvcache.BatchCache | None = None
+        self.pending: tuple[kvcache.BatchCache, bool] | None = None  # a prefill not yet joined to the batch
+        self.steps = 0
+
+    def _commit(self) -> None:
+        if self.pending is None:
+            return
+        batch, merge = self.pending
+        self.pending = None
+        if merge and self.batch is not None:
+            self.batch.merge(batch)
+        else:
+            self.batch = batch
+
+    def run(self) -> None:
+        """Follow until rank 0 says stop (or the group breaks)."""
+        device = self.runner.device
+        with torch.inference_mode():
+            while True:
+                cmd: Command = self.group.broadcast()
+                if cmd.op == "abort":
+                    self.pending = None
+                    continue
+                self._commit()
+                if cmd.op == "stop":
+                    return
+                if cmd.op == "reset":
+                    self.batch = None
+                elif cmd.op == "select":
+                    self.batch.select(cmd.rows)
+                elif cmd.op == "prefill":
+                    cache = kvcache.new_cache()
+                    mask = cmd.mask.to(device)
+                    self.runner._forward(cmd.ids.to(device), mask, cmd.positions.to(device), cache,
+                                         keep_all=cmd.keep_all,
+                                         embeds=None if cmd.embeds is None else cmd.embeds.to(device))
+                    self.pending = (kvcache.BatchCache(cache, mask), cmd.merge)
+                elif cmd.op == "decode":
+                    self.batch.mask = cmd.mask.to(device)
+                    self.runner._forward(cmd.ids.to(device), self.batch.mask, cmd.positions.to(device),
+                                         self.batch.cache)
+                self.steps += 1
+
+
+def lead(tp: int, weights, device: torch.device, dtype: torch.dtype, threads: int):
+    """Rank 0: form the group, tell the followers what to load, load this rank's shard.
+
+    Returns the model and the engine class to run it with (the followers join its every step).
+    """
+    import functools
+
+    group = join(tp)
+    if device.type == "cuda" and device.index is None:
+        device = rank_device(device.type)
+    group.broadcast(Command("settings", settings={
+        "weights": str(weights), "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+        "threads": threads}))
+    return load_shard(weights, device, dtype, group), functools.partial(LeaderEngine, group=group)
+

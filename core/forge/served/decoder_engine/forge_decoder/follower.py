@@ -1,0 +1,49 @@
+"""A follower rank of a tensor-parallel python-target model: ``python -m forge_decoder.follower``.
+
+Started by mpirun/srun beside rank 0's tritonserver, with the model's ``1/`` directory on
+``PYTHONPATH``. It joins rank 0's group, learns from it which weights, device and dtype to use, loads
+its shard and repeats every forward pass until rank 0 says stop. Exit status: 0 after stop, 1 when the
+group cannot form or breaks (the launcher then stops every rank).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import distributed
+from . import engine as engine_mod
+
+
+def main() -> int:
+    rank, size = distributed.world_from_env()
+    prefix = f"forge follower rank {rank}/{size}"
+    try:
+        if size < 2 or rank == 0:
+            raise distributed.DistributedError(
+                "started outside a multi-rank launch (rank 0 is tritonserver); use forge serve or forge deploy")
+        group = distributed.join(size)  # rank 0 knows the model's settings: device, dtype, weights
+        settings = group.broadcast().settings
+        device = distributed.rank_device(settings["device"])
+        torch.set_num_threads(int(settings["threads"]))
+        dtype = engine_mod.DTYPES[settings["dtype"]]
+        model = distributed.load_shard(settings["weights"], device, dtype, group)
+        print(f"{prefix}: {type(model).__name__} shard on {device} ({settings['dtype']}), following rank 0",
+              flush=True)
+        follower = distributed.Follower(model, group)
+        follower.run()
+    except distributed.DistributedError as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:  # the group broke (rank 0 died) or the shard failed to load
+        print(f"{prefix}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"{prefix}: stopped after {follower.steps} steps", flush=True)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Launch artifacts for a repository: a Slurm batch script, a docker compose file, a shell script.
+
+Each says the same thing as ``forge serve`` (launch.py): how many ranks the repository needs, what
+rank 0 and the other ranks run, which NGC container of the profile table serves it. The Slurm
+script follows tensorrtllm_backend's multi-node recipe: ``srun --mpi=pmix`` with one task per rank
+(``--multi-prog``: rank 0 tritonserver, the others their engine shard or a python model's follower),
+pyxis ``--container-image``/``--container-mounts``, a per-rank python-backend shm prefix, fixed ports.
+``container="none"`` runs this machine's forge installation instead of a container (a cluster whose
+nodes share this environment, or the test's one-node Slurm).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from . import launch
+
+NO_CONTAINER = "none"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    rendezvous_port: int = 29500  # where a python model's followers meet rank 0
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What runs the ranks: the container's tritonserver and python3, or this machine's installation."""
+
+    image: str | None  # None: no container
+    version: str
+    tritonserver: str
+    python: str
+    backend_directory: str | None = None
+    environment: tuple[tuple[str, str], ...] = ()  # exported before the ranks start
+
+    @property
+    def label(self) -> str:
+        return self.image or f"this machine's forge installation ({sys.prefix})"
+
+
+def runtime(repo: Path, container: str | None, backend_version: str | None = None) -> Runtime:
+    """The profile's NGC container (or ``container``), or this installation for ``none``."""
+    if container == NO_CONTAINER:
+        from .server import backend_directory, server_environment, tritonserver_binary
+
+        env = server_environment()
+        return Runtime(None, "", str(tritonserver_binary()), sys.executable, str(backend_directory()),
+                       (("PATH", env["PATH"]), ("LD_LIBRARY_PATH", env["LD_LIBRARY_PATH"])))
+    image, version = launch.container_image(repo, backend_version)
+    return Runtime(container or image, version, "/opt/tritonserver/bin/tritonserver", "python3")
+
+
+def _check_paths(*paths: Path) -> None:
+    for path in paths:
+        if any(c.isspace() for c in str(path)):
+            raise UsageError(f"{path} contains whitespace; Slurm's --multi-prog file cannot carry it",
+                             hint="move the repository to a path without spaces")
+
+
+def rank_programs(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints,
+                  shm_prefix: str = "forge") -> list[tuple[str, list[str]]]:
+    """(task ids, argv) lines of an ``srun --multi-prog`` file: rank 0, then the other ranks."""
+    first = [rt.tritonserver, *launch.tritonserver_args(
+        repo, rank=0, world=world, host=ends.host, http_port=ends.http_port, grpc_port=ends.grpc_port,
+        metrics_port=ends.metrics_port, shm_prefix=shm_prefix)]
+    if rt.backend_directory:
+        first.append(f"--backend-directory={rt.backend_directory}")
+    lines = [("0", first)]
+    if world.world_size == 1:
+        return lines
+    others = f"1-{world.world_size - 1}"
+    if world.follower_dir is not None:
+        lines.append((others, launch.follower_command(world, rt.python)))
+    else:
+        rest = [rt.tritonserver, *launch.tritonserver_args(
+            repo, rank=1, world=world, host=ends.host, http_port=ends.http_port, grpc_port=ends.grpc_port,
+            metrics_port=ends.metrics_port, shm_prefix=shm_prefix)]
+        rest[-1] = f"--backend-config=python,shm-region-prefix-name={shm_prefix}%t_"  # srun: %t is the rank
+        if rt.backend_directory:
+            rest.append(f"--backend-directory={rt.backend_directory}")
+        lines.append((others, rest))
+    return lines
+
+
+def slurm_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, *, nodes: int = 1,
+                 gpus_per_node: int | None = None, partition: str | None = None, time_limit: str | None = None,
+                 job_name: str | None = None, output: str | None = None, mpi: str = "pmix") -> str:
+    """An sbatch script serving ``repo`` with one Slurm task per rank."""
+    repo = repo.resolve()
+    _check_paths(repo, *([Path(rt.backend_directory)] if rt.backend_directory else []))
+    if nodes < 1:
+        raise UsageError(f"--nodes {nodes}: at least one node")
+    if nodes > world.world_size:
+        raise UsageError(f"--nodes {nodes} is more nodes than the repository's {world.world_size} rank(s)",
+                         hint=f"use --nodes {world.world_size} or fewer")
+    per_node = -(-world.world_size // nodes)
+    gpus = gpus_per_node if gpus_per_node is not None else (per_node if world.gpus else 0)
+    if gpus < 0:
+        raise UsageError(f"--gpus-per-node {gpus}: a count of GPUs, 0 or more")
+    if world.gpus and gpus * nodes < world.world_size:
+        raise UsageError(f"{world.world_size} ranks need one GPU each; --nodes {nodes} × --gpus-per-node {gpus} "
+                         f"gives {gpus * nodes}", hint=f"use --gpus-per-node {per_node}")
+    name = job_name or f"forge-{repo.name}"
+    header = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}",
+              f"#SBATCH --ntasks={world.world_size}", f"#SBATCH --ntasks-per-node={per_node}"]
+    if gpus:
+        header.append(f"#SBATCH --gpus-per-node={gpus}")
+    if partition:
+        header.append(f"#SBATCH --partition={partition}")
+    if time_limit:
+        header.append(f"#SBATCH --time={time_limit}")
+    if output:
+        header.append(f"#SBATCH --output={output}")
+    what = "follower" if world.follower_dir is not None else "tritonserver with its engine shard"
+    header += [
+        f"# written by forge deploy slurm: {repo}",
+        f"# {world.world_size} rank(s): rank 0 tritonserver (HTTP {ends.http_port}, gRPC {ends.grpc_port}, metrics "
+        f"{ends.metrics_port})" + (f", ranks 1-{world.world_size - 1} {what}" if world.world_size > 1 else ""),
+        f"# runtime: {rt.label}" + (f" (tensorrtllm_backend {rt.version})" if rt.version else ""),
+        "set -euo pipefail", ""]
+    body = []
+    for key, value in rt.environment:
+        body.append(f"export {key}={shlex.quote(value)}")
+    body += ["# rank 0 runs on the first node; its NodeAddr is how Slurm itself reaches it",
+             'FIRST_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+             'MASTER_ADDR="$(scontrol show node "$FIRST_NODE" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')"',
+             'export MASTER_ADDR="${MASTER_ADDR:-$FIRST_NODE}"',
+             f"export MASTER_PORT={ends.rendezvous_port}",
+             'RANKS="$(mktemp "${TMPDIR:-/tmp}/forge-ranks.XXXXXX")"',
+             "trap 'rm -f \"$RANKS\"' EXIT",
+             "# srun --multi-prog: task ids, then the program of those ranks",
+             "cat > \"$RANKS\" <<'FORGE_RANKS'"]
+    body += [f"{ids} {shlex.join(argv)}" for ids, argv in rank_programs(repo, world, rt, ends)]
+    body += ["FORGE_RANKS",
+             f'echo "forge: {repo.name} on http://$MASTER_ADDR:{ends.http_port} '
+             f'(gRPC $MASTER_ADDR:{ends.grpc_port}), {world.world_size} rank(s)"']
+    srun = ["srun", f"--mpi={mpi}", f"--ntasks={world.world_size}", f"--ntasks-per-node={per_node}",
+            "--kill-on-bad-exit=1", "--label"]
+    if rt.image:
+        srun += [f"--container-image={rt.image}", f"--container-mounts={repo}:{repo}:ro"]
+    body.append(shlex.join(srun) + ' --multi-prog "$RANKS"')
+    return "\n".join(header + body) + "\n"
+
+
+def shell_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, *, gpus: str = "all",
+                 shm_size: str = launch.DEFAULT_SHM_SIZE) -> str:
+    """A bash script serving ``repo`` on one machine: ``docker run`` of the container, or mpirun/tritonserver."""
+    repo = repo.resolve()
+    lines = ["#!/bin/bash", f"# written by forge deploy shell: {repo}, {world.world_size} rank(s)",
+             f"# runtime: {rt.label}" + (f" (tensorrtllm_backend {rt.version})" if rt.version else ""),
+             "set -euo pipefail"]
+    if rt.image:
+        argv = launch.docker_command(repo, world, rt.image, host=ends.host, http_port=ends.http_port,
+                                     grpc_port=ends.grpc_port, metrics_port=ends.metrics_port, shm_size=shm_size,
+                                     gpus=gpus)
+        return "\n".join(lines + ["exec " + shlex.join(argv)]) + "\n"
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in rt.environment]
+    extra = [f"--backend-directory={rt.backend_directory}"] if rt.backend_directory else []
+    if world.world_size > 1:
+        argv = launch.mpirun_command(rt.tritonserver, repo, world, host=ends.host, http_port=ends.http_port,
+                                     grpc_port=ends.grpc_port, metrics_port=ends.metrics_port, extra=extra,
+                                     python=rt.python, options=["--oversubscribe", "--bind-to", "none", "--noprefix"],
+                                     rendezvous=("127.0.0.1", ends.rendezvous_port))
+    else:
+        argv = [rt.tritonserver, *launch.tritonserver_args(
+            repo, rank=0, world=world, host=ends.host, http_port=ends.http_port, grpc_port=ends.grpc_port,
+            metrics_port=ends.metrics_port, shm_prefix="forge"), *extra]
+    return "\n".join(lines + ["exec " + shlex.join(argv)]) + "\n"
+
+
+def compose_file(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, *, gpus: str = "all",
+                 shm_size: str = launch.DEFAULT_SHM_SIZE) -> str:
+    """A docker compose file (JSON, which is YAML) running the container's tritonserver on ``repo``."""
+    if not rt.image:
+        raise UsageError("forge deploy compose runs a container; --container-image none has nothing to run",
+                         hint="leave --container-image out (the profile's NGC container) or name an image")
+    repo = repo.resolve()
+    argv = launch.docker_command(repo, world, rt.image, host=ends.host, http_port=ends.http_port,
+                                 grpc_port=ends.grpc_port, metrics_port=ends.metrics_port, shm_size=shm_size,
+                                 gpus=gpus)
+    command = argv[argv.index(rt.image) + 1:]
+    service: dict = {
+        "image": rt.image, "command": command, "init": True, "shm_size": shm_size,
+        "ulimits": {"memlock": -1, "stack": 67108864},
+        "ports": [f"{p}:{p}" for p in (ends.http_port, ends.grpc_port, ends.metrics_port)],
+        "volumes": [f"{repo}:{repo}:ro"],
+        "healthcheck": {"test": ["CMD", "curl", "-sf", f"http://127.0.0.1:{ends.http_port}/v2/health/ready"],
+                        "interval": "10s", "retries": 60},
+    }
+    if gpus and gpus != "none":
+        device = {"driver": "nvidia", "capabilities": ["gpu"]}
+        device.update({"count": "all"} if gpus == "all" else {"device_ids": gpus.split(",")})
+        service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
+    document = {"name": re.sub(r"[^a-z0-9_-]", "-", f"forge-{repo.name}".lower()), "services": {"tritonserver": service},
+                "x-forge": {"repository": str(repo), "world_size": world.world_size,
+                            "backend_version": rt.version}}
+    return json.dumps(document, indent=2) + "\n"

@@ -1,0 +1,82 @@
+"""Fixtures of the llava tests: one tiny random LLaVA, built with the real CLI for --target python and served once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_llava import make_llava  # noqa: E402
+
+MAX_BATCH = 4
+BUILD = ["--target", "python", "--dtype", "float32", "--max-input-len", "64", "--max-seq-len", "128",
+         "--max-batch-size", str(MAX_BATCH), "-o", "add_special_tokens=true",
+         "-o", "exclude_input_in_output=true", "-o", "compute_dtype=float32"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def llava_environment(tmp_path_factory):
+    """An isolated forge cache and one CPU thread per python model for the whole session."""
+    keys = ("FORGE_CACHE_DIR", "FORGE_PYTARGET_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({"FORGE_CACHE_DIR": str(tmp_path_factory.mktemp("forge-cache")), "FORGE_PYTARGET_THREADS": "1",
+                       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> Path:
+    """Saved by transformers 5 (key layout ``language_model.model.*``)."""
+    return make_llava(tmp_path_factory.mktemp("models") / "llava-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_new_keys(tmp_path_factory) -> Path:
+    """Key layout ``model.language_model.*``, strategy "full", feature layer -1."""
+    return make_llava(tmp_path_factory.mktemp("models") / "llava-full", new_keys=True, strategy="full", layer=-1)
+
+
+def forge(*argv: str) -> int:
+    from forge.cli import main
+
+    return main(list(argv))
+
+
+@pytest.fixture(scope="session")
+def llava_repo(tiny_llava, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("repos") / "llava"
+    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(out), *BUILD) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def served_repo(llava_repo, tiny_llava, tmp_path_factory) -> Path:
+    """The plain build and a streaming one (``--decoupled``, models prefixed ``s_``) in one repository."""
+    streaming = tmp_path_factory.mktemp("repos") / "llava-stream"
+    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(streaming), *BUILD,
+                 "--decoupled", "--name-prefix", "s_") == 0
+    merged = tmp_path_factory.mktemp("merged") / "repo"
+    merged.mkdir()
+    for repo in (llava_repo, streaming):
+        for model_dir in repo.iterdir():
+            if model_dir.is_dir():
+                shutil.copytree(model_dir, merged / model_dir.name)
+    return merged
+
+
+@pytest.fixture(scope="session")
+def llava_server(served_repo, tmp_path_factory):
+    from forge.serving.server import TritonServer
+
+    with TritonServer(served_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as server:
+        yield server

@@ -1,0 +1,133 @@
+"""``forge serve`` of tensor-parallel python-target repositories: two ranks under Open MPI's mpirun.
+
+Each test runs the real CLI as a subprocess (as a user would), asks the real tritonserver on rank 0
+and compares with what the single-rank build answered; then it stops the server (SIGTERM) or kills a
+rank, and checks that no rank, stub or follower of the repository is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import PROMPTS, ask, leftovers, need_mpirun
+
+
+class Serve:
+    """``forge serve REPO --json`` in the background, until it prints its endpoints."""
+
+    def __init__(self, repo: Path, log: Path):
+        from forge.serving.server import free_port
+
+        self.repo = repo
+        ports = [free_port() for _ in range(3)]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "forge", "serve", str(repo), "--json", "--log-file", str(log),
+             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            text = ""
+            while True:  # the endpoints, as one (indented) json document
+                line = self.process.stdout.readline()
+                if not line:
+                    self.process.wait(30)
+                    pytest.fail(f"forge serve exited with {self.process.returncode}: {self.process.stderr.read()}")
+                text += line
+                if line.rstrip() == "}":
+                    break
+            self.info = json.loads(text)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """SIGTERM (forge stops every rank), SIGKILL only if that hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        return self.process.returncode, self.process.stderr.read()
+
+
+def follower_pid(repo: Path) -> int:
+    """The follower rank of ``repo`` (its PYTHONPATH names the model's directory)."""
+    for line in leftovers(repo):
+        pid, command = line.split(": ", 1)
+        if "-m forge_decoder.follower" in command and not command.startswith(("env ", "/usr/bin/mpirun", "mpirun")):
+            return int(pid)
+    raise AssertionError(f"no follower rank of {repo} among {leftovers(repo)}")
+
+
+def wait_gone(repo: Path, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and leftovers(repo):
+        time.sleep(0.5)
+    return leftovers(repo)
+
+
+def grpc_answer(grpc_url: str, prompt: str) -> str:
+    from forge.serving.client import GrpcSession, generate_payload, text_of
+
+    with GrpcSession(grpc_url) as session:
+        inputs = session.config("ensemble")
+        payload = generate_payload(inputs, prompt, 20)
+        outputs = session.infer("ensemble", {n: inputs.array(n, v) for n, v in payload.items()}, timeout_s=120)
+    return text_of(outputs["text_output"])
+
+
+@pytest.mark.heavy
+def test_gpt_tp2_answers_like_tp1_over_http_and_grpc_and_sigterm_stops_every_rank(repos, reference, tmp_path):
+    need_mpirun()
+    repo = repos["gpt-tp2"]
+    server = Serve(repo, tmp_path / "server.log")
+    try:
+        assert server.info["world_size"] == 2
+        http = server.info["http"].removeprefix("http://")
+        for prompt in PROMPTS:
+            answer = ask(http, "ensemble", prompt)
+            assert answer == reference["gpt"][prompt]
+            assert answer.startswith(prompt) and len(answer) > len(prompt)
+        assert grpc_answer(server.info["grpc"], PROMPTS[0]) == reference["gpt"][PROMPTS[0]]
+        assert "tp 2" in (tmp_path / "server.log").read_text()
+        server.process.send_signal(signal.SIGTERM)
+        status, stderr = server.finish()
+    finally:
+        server.stop()
+    assert status == 0, stderr
+    assert wait_gone(repo) == []
+
+
+@pytest.mark.heavy
+def test_llama_tp2_answers_like_tp1_and_a_dead_rank_stops_the_server_naming_it(repos, reference, tmp_path):
+    need_mpirun()
+    repo = repos["llama-tp2"]
+    server = Serve(repo, tmp_path / "server.log")
+    try:
+        http = server.info["http"].removeprefix("http://")
+        for prompt in PROMPTS:
+            assert ask(http, "ensemble", prompt) == reference["llama"][prompt]
+        os.kill(follower_pid(repo), signal.SIGKILL)
+        status, stderr = server.finish()
+    finally:
+        server.stop()
+    assert status == 1
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("forge: error: rank 1 (the follower of model 'tensorrt_llm') exited on signal 9")
+    assert wait_gone(repo) == []
