@@ -12,8 +12,8 @@ adapter as two arrays (TensorRT-LLM ``docs/source/advanced/lora.md``, ``examples
   splits them); :func:`shard` is that split.
 
 ``hf_lora_convert.py`` saves both with a leading batch dimension of 1 (``model.lora_weights.npy``,
-``model.lora_config.npy``), which is how a client sends them; :func:`write` does the same, under a
-directory named by the task id (tensorrtllm_backend's ``lora_prefetch_dir`` layout).
+``model.lora_config.npy``), which is how a client sends them; :func:`repository_files` does the same, under
+a directory named by the task id (tensorrtllm_backend's ``lora_prefetch_dir`` layout).
 
 Adapters are read from safetensors only; anything the format cannot carry is refused with one line.
 """
@@ -340,15 +340,6 @@ def shard(adapter: Adapter, norm: Mapping[str, Any], tp: int, rank: int,
           dtype: Any = np.float16) -> tuple[np.ndarray, np.ndarray]:
     """(lora_weights, lora_config) of one tensor-parallel rank."""
     return _pack([shard_module(m, norm, tp, rank) for m in adapter.modules], dtype)
-
-
-def write(adapter: Adapter, directory: Path, dtype: Any = np.float16) -> dict[str, Any]:
-    """Save the client form (leading batch dimension 1) into ``directory``; return its description."""
-    weights, config = adapter.arrays(dtype)
-    directory.mkdir(parents=True, exist_ok=True)
-    np.save(directory / WEIGHTS_FILE, weights[None])
-    np.save(directory / CONFIG_FILE, config[None])
-    return {"weights_shape": [1, *weights.shape], "config_shape": [1, *config.shape]}
 
 
 def read_all(spec_value: Any, family: DecoderAdapter, norm: Mapping[str, Any], base_dir: Path,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import numpy as np
 
@@ -121,6 +121,3 @@ class LoraRequests:
         self.sent.add(adapter.task_id)
         return result
 
-
-def describe(adapters: list[ServedAdapter]) -> list[dict[str, Any]]:
-    return [{"name": a.name, "task_id": a.task_id} for a in adapters]
