@@ -71,3 +71,24 @@ def fake_entry_points(*points: FakeEntryPoint, keep_installed: bool = True) -> I
             yield
         finally:
             plugins.set_registry(previous)
+
+
+@contextlib.contextmanager
+def serving_environment(cache_dir, **extra: str) -> Iterator[None]:
+    """Environment for tests that build and serve: an isolated stage cache, one torch thread per python
+    model (several servers and ranks share a small machine), no tokenizer threads; ``extra`` adds
+    variables. Everything is restored afterwards."""
+    import os
+
+    values = {"FORGE_CACHE_DIR": str(cache_dir), "FORGE_PYTARGET_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+              **extra}
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

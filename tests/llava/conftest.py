@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,16 +21,10 @@ BUILD = ["--target", "python", "--dtype", "float32", "--max-input-len", "64", "-
 @pytest.fixture(scope="session", autouse=True)
 def llava_environment(tmp_path_factory):
     """An isolated forge cache and one CPU thread per python model for the whole session."""
-    keys = ("FORGE_CACHE_DIR", "FORGE_PYTARGET_THREADS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update({"FORGE_CACHE_DIR": str(tmp_path_factory.mktemp("forge-cache")), "FORGE_PYTARGET_THREADS": "1",
-                       "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    from forge.testing import serving_environment
+
+    with serving_environment(tmp_path_factory.mktemp("forge-cache"), HF_HUB_OFFLINE="1"):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ adapter cache that holds one adapter at a time. One real tritonserver serves bot
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -30,16 +29,10 @@ LLAMA_SHAPES = {1: (64, 64), 2: (64, 16), 3: (64, 16), 4: (64, 64), 5: (64, 96),
 
 @pytest.fixture(scope="session", autouse=True)
 def lora_environment(tmp_path_factory):
-    saved = {k: os.environ.get(k) for k in ("FORGE_CACHE_DIR", "FORGE_PYTARGET_THREADS", "TOKENIZERS_PARALLELISM")}
-    os.environ["FORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("forge-cache"))
-    os.environ["FORGE_PYTARGET_THREADS"] = "1"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    from forge.testing import serving_environment
+
+    with serving_environment(tmp_path_factory.mktemp("forge-cache")):
+        yield
 
 
 @pytest.fixture(scope="session")

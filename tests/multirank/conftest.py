@@ -38,16 +38,10 @@ def need_mpirun() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def multirank_environment(tmp_path_factory):
     """An isolated forge cache and one torch thread per rank (two ranks share the machine's cores)."""
-    saved = {k: os.environ.get(k) for k in ("FORGE_CACHE_DIR", "FORGE_PYTARGET_THREADS", "TOKENIZERS_PARALLELISM")}
-    os.environ["FORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("forge-cache"))
-    os.environ["FORGE_PYTARGET_THREADS"] = "1"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    from forge.testing import serving_environment
+
+    with serving_environment(tmp_path_factory.mktemp("forge-cache")):
+        yield
 
 
 def build(family: str, model: Path, out: Path, *extra: str) -> Path:

@@ -8,7 +8,6 @@ and served by one real tritonserver for the whole session, which keeps CI time l
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -31,16 +30,10 @@ BUILDS = {  # name prefix → extra build arguments
 @pytest.fixture(scope="session", autouse=True)
 def serve_environment(tmp_path_factory):
     """An isolated forge cache and one CPU thread per python model for the whole session."""
-    saved = {k: os.environ.get(k) for k in ("FORGE_CACHE_DIR", "FORGE_PYTARGET_THREADS", "TOKENIZERS_PARALLELISM")}
-    os.environ["FORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("forge-cache"))
-    os.environ["FORGE_PYTARGET_THREADS"] = "1"
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    from forge.testing import serving_environment
+
+    with serving_environment(tmp_path_factory.mktemp("forge-cache")):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -281,5 +281,9 @@ def test_automatic_runtime_choices_follow_the_device(monkeypatch):
     assert eng.choose_dtype(gpu, "auto", "bfloat16") == torch.bfloat16  # a GPU computes in --dtype
     assert eng.choose_dtype(cpu, "float16", "float32") == torch.float16  # -o compute_dtype overrides
     monkeypatch.setattr(eng.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert eng.choose_threads(cpu, 0) == 3 and eng.choose_threads(cpu, 2) == 2
+    assert eng.choose_threads(cpu, 0) == 3 and eng.choose_threads(cpu, 2) == 2  # float32: one core left free
+    assert eng.choose_threads(cpu, 0, torch.float32) == 3
+    assert eng.choose_threads(cpu, 0, torch.bfloat16) == 4  # native bf16 matmuls: every core
+    monkeypatch.setattr(eng, "cpu_has_bf16", lambda: False)
+    assert eng.choose_threads(cpu, 0, torch.bfloat16) == 3  # emulated bf16 is memory-bound like float32
     assert eng.choose_rows(cpu, 0, 8) == 8 and eng.choose_rows(gpu, 0, 8) == 64 and eng.choose_rows(gpu, 5, 8) == 5

@@ -103,9 +103,10 @@ def runtime_choices(spec, ctx) -> dict[str, Any]:
     except ImportError:  # the build machine has no torch: nothing to resolve here
         return resolved
     where = engine.choose_device(device)
+    compute = engine.choose_dtype(where, dtype, spec.dtype)
     resolved["on_this_machine"] = {
-        "device": str(where), "compute_dtype": str(engine.choose_dtype(where, dtype, spec.dtype)).removeprefix("torch."),
-        "cpu_threads": engine.choose_threads(where, int(threads)), "cores": len(os.sched_getaffinity(0)),
+        "device": str(where), "compute_dtype": str(compute).removeprefix("torch."),
+        "cpu_threads": engine.choose_threads(where, int(threads), compute), "cores": len(os.sched_getaffinity(0)),
         "inflight_sequences": engine.choose_rows(where, int(ctx.option("inflight_sequences", 0)),
                                                  spec.limits.max_batch_size),
         "cpu_bf16_matmul": engine.cpu_has_bf16(), "torch": torch.__version__}

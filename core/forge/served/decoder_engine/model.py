@@ -137,11 +137,11 @@ class TritonPythonModel:
         import torch
 
         device = engine_mod.choose_device(os.environ.get("FORGE_PYTARGET_DEVICE") or _parameter(config, "device", "auto"))
-        threads = engine_mod.choose_threads(device, int(os.environ.get("FORGE_PYTARGET_THREADS")
-                                                        or _parameter(config, "cpu_threads", "0")))
-        torch.set_num_threads(threads)
         dtype = engine_mod.choose_dtype(device, _parameter(config, "compute_dtype", "auto"),
                                         _parameter(config, "dtype", "float16"))
+        threads = engine_mod.choose_threads(device, int(os.environ.get("FORGE_PYTARGET_THREADS")
+                                                        or _parameter(config, "cpu_threads", "0")), dtype)
+        torch.set_num_threads(threads)
         tp = int(_parameter(config, "tensor_parallel", "1") or 1)
         if tp > 1:  # rank 0 of a tensor-parallel group: the followers join every step of the engine
             from forge_decoder import distributed
