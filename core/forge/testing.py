@@ -92,3 +92,17 @@ def serving_environment(cache_dir, **extra: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def merge_repositories(repos, out):
+    """Copy the models of several repositories into ``out`` (one server for all; names must not clash)."""
+    import shutil
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for repo in repos:
+        for model_dir in Path(repo).iterdir():
+            if model_dir.is_dir():
+                shutil.copytree(model_dir, out / model_dir.name)
+    return out

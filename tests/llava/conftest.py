@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -62,13 +61,9 @@ def served_repo(llava_repo, tiny_llava, tmp_path_factory) -> Path:
                  "--decoupled", "--name-prefix", "s_") == 0
     assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(v13), *BUILD,
                  "--backend-version", "v0.13.0", "--name-prefix", "v13_") == 0
-    merged = tmp_path_factory.mktemp("merged") / "repo"
-    merged.mkdir()
-    for repo in (llava_repo, streaming, v13):
-        for model_dir in repo.iterdir():
-            if model_dir.is_dir():
-                shutil.copytree(model_dir, merged / model_dir.name)
-    return merged
+    from forge.testing import merge_repositories
+
+    return merge_repositories((llava_repo, streaming, v13), tmp_path_factory.mktemp("merged") / "repo")
 
 
 @pytest.fixture(scope="session")

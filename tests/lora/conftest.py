@@ -90,11 +90,8 @@ def server(repos, tmp_path_factory):
     """One real tritonserver for both repositories (their model names do not clash)."""
     from forge.serving.server import TritonServer
 
-    merged = tmp_path_factory.mktemp("lora-merged") / "repo"
-    merged.mkdir()
-    for repo in repos.values():
-        for model_dir in repo.iterdir():
-            if model_dir.is_dir():
-                shutil.copytree(model_dir, merged / model_dir.name)
+    from forge.testing import merge_repositories
+
+    merged = merge_repositories(repos.values(), tmp_path_factory.mktemp("lora-merged") / "repo")
     with TritonServer(merged, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as s:
         yield s

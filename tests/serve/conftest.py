@@ -8,7 +8,6 @@ and served by one real tritonserver for the whole session, which keeps CI time l
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -68,13 +67,9 @@ def repos(tiny_gpt2, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def merged_repo(repos, tmp_path_factory) -> Path:
     """Every model of the builds in one repository (their names do not clash)."""
-    out = tmp_path_factory.mktemp("merged") / "repo"
-    out.mkdir()
-    for repo in repos.values():
-        for model_dir in repo.iterdir():
-            if model_dir.is_dir():
-                shutil.copytree(model_dir, out / model_dir.name)
-    return out
+    from forge.testing import merge_repositories
+
+    return merge_repositories(repos.values(), tmp_path_factory.mktemp("merged") / "repo")
 
 
 @pytest.fixture(scope="session")

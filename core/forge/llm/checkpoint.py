@@ -157,7 +157,7 @@ def _unchanged_span(piece: Piece, block: np.ndarray | None, out: np.ndarray) -> 
     source = piece.ref.file
     if not hasattr(source, "byte_range"):
         return None
-    span = source.byte_range(piece.ref, block)
+    span = source.byte_range(block)
     return None if span is None else (source.fileno(), *span)
 
 
@@ -332,13 +332,11 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
             scratch = Scratch()
             for job in jobs:
                 total += write_job(job, writers, tag, where, scratch, checker)
-            if checker is not None:
-                checker.finish()
         finally:
-            if checker is not None:
-                checker.finish()
             for w in writers.values():
                 w.close()
+            if checker is not None:
+                checker.finish()  # raises the first NaN/Inf it found (the caller discards the output)
     log(f"wrote {tp * pp} rank file(s), {total / 2**20:.1f} MiB of {dtype} weights")
     return norm
 

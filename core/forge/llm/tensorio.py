@@ -165,7 +165,7 @@ class SafetensorsFile:
         if end > start and hasattr(self._mm, "madvise"):
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def byte_range(self, ref: TensorRef, block: np.ndarray) -> tuple[int, int] | None:
+    def byte_range(self, block: np.ndarray) -> tuple[int, int] | None:
         """(file offset, length) of ``block`` when it is a contiguous view into this file, else None.
 
         Such a block can be copied file to file inside the kernel (``os.copy_file_range``) instead
