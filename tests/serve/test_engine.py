@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from forge.served.decoder_engine.forge_decoder import graphs  # noqa: E402
 from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
 from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits, SamplingParams  # noqa: E402
 
@@ -49,11 +50,26 @@ def _gpt2(path):
     return path
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "llama-static"])
 def model(request, tmp_path_factory):
+    """``llama-static``: the same llama decoding through graphs.GraphDecoder's static KV cache, run eagerly
+    (the arithmetic the GPU captures as CUDA graphs), with small column buckets so caches change bucket."""
     path = tmp_path_factory.mktemp(request.param)
     (_gpt2 if request.param == "gpt2" else _llama)(path)
-    return load_model(path, torch.device("cpu"), torch.float32)
+    model = load_model(path, torch.device("cpu"), torch.float32)
+    model.static_decode = request.param == "llama-static"
+    if model.static_decode:
+        patch = pytest.MonkeyPatch()
+        patch.setattr(graphs, "FIRST_COLUMNS", 8)
+        request.addfinalizer(patch.undo)
+    return model
+
+
+def engine_for(model, limits=None, **kwargs) -> Engine:
+    engine = Engine(model, limits or Limits(VOCAB, 100, 128), **kwargs)
+    if model.static_decode:
+        assert engine.use_graphs("auto", capture=False).startswith("static KV cache")
+    return engine
 
 
 def hf_greedy(model, prompt, n):
@@ -80,7 +96,7 @@ class Collector:
 
 def run(model, requests, max_rows=8, join_after=None):
     """Generate ``requests``; with ``join_after`` = (k, steps) the last k join after that many steps."""
-    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=max_rows)
+    engine = engine_for(model, max_rows=max_rows)
     collect = Collector()
     seqs = [Sequence(r, collect) for r in requests]
     if join_after:
@@ -176,7 +192,7 @@ def test_log_probs_and_logits_match_transformers(model):
 
 
 def test_cancelled_sequences_stop_and_the_others_finish(model):
-    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=4, cancel_check_ms=0)
+    engine = engine_for(model, max_rows=4, cancel_check_ms=0)
     collect = Collector()
     keep, drop = (Sequence(GenerationRequest(p, 20), collect) for p in PROMPTS[:2])
     engine.submit([keep, drop])
@@ -189,7 +205,7 @@ def test_cancelled_sequences_stop_and_the_others_finish(model):
 
 
 def test_is_cancelled_callback_is_polled(model):
-    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=4, cancel_check_ms=0)
+    engine = engine_for(model, max_rows=4, cancel_check_ms=0)
     collect = Collector()
     flag = {"cancel": False}
     seq = Sequence(GenerationRequest(PROMPTS[0], 30), collect, is_cancelled=lambda: flag["cancel"])
@@ -206,7 +222,7 @@ def test_a_failing_owner_does_not_stop_the_batch(model):
     def broken(seq, update):
         raise RuntimeError("client went away")
 
-    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=4, log=lambda m: None)
+    engine = engine_for(model, max_rows=4, log=lambda m: None)
     good, bad = Sequence(GenerationRequest(PROMPTS[0], 8), collect), Sequence(GenerationRequest(PROMPTS[1], 8), broken)
     engine.submit([good, bad])
     engine.run_until_idle()
@@ -216,7 +232,7 @@ def test_a_failing_owner_does_not_stop_the_batch(model):
 def test_engine_thread_serves_requests_submitted_while_running(model):
     import threading
 
-    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2).start()
+    engine = engine_for(model, max_rows=2).start()
     try:
         done = threading.Event()
         results = {}

@@ -160,6 +160,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_seq_len": max_seq_len,
         "max_num_sequences": spec.limits.max_batch_size,
         "inflight_sequences": ctx.option("inflight_sequences", 0),
+        "cuda_graphs": ctx.option("cuda_graphs", "auto"),
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),

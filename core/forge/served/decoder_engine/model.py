@@ -164,6 +164,13 @@ class TritonPythonModel:
         self.loras = lora_mod.from_parameters(model, lambda key, default: _parameter(config, key, default),
                                               dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
         self.engine.lora = None if self.loras is None else self.loras.modules
+        graphs = _parameter(config, "cuda_graphs", "auto") or "auto"
+        if tp == 1:
+            graphs = self.engine.use_graphs(graphs)
+        elif graphs == "true":  # every rank repeats rank 0's Hugging Face forward (distributed.py)
+            raise ValueError("-o cuda_graphs=true: tensor-parallel ranks decode through the Hugging Face forward")
+        else:
+            graphs = "off (tensor-parallel ranks decode through the Hugging Face forward)"
         self.engine.start()
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
@@ -172,7 +179,7 @@ class TritonPythonModel:
             f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, tp {tp}, "
             f"{torch.get_num_threads()} torch threads), "
             f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
-            f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}")
+            f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}, CUDA graphs {graphs}")
 
     def _metrics(self) -> None:
         """Gauges and counters on Triton's metrics endpoint (cancellations show up there)."""

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import kvcache, sampling
+from . import graphs, kvcache, sampling
 from .request import GenerationRequest, Limits
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -174,6 +174,42 @@ class Engine:
         self._last_cancel_check = 0.0
         self.steps = 0
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
+        self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
+
+    def use_graphs(self, mode: str = "auto", *, capture: bool = True) -> str:
+        """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
+
+        ``auto``: on a GPU where the model allows it (a Llama-style model, no LoRA modules, its KV cache
+        for every row at max_seq_len within half the free GPU memory); ``true``: the same or an error
+        saying why not; ``false``: the Hugging Face forward. Call before ``start`` and after ``lora``.
+        """
+        mode = (mode or "auto").lower()
+        if mode in ("false", "0", "no", "off"):
+            return "off (-o cuda_graphs=false)"
+        reason = graphs.unsupported(self.model, self.limits.max_seq_len)
+        if reason is None and self.lora is not None:
+            reason = "LoRA adapters patch the Hugging Face forward"
+        if reason is None and capture and self.device.type != "cuda":
+            reason = f"the model runs on {self.device.type}, not a GPU"
+        if reason is None and self.device.type == "cuda":
+            config = self.model.config
+            heads = int(config.num_attention_heads)
+            kv = int(getattr(config, "num_key_value_heads", None) or heads)
+            dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+            size = (2 * int(config.num_hidden_layers) * self.max_rows * kv * (self.limits.max_seq_len + 1) * dim
+                    * next(self.model.parameters()).element_size())
+            free, _total = torch.cuda.mem_get_info(self.device)
+            if size > free // 2:
+                reason = (f"a static KV cache for {self.max_rows} rows × {self.limits.max_seq_len} tokens needs "
+                          f"{size / 2**30:.1f} GiB, more than half the free GPU memory ({free / 2**30:.1f} GiB); "
+                          "lower -o inflight_sequences or --max-seq-len")
+        if reason is not None:
+            if mode in ("true", "1", "yes", "on"):
+                raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
+            return f"off ({reason})"
+        self.graphs = graphs.GraphDecoder(self.model, self.max_rows, self.limits.max_seq_len, capture=capture)
+        return (f"on ({self.graphs.nbytes / 2**20:.0f} MiB static KV cache)" if self.graphs.capture
+                else "static KV cache, eager (no capture)")
 
     # -- public, thread-safe ----------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -355,24 +391,34 @@ class Engine:
         for i, seq in enumerate(admitted):
             if seq.request.return_context_logits:
                 seq.context_logits = logits[i, width - lengths[i]:].float().cpu().numpy()
-        batch = kvcache.BatchCache(cache, mask)
-        if self._batch is None or not self._active:
-            self._batch = batch
+        if self.graphs is not None:
+            self.graphs.admit(cache, lengths, width)
         else:
-            self._batch.merge(batch)
+            batch = kvcache.BatchCache(cache, mask)
+            if self._batch is None or not self._active:
+                self._batch = batch
+            else:
+                self._batch.merge(batch)
         self._active.extend(admitted)
         self._advance(logits[:, -1, :], admitted)
 
     def _decode(self) -> None:
+        if self.graphs is not None:
+            logits = self.graphs.step([s.tokens[-1] for s in self._active], [len(s.tokens) - 1 for s in self._active])
+            plain = all(sampling.plain_greedy(s) for s in self._active)  # the graph picked their tokens already
+            self._advance(logits, self._active, self.graphs.greedy(len(self._active)) if plain else None)
+            return
         ids = torch.tensor([[s.tokens[-1]] for s in self._active], dtype=torch.long, device=self.device)
         mask = self._batch.extend_mask()
         positions = (mask.sum(-1, keepdim=True) - 1)
         logits = self._forward(ids, mask, positions, self._batch.cache, rows=self._active)
         self._advance(logits[:, -1, :], self._active)
 
-    def _advance(self, logits: torch.Tensor, rows: list[Sequence]) -> None:
-        """Pick one token per row, report it, and drop the rows that finished."""
-        tokens, logprobs = sampling.choose(logits, rows)
+    def _advance(self, logits: torch.Tensor, rows: list[Sequence],
+                 chosen: tuple[list[int], list[float]] | None = None) -> None:
+        """Pick one token per row (unless ``chosen`` already holds them), report it, and drop the rows that
+        finished."""
+        tokens, logprobs = chosen or sampling.choose(logits, rows)
         want_logits = any(s.request.return_generation_logits for s in rows)
         raw = logits.float().cpu().numpy() if want_logits else None
         now = time.time_ns()
@@ -420,7 +466,9 @@ class Engine:
         if len(keep) == len(self._active):
             return
         self._active = [self._active[i] for i in keep]
-        if self._active:
+        if self.graphs is not None:
+            self.graphs.keep(keep)
+        elif self._active:
             self._batch.select(keep)
         else:
             self._batch = None
@@ -434,3 +482,5 @@ class Engine:
         for seq in victims:
             self._finish(seq, Update([], [], [], True, "error", message))
         self._active, self._batch = [], None
+        if self.graphs is not None:
+            self.graphs.reset()

@@ -75,7 +75,8 @@ def new_cache() -> DynamicCache:
     return cache
 
 
-def _get(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values), ``[rows, kv heads, length, head dim]``."""
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return list(zip(cache.key_cache, cache.value_cache))  # pragma: no cover - transformers < 4.56
@@ -121,7 +122,7 @@ class BatchCache:
         start = int(used[0]) if len(used) else self.length
         self.mask = self.mask[:, start:]
         _set(self.cache, [(k.index_select(0, index)[:, :, start:, :],
-                           v.index_select(0, index)[:, :, start:, :]) for k, v in _get(self.cache)])
+                           v.index_select(0, index)[:, :, start:, :]) for k, v in layers(self.cache)])
 
     def merge(self, other: "BatchCache") -> None:
         """Append ``other``'s rows, left-padding whichever side is shorter."""
@@ -134,7 +135,7 @@ class BatchCache:
             shape[dim] = n
             return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-        a, b = _get(self.cache), _get(other.cache)
+        a, b = layers(self.cache), layers(other.cache)
         _set(self.cache, [(torch.cat([pad(ka, length - self.length, 2), pad(kb, length - other.length, 2)]),
                            torch.cat([pad(va, length - self.length, 2), pad(vb, length - other.length, 2)]))
                           for (ka, va), (kb, vb) in zip(a, b)])

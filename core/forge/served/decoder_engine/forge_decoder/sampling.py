@@ -35,6 +35,15 @@ def _banned(words: list[list[int]], tokens: list[int]) -> list[int]:
     return banned
 
 
+def plain_greedy(row: Row) -> bool:
+    """Whether the row's next token is the argmax of its raw logits: greedy, nothing to process."""
+    req = row.request
+    s = req.sampling
+    return (s.greedy and row.bias is None and not req.bad_words and not s.penalised
+            and not (req.end_id is not None and row.generated < s.min_length)
+            and s.top_p_decay == 1.0 and s.top_p_reset_id is None)
+
+
 def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """Apply bias, bad words, min length, penalties and temperature; return float32 logits."""
     logits = logits.float()
