@@ -112,6 +112,39 @@ def test_what_cannot_decode_through_graphs_says_why():
     llama = Engine(_model("llama"), Limits(VOCAB, 64, 128))
     assert llama.use_graphs("auto") == "off (the model runs on cpu, not a GPU)"
     assert llama.use_graphs("false") == "off (-o cuda_graphs=false)"
-    llama.lora = object()  # a LoRA build: its hooks patch the Hugging Face forward
-    with pytest.raises(ValueError, match="LoRA adapters patch the Hugging Face forward"):
-        llama.use_graphs("true", capture=False)
+
+
+def test_steps_with_a_lora_adapter_run_through_the_hooked_modules():
+    """A LoRA build: rows with an adapter and rows without share a batch; a step with an adapter in it
+    runs eagerly through the projection modules (their hooks add the deltas), the others through the
+    fused weights. Tokens equal the plain engine's (Hugging Face forward with the same hooks)."""
+    from forge.served.decoder_engine.forge_decoder import lora
+
+    modules = {0: "model.layers.{i}.self_attn.q_proj", 1: "model.layers.{i}.self_attn.v_proj",
+               2: "model.layers.{i}.mlp.down_proj"}
+    gen = torch.Generator().manual_seed(5)
+
+    def adapter(model):
+        deltas = {}
+        for (module_id, layer), (hi, ho) in lora.LoraModules(model, modules).shapes.items():
+            deltas[(module_id, layer)] = (torch.randn(4, hi, generator=gen), 0.5 * torch.randn(ho, 4, generator=gen))
+        return lora.Adapter(deltas, task_id=1, rank=4)
+
+    def run(use_graphs: bool) -> list[list[int]]:
+        gen.manual_seed(5)
+        model = _model("llama")
+        engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=4)
+        engine.lora = lora.LoraModules(model, modules)
+        if use_graphs:
+            assert engine.use_graphs("true", capture=False).startswith("static KV cache")
+        tuned = adapter(model)
+        reqs = [GenerationRequest([5, 6, 7], 12), GenerationRequest([5, 6, 7], 6), GenerationRequest([9, 3], 6)]
+        reqs[1].lora = tuned
+        seqs = [Sequence(r, lambda s, u: None) for r in reqs]
+        engine.submit(seqs)
+        engine.run_until_idle()
+        return [s.output for s in seqs]
+
+    plain, static = run(False), run(True)
+    assert static == plain
+    assert static[0][:6] != static[1]  # the adapter changed its row's tokens; row 0 ends without adapters

@@ -179,16 +179,14 @@ class Engine:
     def use_graphs(self, mode: str = "auto", *, capture: bool = True) -> str:
         """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
 
-        ``auto``: on a GPU where the model allows it (a Llama-style model, no LoRA modules, its KV cache
-        for every row at max_seq_len within half the free GPU memory); ``true``: the same or an error
+        ``auto``: on a GPU where the model allows it (a Llama-style model, its KV cache for every row at
+        max_seq_len within half the free GPU memory; steps with a LoRA adapter in the batch run eagerly); ``true``: the same or an error
         saying why not; ``false``: the Hugging Face forward. Call before ``start`` and after ``lora``.
         """
         mode = (mode or "auto").lower()
         if mode in ("false", "0", "no", "off"):
             return "off (-o cuda_graphs=false)"
         reason = graphs.unsupported(self.model, self.limits.max_seq_len)
-        if reason is None and self.lora is not None:
-            reason = "LoRA adapters patch the Hugging Face forward"
         if reason is None and capture and self.device.type != "cuda":
             reason = f"the model runs on {self.device.type}, not a GPU"
         if reason is None and self.device.type == "cuda":
@@ -404,7 +402,11 @@ class Engine:
 
     def _decode(self) -> None:
         if self.graphs is not None:
-            logits = self.graphs.step([s.tokens[-1] for s in self._active], [len(s.tokens) - 1 for s in self._active])
+            adapters = self.lora is not None and any(s.request.lora is not None for s in self._active)
+            if adapters:  # this step runs eagerly through the modules, whose hooks add each row's adapter
+                self.lora.select([s.request.lora for s in self._active])
+            logits = self.graphs.step([s.tokens[-1] for s in self._active], [len(s.tokens) - 1 for s in self._active],
+                                      modules=adapters)
             plain = all(sampling.plain_greedy(s) for s in self._active)  # the graph picked their tokens already
             self._advance(logits, self._active, self.graphs.greedy(len(self._active)) if plain else None)
             return

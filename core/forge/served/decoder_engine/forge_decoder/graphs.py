@@ -13,8 +13,9 @@ bucket, column bucket) and replayed with one launch.
 * Rows past the running ones in a bucket, and the warm-up before a capture, write into one spare
   column at the end of every slot, which no row ever attends to.
 
-LoRA hooks and tensor-parallel followers hang off the Hugging Face forward, so builds with either
-decode the plain way (``unsupported`` says why); prompt tables only touch prefill.
+A step with a LoRA adapter in the batch runs eagerly through the projection modules, whose hooks add
+the adapters; steps without one replay the graphs. Tensor-parallel followers repeat the Hugging Face
+forward, so those builds decode the plain way; prompt tables only touch prefill.
 """
 
 from __future__ import annotations
@@ -163,9 +164,10 @@ class GraphDecoder:
         self.used = 0
 
     # -- the step -----------------------------------------------------------------------------------
-    def step(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def step(self, tokens: list[int], positions: list[int], *, modules: bool = False) -> torch.Tensor:
         """Logits ``[len(tokens), vocab]`` for each slot's next token at its position (``greedy`` has the
-        argmax of each row and its log-probability)."""
+        argmax of each row and its log-probability). ``modules``: run eagerly through the model's own
+        projection modules, so forward hooks (LoRA adapters) apply to this step."""
         n = len(tokens)
         rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
         need = max(positions) + 1
@@ -175,15 +177,15 @@ class GraphDecoder:
         while columns < need:
             columns *= 2
         columns = min(columns, self.max_len)
-        if self.capture and (rows, columns) not in self.graphs:
+        if self.capture and not modules and (rows, columns) not in self.graphs:
             self._capture(rows, columns)
         self.staging[0, :n] = torch.as_tensor(tokens)
         self.staging[1, :n] = torch.as_tensor(positions)
         self.staging[0, n:rows] = 0
         self.staging[1, n:rows] = self.spare
         self.inputs[:, :rows].copy_(self.staging[:, :rows], non_blocking=True)
-        if not self.capture:
-            logits, self.picks = self._forward(rows, columns)
+        if modules or not self.capture:
+            logits, self.picks = self._forward(rows, columns, modules=modules)
             return logits[:n]
         graph, logits, self.picks = self.graphs[(rows, columns)]
         graph.replay()
@@ -210,10 +212,11 @@ class GraphDecoder:
         self.pool = graph.pool()
         self.graphs[(rows, columns)] = (graph, logits, picks)
 
-    def _forward(self, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One token for slots [0, rows) attending to columns [0, columns): Llama's arithmetic.
 
-        Returns the logits and, per row, (argmax token, its log-probability) as float32."""
+        Returns the logits and, per row, (argmax token, its log-probability) as float32. ``modules``: the
+        projections through their modules (hooks apply) instead of the fused weights."""
         b, heads, kv, dim = rows, self.heads, self.kv_heads, self.head_dim
         group = heads // kv
         ids, pos = self.inputs[0, :b], self.inputs[1, :b]
@@ -226,7 +229,11 @@ class GraphDecoder:
         for layer, keys, values, (wqkv, bqkv), (wgu, bgu) in zip(self.layers, self.keys, self.values, self.qkv,
                                                                   self.gate_up):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = F.linear(_norm(layer.input_layernorm, h), wqkv, bqkv).view(b, heads + 2 * kv, dim)
+            x = _norm(layer.input_layernorm, h)
+            if modules:
+                qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1).view(b, heads + 2 * kv, dim)
+            else:
+                qkv = F.linear(x, wqkv, bqkv).view(b, heads + 2 * kv, dim)
             qk, v = qkv[:, : heads + kv], qkv[:, heads + kv:]
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's queries and keys before RoPE
                 qk = torch.cat([_norm(attn.q_norm, qk[:, :heads]), _norm(attn.k_norm, qk[:, heads:])], dim=1)
@@ -238,6 +245,11 @@ class GraphDecoder:
             scores = torch.matmul(q, keys[:b, :, :columns].transpose(-1, -2)) + bias  # [b, kv, group, columns]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
             out = torch.matmul(probs, values[:b, :, :columns]).view(b, heads * dim)
+            if modules:
+                h = h + attn.o_proj(out)
+                x = _norm(layer.post_attention_layernorm, h)
+                h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+                continue
             h = _add_linear(h, out, attn.o_proj)
             gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
             h = _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
