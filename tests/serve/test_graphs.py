@@ -52,6 +52,14 @@ def _generate(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def outputs(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]]:
+    """Every request's generated tokens, all submitted at once."""
+    seqs = [Sequence(r, lambda s, u: None) for r in requests]
+    engine.submit(seqs)
+    engine.run_until_idle()
+    return [s.output for s in seqs]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_static_cache_step_equals_transformers_generate(kind, monkeypatch):
     """Five prompts of different lengths through 3 slots (rows join late and leave early), column buckets
@@ -89,10 +97,7 @@ def test_sampled_and_processed_rows_share_the_static_step():
         reqs = [GenerationRequest([5, 6, 7], 10),
                 GenerationRequest([5, 6, 7], 10, sampling=SamplingParams(repetition_penalty=1.5)),
                 GenerationRequest([5, 6, 7], 10, sampling=SamplingParams(top_k=5, temperature=0.8, seed=11))]
-        seqs = [Sequence(r, lambda s, u: None) for r in reqs]
-        engine.submit(seqs)
-        engine.run_until_idle()
-        return [s.output for s in seqs]
+        return outputs(engine, reqs)
 
     plain, static = run(False), run(True)
     assert static == plain
@@ -140,10 +145,7 @@ def test_steps_with_a_lora_adapter_run_through_the_hooked_modules():
         tuned = adapter(model)
         reqs = [GenerationRequest([5, 6, 7], 12), GenerationRequest([5, 6, 7], 6), GenerationRequest([9, 3], 6)]
         reqs[1].lora = tuned
-        seqs = [Sequence(r, lambda s, u: None) for r in reqs]
-        engine.submit(seqs)
-        engine.run_until_idle()
-        return [s.output for s in seqs]
+        return outputs(engine, reqs)
 
     plain, static = run(False), run(True)
     assert static == plain
