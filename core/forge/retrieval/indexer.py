@@ -117,13 +117,18 @@ def embedder(repo: Path, url: str | None, log: Callable[[str], None]) -> Iterato
         yield Embedder(server.http_url)
 
 
-def indexed_hashes(client, collection: str, ids: list[str], chunk: int = 256) -> dict[str, str]:
-    """id → content hash of the documents among ``ids`` the collection already holds."""
+def indexed_hashes(client, collection: str, ids: list[str], chunk: int = 1024) -> dict[str, str]:
+    """id → content hash of the documents among ``ids`` the collection already holds.
+
+    Read with Strong consistency: a Milvus server answers by default from a view that may lag the
+    last writes (Bounded), so a run right after another would embed again what that one wrote.
+    Strong waits for the server's next time tick (~200 ms a query there; nothing on Milvus Lite).
+    """
     found: dict[str, str] = {}
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         rows = client.query(collection, filter=f"{forge_store.ID} in {json.dumps(part)}",
-                            output_fields=[forge_store.ID, forge_store.CONTENT_HASH])
+                            output_fields=[forge_store.ID, forge_store.CONTENT_HASH], consistency_level="Strong")
         found.update({r[forge_store.ID]: r[forge_store.CONTENT_HASH] for r in rows})
     return found
 
@@ -210,6 +215,6 @@ def index(repo: Path, source: Path, *, uri: str | None = None, collection: str |
         report["index"] = grown or store.current_index(client, name)
         if grown:
             client.load_collection(name)
-        forge_store.settle(uri, name)  # return with every segment indexed, not scanned
+        forge_store.settle(client, uri, name)  # return with every segment indexed, not scanned
     report["seconds"] = round(time.perf_counter() - started, 3)
     return report
