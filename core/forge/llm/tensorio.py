@@ -26,7 +26,7 @@ _READABLE = {**NUMPY_TYPES, "F64": np.float64, "I8": np.int8, "U8": np.uint8, "I
 _BITS = {"F32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "F16": (np.uint16, 0x7FFF, 0x7C00),
          "BF16": (np.uint16, 0x7FFF, 0x7F80)}  # (view type, abs mask, exponent-all-ones)
 CHUNK_BYTES = 16 << 20  # rows are converted and written in blocks of about this size
-_PAGE = mmap.PAGESIZE
+PAGE = mmap.PAGESIZE
 
 
 # -- dtype handling (numpy only: the converter never imports torch) -------------------------------
@@ -161,7 +161,7 @@ class SafetensorsFile:
         return np.frombuffer(self._mm, dtype=_READABLE[ref.tag], count=count, offset=ref.begin).reshape(ref.shape)
 
     def release(self, begin: int, end: int) -> None:
-        start = begin - begin % _PAGE
+        start = begin - begin % PAGE
         if end > start and hasattr(self._mm, "madvise"):
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
