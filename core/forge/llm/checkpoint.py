@@ -25,7 +25,7 @@ from forge.errors import UsageError
 from .adapter import DecoderAdapter
 from .parity import check_parity
 from .sharding import Job, Piece, Planned, check_parallelism, plan, stage_layers
-from .tensorio import CHUNK_BYTES, DTYPE_TAGS, NUMPY_TYPES, PAGE, Scratch, SourceIndex, convert, nonfinite
+from .tensorio import CHUNK_BYTES, DTYPE_TAGS, NUMPY_TYPES, PAGE, Scratch, SourceIndex, TensorRef, convert, nonfinite
 
 ARTIFACT_KIND = "trtllm-checkpoint"
 
@@ -99,8 +99,6 @@ class RankWriter:
 
         False (nothing written) where the kernel or file system cannot; the caller writes instead.
         """
-        if not _IN_KERNEL:
-            return False
         pos = self.data_start + self.offsets[name] + byte_offset
         try:
             while length:
@@ -208,47 +206,92 @@ def _unchanged_span(piece: Piece, block: np.ndarray | None, out: np.ndarray) -> 
     return None if span is None else (source.fileno(), *span)
 
 
-class Checker:
-    """Checks blocks whose bytes are copied unchanged for NaN/Inf on a second thread.
+def _refuse_nonfinite(out: np.ndarray, block: np.ndarray, ref: TensorRef, tag: str, where: str) -> None:
+    """Refuse a converted block with NaN/Inf: corrupt weights, or values beyond the range of ``tag``."""
+    if not nonfinite(out, tag):
+        return
+    if out is block or nonfinite(block, ref.tag):
+        raise UsageError(f"{where}: tensor {ref.name} contains NaN or Inf values; "
+                         "the checkpoint is corrupt or was saved after a diverged step")
+    raise UsageError(f"{where}: tensor {ref.name} has values beyond the {tag} range",
+                     hint="export with --dtype bfloat16 or float32")
 
-    Their bytes go file to file in the kernel, so reading them for the check is the only work
-    this process does on them; on another core it overlaps the copies. ``finish`` raises the
-    first failure (the output is discarded by the caller).
+
+class Transfers:
+    """Blocks whose bytes do not change: copied file to file in the kernel, and checked, off the main thread.
+
+    Each rank file has one copying thread (two threads writing one file would wait on its lock),
+    with at most one thread per core; the NaN/Inf check of the copied bytes runs on one more. The
+    main thread meanwhile converts and writes the blocks whose bytes change, so every core works
+    on the export. ``finish`` waits for all and raises the first failure; ``close`` drops what has
+    not started and waits for the rest (before the rank files are closed).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, writers: Mapping[int, RankWriter]):
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forge-check")
-        self._scratch = Scratch()
+        lanes = [ThreadPoolExecutor(1, thread_name_prefix="forge-copy")
+                 for _ in range(max(1, min(len(writers), os.cpu_count() or 1)))]
+        self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check")
+        self._pools = [*lanes, self._checker]
         self._pending: list = []
+        self._failed: list[BaseException] = []
 
-    def submit(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
-        self._pending.append(self._pool.submit(self._check, block, name, tag, where))
+    def copy(self, targets: Sequence[tuple[RankWriter, str, int]], block: np.ndarray, ref: TensorRef,
+             span: tuple[int, int, int], tag: str, where: str) -> None:
+        """Copy ``block`` (``span`` of its source file) to each (writer, tensor, byte offset) and check it."""
+        for writer, name, offset in targets:
+            self._submit(self._lanes[writer], _copy, writer, name, offset, block, ref, span)
+        self._submit(self._checker, _check, block, ref, span, tag, where)
 
-    def _check(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
-        if nonfinite(block, tag, self._scratch):
-            raise UsageError(f"{where}: tensor {name} contains NaN or Inf values; "
-                             "the checkpoint is corrupt or was saved after a diverged step")
+    def _submit(self, pool, fn, *args) -> None:
+        future = pool.submit(fn, *args)
+        future.add_done_callback(self._done)
+        self._pending.append(future)
+
+    def _done(self, future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self._failed.append(future.exception())
+
+    def raise_failure(self) -> None:
+        """Raise the first failure so far (the main thread stops early instead of converting the rest)."""
+        if self._failed:
+            raise self._failed[0]
 
     def finish(self) -> None:
-        try:
-            for future in self._pending:
-                future.result()
-        finally:
-            for future in self._pending:
-                future.cancel()
-            self._pool.shutdown(wait=True)
-            self._pending = []
+        """Wait for every copy and check; raise the first failure."""
+        for future in self._pending:
+            future.exception()
+        self.raise_failure()
+
+    def close(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        self._pending = []
 
 
-def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
-              scratch: Scratch | None = None, checker: Checker | None = None) -> int:
+def _copy(writer: RankWriter, name: str, offset: int, block: np.ndarray, ref: TensorRef,
+          span: tuple[int, int, int]) -> None:
+    if not writer.copy(name, offset, *span):
+        writer.write(name, offset, block)  # the kernel or file system cannot: through the process
+        ref.file.release(span[1], span[1] + span[2])
+
+
+def _check(block: np.ndarray, ref: TensorRef, span: tuple[int, int, int], tag: str, where: str) -> None:
+    _refuse_nonfinite(block, block, ref, tag, where)
+    ref.file.release(span[1], span[1] + span[2])  # the check mapped the pages; keep peak memory flat
+
+
+def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str, transfers: Transfers,
+              scratch: Scratch | None = None) -> int:
     """Convert and write one tensor to every rank that holds it; returns the bytes written.
 
     Ranks holding identical copies (embeddings, norms, row-parallel biases) share one conversion,
     and the ranks' blocks are visited in lockstep so rows that several ranks slice (row-parallel
-    weights) are read while resident and released once.
+    weights) are read while resident and released once. Unchanged blocks go to ``transfers``.
     """
     scratch = scratch or Scratch()
     groups: dict[tuple, list[int]] = {}
@@ -265,19 +308,15 @@ def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
                 out = np.zeros((rows, *planned.shape[1:]), dtype=NUMPY_TYPES[tag])
             else:
                 out = convert(block, piece.ref.tag, tag, scratch)
-                if out is block and checker is not None:
-                    checker.submit(block, piece.ref.name, tag, where)  # checked beside the kernel's copy
-                elif nonfinite(out, tag, scratch):
-                    if nonfinite(block, piece.ref.tag):
-                        raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
-                                         "the checkpoint is corrupt or was saved after a diverged step")
-                    raise UsageError(f"{where}: tensor {piece.ref.name} has values beyond the {tag} range",
-                                     hint="export with --dtype bfloat16 or float32")
             span = _unchanged_span(piece, block, out)
-            for rank in ranks:
-                if span is None or not writers[rank].copy(planned.name, offset, *span):
+            if span is not None:
+                transfers.copy([(writers[r], planned.name, offset) for r in ranks], block, piece.ref, span, tag, where)
+            else:
+                if block is not None:
+                    _refuse_nonfinite(out, block, piece.ref, tag, where)
+                for rank in ranks:
                     writers[rank].write(planned.name, offset, out)
-                written += out.nbytes
+            written += out.nbytes * len(ranks)
     for ref in job.sources:
         ref.release()
     return written
@@ -374,17 +413,18 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
                 layouts[rank].append(planned)
         writers = {r: RankWriter(out / f"rank{r}.safetensors", [(t.name, t.shape) for t in layouts[r]], tag,
                                  page_residue=copy_alignment(layouts[r], tag)) for r in layouts}
-        checker = Checker() if _IN_KERNEL else None
+        transfers = Transfers(writers)
         try:
             total = 0
             scratch = Scratch()
             for job in jobs:
-                total += write_job(job, writers, tag, where, scratch, checker)
+                transfers.raise_failure()
+                total += write_job(job, writers, tag, where, transfers, scratch)
+            transfers.finish()  # raises the first failure (a NaN/Inf beside a copy); the caller discards the output
         finally:
+            transfers.close()
             for w in writers.values():
                 w.close()
-            if checker is not None:
-                checker.finish()  # raises the first NaN/Inf it found (the caller discards the output)
     log(f"wrote {tp * pp} rank file(s), {total / 2**20:.1f} MiB of {dtype} weights")
     return norm
 
