@@ -2,11 +2,12 @@
 
 Compares forge's streaming converter at tp 1 and tp 4 (in a child process that has imported
 forge, and as the whole ``forge export`` CLI process a user runs, spawn to exit, fresh stage
-cache) with ``cp`` of the same weight file and with loading the model through transformers, and shows that the converter's peak memory does not grow
-with the model (a half-depth model is converted too). Every measurement runs in a child process and
-reports that process's peak RSS (``ru_maxrss``). The synthetic checkpoint is written by streaming
-random blocks into a pre-sized safetensors file (it is never built in torch memory) and deleted at
-the end unless ``--keep``.
+cache, forge byte-compiled as an install leaves it) with ``cp`` of the same weight file and with
+loading the model through transformers, and shows that the converter's peak memory does not grow
+with the model (a half-depth model is converted too). Every measurement runs ``--repeat`` times in a
+child process and reports the fastest and the median time, and the peak RSS (``ru_maxrss``). The
+synthetic checkpoint is written by streaming random blocks into a pre-sized safetensors file (it is
+never built in torch memory) and deleted at the end unless ``--keep``.
 
     python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--keep]
 """
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,8 +132,28 @@ def repeat_cli(times: int, model: Path, out: Path, tp: int) -> dict:
     for _ in range(times):
         runs.append(cli(model, out, tp))
         shutil.rmtree(out)
+    return summary(runs)
+
+
+def compile_forge() -> None:
+    """Byte-compile forge and its plugins as ``pip install`` does, so that the CLI runs measure an
+    installed forge even where PYTHONDONTWRITEBYTECODE is set (each run would compile them again)."""
+    import compileall
+    import importlib.util
+    from importlib import metadata
+
+    roots = {"forge"} | {ep.module.split(".")[0] for ep in metadata.entry_points(group="forge.plugins")}
+    for root in sorted(roots):
+        spec = importlib.util.find_spec(root)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            compileall.compile_dir(location, quiet=1)
+
+
+def summary(runs: list[dict]) -> dict:
+    """The fastest run (the least disturbed by other load), the median time and every time."""
     best = min(runs, key=lambda r: r["seconds"])
-    return {**best, "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
+    return {**best, "median": statistics.median(r["seconds"] for r in runs),
+            "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
 
 
 def child(code: str, *args: object) -> dict:
@@ -149,13 +171,14 @@ def repeat(times: int, code: str, *args: object, cleanup=lambda: None) -> dict:
     for _ in range(times):
         runs.append(child(code, *args))
         cleanup()
-    best = min(runs, key=lambda r: r["seconds"])
-    return {**best, "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
+    return summary(runs)
 
 
-def row(label: str, result: dict, size: int, cp_seconds: float | None) -> str:
+def row(label: str, result: dict, size: int, cp: dict | None) -> str:
+    """Fastest and median time, and each as a multiple of cp's fastest and median."""
     gbps = size / result["seconds"] / 1e9
-    ratio = f"{result['seconds'] / cp_seconds:5.2f}× cp" if cp_seconds else "   —    "
+    ratio = (f"{result['seconds'] / cp['seconds']:5.2f}× cp, median {result['median']:5.2f} s "
+             f"{result['median'] / cp['median']:5.2f}× cp" if cp else f"{'':8} median {result['median']:5.2f} s {'':8}")
     extra = f"(imports {result['import_kib'] / 1024:5.0f} MiB)" if result["import_kib"] else ""
     return (f"  {label:<28} {result['seconds']:7.2f} s  {gbps:5.2f} GB/s  {ratio}  "
             f"peak RSS {result['peak_kib'] / 1024:6.0f} MiB {extra} runs {result['all']}")
@@ -169,6 +192,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is shown")
     parser.add_argument("--skip-transformers", action="store_true", help="do not time the transformers load")
     args = parser.parse_args()
+    compile_forge()
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="forge-bench-"))
     scratch.mkdir(parents=True, exist_ok=True)
     try:
@@ -185,12 +209,12 @@ def main() -> None:
             for tp in (1, 4):
                 out = scratch / f"ckpt-tp{tp}"
                 result = repeat(args.repeat, CONVERT, model, out, tp, cleanup=lambda: shutil.rmtree(out))
-                print(row(f"forge convert tp={tp}", result, size, cp["seconds"]))
+                print(row(f"forge convert tp={tp}", result, size, cp))
                 results[(layers, tp)] = result
                 if layers == args.layers:
-                    print(row(f"forge export CLI tp={tp}", repeat_cli(args.repeat, model, out, tp), size, cp["seconds"]))
+                    print(row(f"forge export CLI tp={tp}", repeat_cli(args.repeat, model, out, tp), size, cp))
             if layers == args.layers and not args.skip_transformers:
-                print(row("transformers from_pretrained", repeat(1, LOAD, model), size, cp["seconds"]))
+                print(row("transformers from_pretrained", repeat(1, LOAD, model), size, cp))
             if not args.keep:
                 shutil.rmtree(model)
         for tp in (1, 4):
