@@ -25,10 +25,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from forge.llm.checkpoint import RankWriter
-
 # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads / 4 KV heads, intermediate 5632, vocab 32000.
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
          "vocab_size": 32000}
@@ -56,6 +52,10 @@ def tensor_shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_synthetic(model: Path, layers: int) -> int:
     """Stream random fp16 weights into model/model.safetensors; return its size in bytes."""
+    import numpy as np
+
+    from forge.llm.checkpoint import RankWriter
+
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(hf_config(layers), indent=1))
     shapes = tensor_shapes(layers)
@@ -76,6 +76,14 @@ def write_synthetic(model: Path, layers: int) -> int:
         writer.close()
     return (model / "model.safetensors").stat().st_size
 
+
+SYNTHETIC = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from convert_decoder import write_synthetic
+print(write_synthetic(Path(sys.argv[2]), int(sys.argv[3])))
+"""
 
 CONVERT = """
 import json, resource, sys, time
@@ -200,7 +208,10 @@ def main() -> None:
         for layers in (args.layers // 2, args.layers):
             model = scratch / f"llama-{layers}l"
             t = time.perf_counter()
-            size = write_synthetic(model, layers)
+            # in a child: this process stays small, and the peak RSS a child reports includes the
+            # size of the process it was started from (the kernel keeps the high-water mark across exec)
+            size = int(subprocess.run([sys.executable, "-c", SYNTHETIC, str(Path(__file__).parent), str(model),
+                                       str(layers)], check=True, capture_output=True, text=True).stdout)
             seconds = time.perf_counter() - t
             print(f"synthetic Llama, {layers} layers: {size / 1e9:.2f} GB fp16 written in {seconds:.1f} s")
             weights, copy = model / "model.safetensors", scratch / "copy.safetensors"
