@@ -4,17 +4,18 @@ Compares forge's streaming converter at tp 1 and tp 4 (in a child process that h
 forge, and as the whole ``forge export`` CLI process a user runs, spawn to exit, fresh stage
 cache, forge byte-compiled as an install leaves it) with ``cp`` of the same weight file and with
 loading the model through transformers, and shows that the converter's peak memory does not grow
-with the model (a half-depth model is converted too). Every measurement runs ``--repeat`` times in a
-child process and reports the fastest and the median time, and the peak RSS (``ru_maxrss``). The
-synthetic checkpoint is written by streaming random blocks into a pre-sized safetensors file (it is
-never built in torch memory) and deleted at the end unless ``--keep``.
+with the model (a half-depth model is converted too). Every measurement runs in a child process,
+``--repeat`` rounds of all of them in turn, and reports the fastest and the median time and the
+peak RSS (``ru_maxrss``). The synthetic checkpoint is written by streaming random blocks into a
+pre-sized safetensors file (it is never built in torch memory) and deleted at the end unless ``--keep``.
 
-    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--keep]
+    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 3] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads / 4 KV heads, intermediate 5632, vocab 32000.
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -135,14 +137,6 @@ def cli(model: Path, out: Path, tp: int) -> dict:
     return {"seconds": seconds, "peak_kib": usage.ru_maxrss, "import_kib": 0}
 
 
-def repeat_cli(times: int, model: Path, out: Path, tp: int) -> dict:
-    runs = []
-    for _ in range(times):
-        runs.append(cli(model, out, tp))
-        shutil.rmtree(out)
-    return summary(runs)
-
-
 def compile_forge() -> None:
     """Byte-compile forge and its plugins as ``pip install`` does, so that the CLI runs measure an
     installed forge even where PYTHONDONTWRITEBYTECODE is set (each run would compile them again)."""
@@ -173,20 +167,26 @@ def child(code: str, *args: object) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def repeat(times: int, code: str, *args: object, cleanup=lambda: None) -> dict:
-    """``times`` runs of ``child``: the fastest time (the least disturbed by other load) and all times."""
-    runs = []
+def interleaved(times: int, measures: list[tuple[str, Callable[[], dict], Callable[[], None]]]) -> dict[str, dict]:
+    """``times`` rounds of every (label, run, cleanup) in turn → label: summary.
+
+    Rounds, not one measurement's runs after another's, so that all share the machine's moods (on a
+    shared machine, cp alone took 0.6 s or 2 s minutes apart) and the ratios to cp compare like with like.
+    """
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in measures}
     for _ in range(times):
-        runs.append(child(code, *args))
-        cleanup()
-    return summary(runs)
+        for label, run, cleanup in measures:
+            runs[label].append(run())
+            cleanup()
+    return {label: summary(found) for label, found in runs.items()}
 
 
 def row(label: str, result: dict, size: int, cp: dict | None) -> str:
     """Fastest and median time, and each as a multiple of cp's fastest and median."""
     gbps = size / result["seconds"] / 1e9
-    ratio = (f"{result['seconds'] / cp['seconds']:5.2f}× cp, median {result['median']:5.2f} s "
-             f"{result['median'] / cp['median']:5.2f}× cp" if cp else f"{'':8} median {result['median']:5.2f} s {'':8}")
+    median = f"median {result['median']:5.2f} s"
+    ratio = (f"{result['seconds'] / cp['seconds']:5.2f}× cp, {median} {result['median'] / cp['median']:5.2f}× cp"
+             if cp else f"{'':8} {median} {'':8}")
     extra = f"(imports {result['import_kib'] / 1024:5.0f} MiB)" if result["import_kib"] else ""
     return (f"  {label:<28} {result['seconds']:7.2f} s  {gbps:5.2f} GB/s  {ratio}  "
             f"peak RSS {result['peak_kib'] / 1024:6.0f} MiB {extra} runs {result['all']}")
@@ -197,7 +197,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--layers", type=int, default=22, help="layers of the full model (22 = 1.1B)")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic models")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is shown")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds of all measurements; the fastest and the median are shown")
     parser.add_argument("--skip-transformers", action="store_true", help="do not time the transformers load")
     args = parser.parse_args()
     compile_forge()
@@ -215,17 +216,20 @@ def main() -> None:
             seconds = time.perf_counter() - t
             print(f"synthetic Llama, {layers} layers: {size / 1e9:.2f} GB fp16 written in {seconds:.1f} s")
             weights, copy = model / "model.safetensors", scratch / "copy.safetensors"
-            cp = repeat(args.repeat, CP, weights, copy, cleanup=copy.unlink)
-            print(row("cp", cp, size, None))
+            measures = [("cp", functools.partial(child, CP, weights, copy), copy.unlink)]
             for tp in (1, 4):
                 out = scratch / f"ckpt-tp{tp}"
-                result = repeat(args.repeat, CONVERT, model, out, tp, cleanup=lambda: shutil.rmtree(out))
-                print(row(f"forge convert tp={tp}", result, size, cp))
-                results[(layers, tp)] = result
+                remove = functools.partial(shutil.rmtree, out)
+                measures.append((f"forge convert tp={tp}", functools.partial(child, CONVERT, model, out, tp), remove))
                 if layers == args.layers:
-                    print(row(f"forge export CLI tp={tp}", repeat_cli(args.repeat, model, out, tp), size, cp))
+                    measures.append((f"forge export CLI tp={tp}", functools.partial(cli, model, out, tp), remove))
+            found = interleaved(args.repeat, measures)
+            for label, result in found.items():
+                print(row(label, result, size, None if label == "cp" else found["cp"]))
+            results.update({(layers, tp): found[f"forge convert tp={tp}"] for tp in (1, 4)})
             if layers == args.layers and not args.skip_transformers:
-                print(row("transformers from_pretrained", repeat(1, LOAD, model), size, cp))
+                load = interleaved(1, [("transformers", functools.partial(child, LOAD, model), lambda: None)])
+                print(row("transformers from_pretrained", load["transformers"], size, found["cp"]))
             if not args.keep:
                 shutil.rmtree(model)
         for tp in (1, 4):
