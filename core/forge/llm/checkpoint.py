@@ -243,6 +243,9 @@ def _refuse_nonfinite(out: np.ndarray, block: np.ndarray, ref: TensorRef, tag: s
                      hint="export with --dtype bfloat16 or float32")
 
 
+_AHEAD = 256  # queued copies and checks the main thread may be ahead by (about a kilobyte each)
+
+
 class Transfers:
     """Blocks whose bytes do not change: copied file to file in the kernel, and checked, off the main thread.
 
@@ -280,16 +283,20 @@ class Transfers:
         if not future.cancelled() and future.exception() is not None:
             self._failed.append(future.exception())
 
-    def raise_failure(self) -> None:
-        """Raise the first failure so far (the main thread stops early instead of converting the rest)."""
+    def pace(self) -> None:
+        """Raise the first failure so far (the main thread stops early instead of converting the rest),
+        and keep the main thread at most ``_AHEAD`` blocks ahead, so memory does not grow with the model."""
         if self._failed:
             raise self._failed[0]
+        self._pending = [future for future in self._pending if not future.done()]
+        while len(self._pending) > _AHEAD:
+            self._pending.pop(0).exception()  # waits for it
 
     def finish(self) -> None:
         """Wait for every copy and check; raise the first failure."""
         for future in self._pending:
             future.exception()
-        self.raise_failure()
+        self.pace()
 
     def close(self) -> None:
         for future in self._pending:
@@ -444,7 +451,7 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
             total = 0
             scratch = Scratch()
             for job in jobs:
-                transfers.raise_failure()
+                transfers.pace()
                 total += write_job(job, writers, tag, where, transfers, scratch)
             transfers.finish()  # raises the first failure (a NaN/Inf beside a copy); the caller discards the output
         finally:

@@ -28,6 +28,7 @@ _BITS = {"F32": (np.int32, np.uint32, 0x7F800000), "F16": (np.int16, np.uint16, 
 _CHECK_ELEMS = 1 << 17  # nonfinite reads this many elements at a time, so its second pass hits the cache
 CHUNK_BYTES = 16 << 20  # rows are converted and written in blocks of about this size
 PAGE = mmap.PAGESIZE
+_FAULT_AROUND = 64 << 10  # Linux maps up to this much of cached file around a page fault
 
 
 # -- dtype handling (numpy only: the converter never imports torch) -------------------------------
@@ -168,7 +169,11 @@ class SafetensorsFile:
         return np.frombuffer(self._mm, dtype=_READABLE[ref.tag], count=count, offset=ref.begin).reshape(ref.shape)
 
     def release(self, begin: int, end: int) -> None:
-        start = begin - begin % PAGE
+        # A fault also maps the cached pages around it (the kernel's fault-around, 64 KiB), beyond
+        # the bytes read: those are dropped too, or every block would leave a few mapped behind.
+        start = max(0, begin - _FAULT_AROUND)
+        start -= start % PAGE
+        end = min(len(self._mm), end + _FAULT_AROUND)
         if end > start and hasattr(self._mm, "madvise"):
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
