@@ -2,30 +2,30 @@
 
 Compares forge's streaming converter at tp 1 and tp 4 (in a child process that has imported
 forge, and as the whole ``forge export`` CLI process a user runs, spawn to exit, fresh stage
-cache) with ``cp`` of the same weight file and with loading the model through transformers, and shows that the converter's peak memory does not grow
-with the model (a half-depth model is converted too). Every measurement runs in a child process and
-reports that process's peak RSS (``ru_maxrss``). The synthetic checkpoint is written by streaming
-random blocks into a pre-sized safetensors file (it is never built in torch memory) and deleted at
-the end unless ``--keep``.
+cache, forge byte-compiled as an install leaves it) with ``cp`` of the same weight file and with
+loading the model through transformers, and shows that the converter's peak memory does not grow
+with the model (a half-depth model is converted too). Every measurement runs in a child process,
+``--repeat`` rounds of all of them in turn, and reports the fastest and the median time and the
+peak RSS (``ru_maxrss``). The synthetic checkpoint is written by streaming random blocks into a
+pre-sized safetensors file (it is never built in torch memory) and deleted at the end unless ``--keep``.
 
-    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--keep]
+    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 3] [--keep]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
-
-from forge.llm.checkpoint import RankWriter
+from typing import Callable
 
 # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads / 4 KV heads, intermediate 5632, vocab 32000.
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -54,6 +54,10 @@ def tensor_shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_synthetic(model: Path, layers: int) -> int:
     """Stream random fp16 weights into model/model.safetensors; return its size in bytes."""
+    import numpy as np
+
+    from forge.llm.checkpoint import RankWriter
+
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(hf_config(layers), indent=1))
     shapes = tensor_shapes(layers)
@@ -74,6 +78,14 @@ def write_synthetic(model: Path, layers: int) -> int:
         writer.close()
     return (model / "model.safetensors").stat().st_size
 
+
+SYNTHETIC = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from convert_decoder import write_synthetic
+print(write_synthetic(Path(sys.argv[2]), int(sys.argv[3])))
+"""
 
 CONVERT = """
 import json, resource, sys, time
@@ -125,13 +137,25 @@ def cli(model: Path, out: Path, tp: int) -> dict:
     return {"seconds": seconds, "peak_kib": usage.ru_maxrss, "import_kib": 0}
 
 
-def repeat_cli(times: int, model: Path, out: Path, tp: int) -> dict:
-    runs = []
-    for _ in range(times):
-        runs.append(cli(model, out, tp))
-        shutil.rmtree(out)
+def compile_forge() -> None:
+    """Byte-compile forge and its plugins as ``pip install`` does, so that the CLI runs measure an
+    installed forge even where PYTHONDONTWRITEBYTECODE is set (each run would compile them again)."""
+    import compileall
+    import importlib.util
+    from importlib import metadata
+
+    roots = {"forge"} | {ep.module.split(".")[0] for ep in metadata.entry_points(group="forge.plugins")}
+    for root in sorted(roots):
+        spec = importlib.util.find_spec(root)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            compileall.compile_dir(location, quiet=1)
+
+
+def summary(runs: list[dict]) -> dict:
+    """The fastest run (the least disturbed by other load), the median time and every time."""
     best = min(runs, key=lambda r: r["seconds"])
-    return {**best, "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
+    return {**best, "median": statistics.median(r["seconds"] for r in runs),
+            "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
 
 
 def child(code: str, *args: object) -> dict:
@@ -143,19 +167,26 @@ def child(code: str, *args: object) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def repeat(times: int, code: str, *args: object, cleanup=lambda: None) -> dict:
-    """``times`` runs of ``child``: the fastest time (the least disturbed by other load) and all times."""
-    runs = []
+def interleaved(times: int, measures: list[tuple[str, Callable[[], dict], Callable[[], None]]]) -> dict[str, dict]:
+    """``times`` rounds of every (label, run, cleanup) in turn → label: summary.
+
+    Rounds, not one measurement's runs after another's, so that all share the machine's moods (on a
+    shared machine, cp alone took 0.6 s or 2 s minutes apart) and the ratios to cp compare like with like.
+    """
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in measures}
     for _ in range(times):
-        runs.append(child(code, *args))
-        cleanup()
-    best = min(runs, key=lambda r: r["seconds"])
-    return {**best, "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
+        for label, run, cleanup in measures:
+            runs[label].append(run())
+            cleanup()
+    return {label: summary(found) for label, found in runs.items()}
 
 
-def row(label: str, result: dict, size: int, cp_seconds: float | None) -> str:
+def row(label: str, result: dict, size: int, cp: dict | None) -> str:
+    """Fastest and median time, and each as a multiple of cp's fastest and median."""
     gbps = size / result["seconds"] / 1e9
-    ratio = f"{result['seconds'] / cp_seconds:5.2f}× cp" if cp_seconds else "   —    "
+    median = f"median {result['median']:5.2f} s"
+    ratio = (f"{result['seconds'] / cp['seconds']:5.2f}× cp, {median} {result['median'] / cp['median']:5.2f}× cp"
+             if cp else f"{'':8} {median} {'':8}")
     extra = f"(imports {result['import_kib'] / 1024:5.0f} MiB)" if result["import_kib"] else ""
     return (f"  {label:<28} {result['seconds']:7.2f} s  {gbps:5.2f} GB/s  {ratio}  "
             f"peak RSS {result['peak_kib'] / 1024:6.0f} MiB {extra} runs {result['all']}")
@@ -166,9 +197,11 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--layers", type=int, default=22, help="layers of the full model (22 = 1.1B)")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic models")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the fastest is shown")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rounds of all measurements; the fastest and the median are shown")
     parser.add_argument("--skip-transformers", action="store_true", help="do not time the transformers load")
     args = parser.parse_args()
+    compile_forge()
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="forge-bench-"))
     scratch.mkdir(parents=True, exist_ok=True)
     try:
@@ -176,21 +209,27 @@ def main() -> None:
         for layers in (args.layers // 2, args.layers):
             model = scratch / f"llama-{layers}l"
             t = time.perf_counter()
-            size = write_synthetic(model, layers)
+            # in a child: this process stays small, and the peak RSS a child reports includes the
+            # size of the process it was started from (the kernel keeps the high-water mark across exec)
+            size = int(subprocess.run([sys.executable, "-c", SYNTHETIC, str(Path(__file__).parent), str(model),
+                                       str(layers)], check=True, capture_output=True, text=True).stdout)
             seconds = time.perf_counter() - t
             print(f"synthetic Llama, {layers} layers: {size / 1e9:.2f} GB fp16 written in {seconds:.1f} s")
             weights, copy = model / "model.safetensors", scratch / "copy.safetensors"
-            cp = repeat(args.repeat, CP, weights, copy, cleanup=copy.unlink)
-            print(row("cp", cp, size, None))
+            measures = [("cp", functools.partial(child, CP, weights, copy), copy.unlink)]
             for tp in (1, 4):
                 out = scratch / f"ckpt-tp{tp}"
-                result = repeat(args.repeat, CONVERT, model, out, tp, cleanup=lambda: shutil.rmtree(out))
-                print(row(f"forge convert tp={tp}", result, size, cp["seconds"]))
-                results[(layers, tp)] = result
+                remove = functools.partial(shutil.rmtree, out)
+                measures.append((f"forge convert tp={tp}", functools.partial(child, CONVERT, model, out, tp), remove))
                 if layers == args.layers:
-                    print(row(f"forge export CLI tp={tp}", repeat_cli(args.repeat, model, out, tp), size, cp["seconds"]))
+                    measures.append((f"forge export CLI tp={tp}", functools.partial(cli, model, out, tp), remove))
+            found = interleaved(args.repeat, measures)
+            for label, result in found.items():
+                print(row(label, result, size, None if label == "cp" else found["cp"]))
+            results.update({(layers, tp): found[f"forge convert tp={tp}"] for tp in (1, 4)})
             if layers == args.layers and not args.skip_transformers:
-                print(row("transformers from_pretrained", repeat(1, LOAD, model), size, cp["seconds"]))
+                load = interleaved(1, [("transformers", functools.partial(child, LOAD, model), lambda: None)])
+                print(row("transformers from_pretrained", load["transformers"], size, found["cp"]))
             if not args.keep:
                 shutil.rmtree(model)
         for tp in (1, 4):

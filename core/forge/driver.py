@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, contract, ensemble, repository, toolchain
+from . import __version__, contract, repository, toolchain
 from .cache import StageCache, cache_dir, fingerprint, source_fingerprint
 from .components import Artifact, Component, Edge, TritonModel
 from .context import BuildContext, StageRecord
@@ -225,6 +225,8 @@ class Driver:
         for edge in (e for lst in edge_lists if lst for e in lst):
             edges.setdefault(edge.ensemble, []).append(edge)
         configs = {name: m.config for name, m in models.items()}
+        from . import ensemble  # protobuf: only builds write Triton configs
+
         for name in ensemble.nesting_order(edges):
             check_name(name, "ensemble name")
             if name in models:

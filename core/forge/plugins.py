@@ -100,11 +100,11 @@ def load_registry(extra: Iterable[tuple[str, Any]] = (), *, entry_points: bool =
     infos: dict[str, PluginInfo] = {}
     blocked = _disabled()
     if entry_points:
+        dists: dict[int, tuple[str, str]] = {}
         for ep in iter_entry_points():
             if ep.name in blocked:
                 continue
-            dist = ep.dist.name if ep.dist else "<unknown distribution>"
-            version = ep.dist.version if ep.dist else "0"
+            dist, version = _distribution(ep, dists)
             try:
                 plugin = ep.load()
             except Exception as exc:  # any import-time failure of third-party code
@@ -124,6 +124,16 @@ def load_registry(extra: Iterable[tuple[str, Any]] = (), *, entry_points: bool =
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"plugin {exc.plugin!r} implements an unknown hook: {exc}") from exc
     return Registry(pm, infos)
+
+
+def _distribution(ep: metadata.EntryPoint, seen: dict[int, tuple[str, str]]) -> tuple[str, str]:
+    """(name, version) of the entry point's distribution; its METADATA is parsed once, not per plugin."""
+    if ep.dist is None:
+        return "<unknown distribution>", "0"
+    if id(ep.dist) not in seen:
+        meta = ep.dist.metadata  # an email-format parse (milliseconds) on every access
+        seen[id(ep.dist)] = (meta["Name"], meta["Version"])
+    return seen[id(ep.dist)]
 
 
 def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
-from . import tritonconfig
 from .cache import cache_dir
 from .components import TritonModel
 from .errors import UsageError
@@ -40,20 +40,21 @@ def clean_stale(out: Path) -> None:
 
 @contextlib.contextmanager
 def locked(out: Path, lock_root: Path) -> Iterator[None]:
-    """Hold an exclusive lock for writing ``out``; a second build fails instead of waiting."""
-    from filelock import FileLock, Timeout
+    """Hold an exclusive lock for writing ``out``; a second build fails instead of waiting.
 
+    A ``flock`` on a file under ``lock_root`` (what filelock does on Linux, without its import time).
+    """
     lock_root.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:24]
-    lock = FileLock(str(lock_root / f"{key}.lock"))
+    fd = os.open(lock_root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise UsageError(f"another forge build is writing {out}", hint="wait for it to finish") from None
-    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"another forge build is writing {out}", hint="wait for it to finish") from None
         yield
     finally:
-        lock.release()
+        os.close(fd)  # releases the lock
 
 
 def staging_dir(out: Path) -> Path:
@@ -107,6 +108,8 @@ def write_model(model: TritonModel, repo: Path) -> None:
                 target.write_bytes(content)
             else:
                 target.write_text(content)
+    from . import tritonconfig  # protobuf: not needed to export a checkpoint
+
     tritonconfig.write(model.config, model_dir)
 
 

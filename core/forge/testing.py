@@ -36,7 +36,7 @@ def use_plugins(*extra: tuple[str, Any], entry_points: bool = False) -> Iterator
 class _FakeDist:
     def __init__(self, name: str, version: str):
         self.name, self.version = name, version
-        self.metadata = {"Name": name}
+        self.metadata = {"Name": name, "Version": version}
 
 
 class FakeEntryPoint:

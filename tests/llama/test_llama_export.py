@@ -209,6 +209,34 @@ def test_in_kernel_copies_write_the_same_bytes(tiny_llama, tmp_path, monkeypatch
         assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_in_kernel_copies_move_whole_pages(tiny_llama, tmp_path, monkeypatch, tp):
+    """The rank file's header is padded so that most copied bytes keep their source's page offsets."""
+    from safetensors import safe_open
+
+    from forge.llm import checkpoint
+
+    copies: dict[str, list[tuple[int, int]]] = {}
+    real_copy = checkpoint.RankWriter.copy
+
+    def copy(self, name, byte_offset, src_fd, src_offset, length):
+        dst = self.data_start + self.offsets[name] + byte_offset
+        copies.setdefault(self.path.name, []).append(((src_offset - dst) % 4096, length))
+        return real_copy(self, name, byte_offset, src_fd, src_offset, length)
+
+    monkeypatch.setattr(checkpoint.RankWriter, "copy", copy)
+    out = tmp_path / "ckpt"
+    assert export(tiny_llama, out, "--dtype", "float32", "--tp", str(tp)) == 0
+    assert sorted(copies) == [f"rank{r}.safetensors" for r in range(tp)]
+    for name, done in copies.items():
+        by_residue: dict[int, int] = {}
+        for residue, length in done:
+            by_residue[residue] = by_residue.get(residue, 0) + length
+        assert max(by_residue, key=by_residue.__getitem__) == 0, (name, by_residue)
+        with safe_open(out / name, "np") as f:  # the padded header is a valid safetensors header
+            assert all(f.get_tensor(k).size for k in f.keys())
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_refuses_nan_in_a_tensor_copied_in_the_kernel(tiny_llama, tmp_path, capsys, value):
     """Bad input: a NaN/Inf in a float32 weight exported as float32 (its bytes go file to file, checked beside)."""

@@ -9,6 +9,7 @@ stays at a few chunks whatever the model size. The parity check lives in :mod:`.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -25,7 +26,7 @@ from forge.errors import UsageError
 from .adapter import DecoderAdapter
 from .parity import check_parity
 from .sharding import Job, Piece, Planned, check_parallelism, plan, stage_layers
-from .tensorio import CHUNK_BYTES, DTYPE_TAGS, NUMPY_TYPES, Scratch, SourceIndex, convert, nonfinite
+from .tensorio import CHUNK_BYTES, DTYPE_TAGS, NUMPY_TYPES, PAGE, Scratch, SourceIndex, TensorRef, convert, nonfinite
 
 ARTIFACT_KIND = "trtllm-checkpoint"
 
@@ -52,28 +53,39 @@ def check_config(adapter: DecoderAdapter, norm: Mapping[str, Any], where: str,
                          f"{norm['num_kv_heads']} key/value heads")
 
 
+def data_offsets(tensors: Sequence[tuple[str, tuple[int, ...]]], tag: str) -> dict[str, tuple[int, int]]:
+    """Each tensor's (begin, end) in the data section of a safetensors file, in the given order."""
+    size = np.dtype(NUMPY_TYPES[tag]).itemsize
+    offsets, pos = {}, 0
+    for name, shape in tensors:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * size
+        offsets[name], pos = (pos, pos + nbytes), pos + nbytes
+    return offsets
+
+
 class RankWriter:
-    """A safetensors file whose header is written first and whose tensor bytes arrive in any order."""
+    """A safetensors file whose header is written first and whose tensor bytes arrive in any order.
+
+    ``page_residue`` places the data section at that offset modulo the page size (the JSON header
+    is padded with spaces, which safetensors allows), so that blocks copied from a source file at
+    the same residue move whole pages.
+    """
 
     def __init__(self, path: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], tag: str,
-                 metadata: Mapping[str, str] | None = None):
+                 metadata: Mapping[str, str] | None = None, page_residue: int | None = None):
         self.path, self.tag = path, tag
-        size = np.dtype(NUMPY_TYPES[tag]).itemsize
+        spans = data_offsets(tensors, tag)
         header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        self.offsets: dict[str, int] = {}
-        pos = 0
         for name, shape in tensors:
-            nbytes = int(np.prod(shape, dtype=np.int64)) * size
-            header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-            self.offsets[name] = pos
-            pos += nbytes
+            header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": list(spans[name])}
+        self.offsets = {name: begin for name, (begin, _) in spans.items()}
         blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-        self.data_start = 8 + len(blob)
-        self.size = self.data_start + pos
+        self.data_start = _data_start(8 + len(blob), page_residue)
+        blob += b" " * (self.data_start - 8 - len(blob))
+        self.size = self.data_start + max((end for _, end in spans.values()), default=0)
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(self.fd, struct.pack("<Q", len(blob)) + blob)
-        os.ftruncate(self.fd, self.size)
+        _allocate(self.fd, self.size)
 
     def write(self, name: str, byte_offset: int, data: np.ndarray) -> None:
         """Write contiguous ``data`` at ``byte_offset`` inside tensor ``name``."""
@@ -88,8 +100,6 @@ class RankWriter:
 
         False (nothing written) where the kernel or file system cannot; the caller writes instead.
         """
-        if not _IN_KERNEL:
-            return False
         pos = self.data_start + self.offsets[name] + byte_offset
         try:
             while length:
@@ -105,6 +115,67 @@ class RankWriter:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Size the file, its blocks allocated up front where the file system can (``fallocate(2)``).
+
+    Writing into allocated blocks skips ext4's per-page delayed-allocation work: the in-kernel
+    copies of a 2.2 GB export took about 10% less time (measured), and a full disk fails here,
+    before anything is copied. glibc's ``posix_fallocate`` would instead write every block where
+    the file system lacks fallocate, so the system call is made directly; elsewhere the file is
+    sized sparse, as before.
+    """
+    import ctypes  # already loaded by numpy
+
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except AttributeError:  # not glibc/Linux
+        fallocate = None
+    if fallocate is not None:
+        fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        if fallocate(fd, 0, 0, size) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err))
+    os.ftruncate(fd, size)
+
+
+def _data_start(least: int, page_residue: int | None) -> int:
+    """The first offset from ``least`` that is 8-byte aligned and ≡ ``page_residue`` modulo the page size."""
+    if page_residue is None or page_residue % 8:
+        return -(-least // 8) * 8
+    return least + (page_residue - least) % PAGE
+
+
+def copy_alignment(tensors: Sequence[Planned], tag: str) -> int | None:
+    """Where a rank file's data section should start (modulo the page size) for its in-kernel copies.
+
+    A block whose source and destination offsets differ by a multiple of the page size is copied
+    as whole pages (about 7% less kernel time than through partial ones, measured); one padding
+    serves one residue, so it goes to the one with the most bytes. None when nothing is copied.
+    """
+    spans = data_offsets([(t.name, t.shape) for t in tensors], tag)
+    weight: dict[int, int] = {}
+    for planned in tensors:
+        row_bytes = int(np.prod(planned.shape[1:], dtype=np.int64)) * np.dtype(NUMPY_TYPES[tag]).itemsize
+        row = 0
+        for piece in planned.pieces:
+            rows = piece.rows[1] - piece.rows[0]
+            if _copyable(piece, tag):
+                source = piece.ref.begin + piece.rows[0] * row_bytes
+                residue = (source - spans[planned.name][0] - row * row_bytes) % PAGE
+                weight[residue] = weight.get(residue, 0) + rows * row_bytes
+            row += rows
+    return max(weight, key=weight.__getitem__) if weight else None
+
+
+def _copyable(piece: Piece, tag: str) -> bool:
+    """Whether the piece's bytes are a source file's bytes unchanged (whole rows, same dtype)."""
+    ref = piece.ref
+    return (ref is not None and ref.tag == tag and piece.cols is None and not piece.transpose
+            and hasattr(ref.file, "byte_range"))
 
 
 # Tensors whose bytes do not change (same dtype, whole rows) go file to file in the kernel; set
@@ -161,47 +232,99 @@ def _unchanged_span(piece: Piece, block: np.ndarray | None, out: np.ndarray) -> 
     return None if span is None else (source.fileno(), *span)
 
 
-class Checker:
-    """Checks blocks whose bytes are copied unchanged for NaN/Inf on a second thread.
+def _refuse_nonfinite(out: np.ndarray, block: np.ndarray, ref: TensorRef, tag: str, where: str) -> None:
+    """Refuse a converted block with NaN/Inf: corrupt weights, or values beyond the range of ``tag``."""
+    if not nonfinite(out, tag):
+        return
+    if out is block or nonfinite(block, ref.tag):
+        raise UsageError(f"{where}: tensor {ref.name} contains NaN or Inf values; "
+                         "the checkpoint is corrupt or was saved after a diverged step")
+    raise UsageError(f"{where}: tensor {ref.name} has values beyond the {tag} range",
+                     hint="export with --dtype bfloat16 or float32")
 
-    Their bytes go file to file in the kernel, so reading them for the check is the only work
-    this process does on them; on another core it overlaps the copies. ``finish`` raises the
-    first failure (the output is discarded by the caller).
+
+_AHEAD = 256  # queued copies and checks the main thread may be ahead by (about a kilobyte each)
+
+
+class Transfers:
+    """Blocks whose bytes do not change: copied file to file in the kernel, and checked, off the main thread.
+
+    Each rank file has one copying thread (two threads writing one file would wait on its lock),
+    with at most one thread per core; the NaN/Inf check of the copied bytes runs on one more. The
+    main thread meanwhile converts and writes the blocks whose bytes change, so every core works
+    on the export. ``finish`` waits for all and raises the first failure; ``close`` drops what has
+    not started and waits for the rest (before the rank files are closed).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, writers: Mapping[int, RankWriter]):
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="forge-check")
-        self._scratch = Scratch()
+        lanes = [ThreadPoolExecutor(1, thread_name_prefix="forge-copy")
+                 for _ in range(max(1, min(len(writers), os.cpu_count() or 1)))]
+        self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check")
+        self._pools = [*lanes, self._checker]
         self._pending: list = []
+        self._failed: list[BaseException] = []
 
-    def submit(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
-        self._pending.append(self._pool.submit(self._check, block, name, tag, where))
+    def copy(self, targets: Sequence[tuple[RankWriter, str, int]], block: np.ndarray, ref: TensorRef,
+             span: tuple[int, int, int], tag: str, where: str) -> None:
+        """Copy ``block`` (``span`` of its source file) to each (writer, tensor, byte offset) and check it."""
+        for writer, name, offset in targets:
+            self._submit(self._lanes[writer], _copy, writer, name, offset, block, ref, span)
+        self._submit(self._checker, _check, block, ref, span, tag, where)
 
-    def _check(self, block: np.ndarray, name: str, tag: str, where: str) -> None:
-        if nonfinite(block, tag, self._scratch):
-            raise UsageError(f"{where}: tensor {name} contains NaN or Inf values; "
-                             "the checkpoint is corrupt or was saved after a diverged step")
+    def _submit(self, pool, fn, *args) -> None:
+        future = pool.submit(fn, *args)
+        future.add_done_callback(self._done)
+        self._pending.append(future)
+
+    def _done(self, future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            self._failed.append(future.exception())
+
+    def pace(self) -> None:
+        """Raise the first failure so far (the main thread stops early instead of converting the rest),
+        and keep the main thread at most ``_AHEAD`` blocks ahead, so memory does not grow with the model."""
+        if self._failed:
+            raise self._failed[0]
+        self._pending = [future for future in self._pending if not future.done()]
+        while len(self._pending) > _AHEAD:
+            self._pending.pop(0).exception()  # waits for it
 
     def finish(self) -> None:
-        try:
-            for future in self._pending:
-                future.result()
-        finally:
-            for future in self._pending:
-                future.cancel()
-            self._pool.shutdown(wait=True)
-            self._pending = []
+        """Wait for every copy and check; raise the first failure."""
+        for future in self._pending:
+            future.exception()
+        self.pace()
+
+    def close(self) -> None:
+        for future in self._pending:
+            future.cancel()
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        self._pending = []
 
 
-def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
-              scratch: Scratch | None = None, checker: Checker | None = None) -> int:
+def _copy(writer: RankWriter, name: str, offset: int, block: np.ndarray, ref: TensorRef,
+          span: tuple[int, int, int]) -> None:
+    if not writer.copy(name, offset, *span):
+        writer.write(name, offset, block)  # the kernel or file system cannot: through the process
+        ref.file.release(span[1], span[1] + span[2])
+
+
+def _check(block: np.ndarray, ref: TensorRef, span: tuple[int, int, int], tag: str, where: str) -> None:
+    _refuse_nonfinite(block, block, ref, tag, where)
+    ref.file.release(span[1], span[1] + span[2])  # the check mapped the pages; keep peak memory flat
+
+
+def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str, transfers: Transfers,
+              scratch: Scratch | None = None) -> int:
     """Convert and write one tensor to every rank that holds it; returns the bytes written.
 
     Ranks holding identical copies (embeddings, norms, row-parallel biases) share one conversion,
     and the ranks' blocks are visited in lockstep so rows that several ranks slice (row-parallel
-    weights) are read while resident and released once.
+    weights) are read while resident and released once. Unchanged blocks go to ``transfers``.
     """
     scratch = scratch or Scratch()
     groups: dict[tuple, list[int]] = {}
@@ -218,19 +341,15 @@ def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str,
                 out = np.zeros((rows, *planned.shape[1:]), dtype=NUMPY_TYPES[tag])
             else:
                 out = convert(block, piece.ref.tag, tag, scratch)
-                if out is block and checker is not None:
-                    checker.submit(block, piece.ref.name, tag, where)  # checked beside the kernel's copy
-                elif nonfinite(out, tag, scratch):
-                    if nonfinite(block, piece.ref.tag):
-                        raise UsageError(f"{where}: tensor {piece.ref.name} contains NaN or Inf values; "
-                                         "the checkpoint is corrupt or was saved after a diverged step")
-                    raise UsageError(f"{where}: tensor {piece.ref.name} has values beyond the {tag} range",
-                                     hint="export with --dtype bfloat16 or float32")
             span = _unchanged_span(piece, block, out)
-            for rank in ranks:
-                if span is None or not writers[rank].copy(planned.name, offset, *span):
+            if span is not None:
+                transfers.copy([(writers[r], planned.name, offset) for r in ranks], block, piece.ref, span, tag, where)
+            else:
+                if block is not None:
+                    _refuse_nonfinite(out, block, piece.ref, tag, where)
+                for rank in ranks:
                     writers[rank].write(planned.name, offset, out)
-                written += out.nbytes
+            written += out.nbytes * len(ranks)
     for ref in job.sources:
         ref.release()
     return written
@@ -321,22 +440,24 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
             return norm
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(trtllm_config(adapter, norm, dtype, tp, pp), indent=2))
-        layouts: dict[int, list[tuple[str, tuple[int, ...]]]] = {r: [] for r in range(tp * pp)}
+        layouts: dict[int, list[Planned]] = {r: [] for r in range(tp * pp)}
         for job in jobs:
             for rank, planned in job.per_rank.items():
-                layouts[rank].append((planned.name, planned.shape))
-        writers = {r: RankWriter(out / f"rank{r}.safetensors", layouts[r], tag) for r in layouts}
-        checker = Checker() if _IN_KERNEL else None
+                layouts[rank].append(planned)
+        writers = {r: RankWriter(out / f"rank{r}.safetensors", [(t.name, t.shape) for t in layouts[r]], tag,
+                                 page_residue=copy_alignment(layouts[r], tag)) for r in layouts}
+        transfers = Transfers(writers)
         try:
             total = 0
             scratch = Scratch()
             for job in jobs:
-                total += write_job(job, writers, tag, where, scratch, checker)
+                transfers.pace()
+                total += write_job(job, writers, tag, where, transfers, scratch)
+            transfers.finish()  # raises the first failure (a NaN/Inf beside a copy); the caller discards the output
         finally:
+            transfers.close()
             for w in writers.values():
                 w.close()
-            if checker is not None:
-                checker.finish()  # raises the first NaN/Inf it found (the caller discards the output)
     log(f"wrote {tp * pp} rank file(s), {total / 2**20:.1f} MiB of {dtype} weights")
     return norm
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-
-from forge import tritonconfig as tc
-from forge.tritonconfig import mc
 from forge.errors import UsageError
 
 from . import profiles
 from .profiles import Parameter, Profile, Tensor
+
+if TYPE_CHECKING:
+    from forge.tritonconfig import mc
 
 PRE, LLM, POST, BLS = "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"
 _DTYPES = {"float16": "FP16", "bfloat16": "BF16", "float32": "FP32"}
@@ -83,6 +83,8 @@ def resolve_dtype(dtype: str, spec, meta: Mapping[str, Any] | None = None,
 
 
 def message_input(t: Tensor, dtype: str, *, ensemble_facing: bool = False) -> mc.ModelInput:
+    from forge import tritonconfig as tc  # protobuf: loaded when a config is written, not to export
+
     dims = t.feed_dims if ensemble_facing and t.feed_dims else t.dims
     return tc.model_input(t.name, dtype, dims, optional=t.optional, reshape=t.reshape,
                           allow_ragged_batch=t.ragged)
@@ -91,6 +93,8 @@ def message_input(t: Tensor, dtype: str, *, ensemble_facing: bool = False) -> mc
 def tensorrt_llm_io(profile: Profile, spec, meta: Mapping[str, Any] | None = None,
                     engine_dir: Path | None = None) -> tuple[list[mc.ModelInput], list[mc.ModelOutput]]:
     """The ``tensorrt_llm`` model's inputs and outputs for ``profile`` (every target uses these)."""
+    from forge import tritonconfig as tc
+
     spec_io = profile.interface(LLM)
     inputs = [message_input(t, resolve_dtype(t.dtype, spec, meta, engine_dir)) for t in spec_io.inputs]
     outputs = [tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)

@@ -23,10 +23,12 @@ DTYPE_TAGS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 NUMPY_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # numpy has no bfloat16: raw bits
 _READABLE = {**NUMPY_TYPES, "F64": np.float64, "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32,
              "I64": np.int64, "F8_E4M3": np.uint8}  # quantized checkpoints (read by the reference model)
-_BITS = {"F32": (np.uint32, 0x7FFFFFFF, 0x7F800000), "F16": (np.uint16, 0x7FFF, 0x7C00),
-         "BF16": (np.uint16, 0x7FFF, 0x7F80)}  # (view type, abs mask, exponent-all-ones)
+_BITS = {"F32": (np.int32, np.uint32, 0x7F800000), "F16": (np.int16, np.uint16, 0x7C00),
+         "BF16": (np.int16, np.uint16, 0x7F80)}  # (signed view, unsigned view, exponent all ones)
+_CHECK_ELEMS = 1 << 17  # nonfinite reads this many elements at a time, so its second pass hits the cache
 CHUNK_BYTES = 16 << 20  # rows are converted and written in blocks of about this size
-_PAGE = mmap.PAGESIZE
+PAGE = mmap.PAGESIZE
+_FAULT_AROUND = 2 << 20  # how far from a faulting page Linux may map cached pages (a large folio)
 
 
 # -- dtype handling (numpy only: the converter never imports torch) -------------------------------
@@ -100,13 +102,19 @@ def convert(a: np.ndarray, src: str, dst: str, scratch: Scratch | None = None) -
     return out
 
 
-def nonfinite(a: np.ndarray, tag: str, scratch: Scratch | None = None) -> bool:
-    """True when ``a`` holds a NaN or ±Inf (tested on the bit pattern, any dtype tag)."""
+def nonfinite(a: np.ndarray, tag: str) -> bool:
+    """True when ``a`` holds a NaN or ±Inf (tested on the bit pattern, any dtype tag).
+
+    Two max-reductions and no temporary array: read as signed integers, positive NaN/Inf are the
+    largest values; read as unsigned ones, the negative NaN/Inf are.
+    """
     if a.size == 0:
         return False
-    view, mask, inf = _BITS[tag]
-    masked = scratch.take("mask", a.shape, view) if scratch is not None else None
-    return bool(np.bitwise_and(a.view(view), view(mask), out=masked).max() >= inf)
+    signed, unsigned, inf = _BITS[tag]
+    negative_inf = inf | (1 << (8 * np.dtype(signed).itemsize - 1))
+    flat = a.reshape(-1) if a.flags.c_contiguous else None
+    parts = (flat[i:i + _CHECK_ELEMS] for i in range(0, flat.size, _CHECK_ELEMS)) if flat is not None else (a,)
+    return any(p.view(signed).max() >= inf or p.view(unsigned).max() >= negative_inf for p in parts)
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -161,7 +169,12 @@ class SafetensorsFile:
         return np.frombuffer(self._mm, dtype=_READABLE[ref.tag], count=count, offset=ref.begin).reshape(ref.shape)
 
     def release(self, begin: int, end: int) -> None:
-        start = begin - begin % _PAGE
+        # A fault also maps cached pages around it, beyond the bytes read (fault-around, and the rest
+        # of a large page-cache folio, up to 2 MiB): those are dropped too, or every block would leave
+        # some mapped behind and the peak would grow with the model (+12 MiB per 11 layers at tp 4).
+        start = max(0, begin - _FAULT_AROUND)
+        start -= start % PAGE
+        end = min(len(self._mm), end + _FAULT_AROUND)
         if end > start and hasattr(self._mm, "madvise"):
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
