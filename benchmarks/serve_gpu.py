@@ -11,7 +11,7 @@ For each model shape (random weights, seeded; the tokenizer of SmolLM2):
      memory-bandwidth limit (weight bytes per step / the GPU's bandwidth).
 
     python benchmarks/serve_gpu.py --tokenizer DIR [--shapes smollm2,tinyllama] [--bandwidth-tbs 3.35]
-    python benchmarks/serve_gpu.py --engine-only      # 4. alone: no tritonserver, no tokenizer
+    python benchmarks/serve_gpu.py --engine-only [--shapes smollm2,tinyllama,gpt2]  # 4. alone: no tritonserver
 """
 
 from __future__ import annotations
@@ -43,7 +43,14 @@ SMOLLM2 = dict(vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0, bos_tok
 
 def make_model(shape: str, tokenizer: Path | None, out: Path, dtype: str = "float16") -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if shape == "gpt2":  # GPT-2 small's shape (124M, its own 50257-token vocabulary): the engine alone only
+        if tokenizer is not None:
+            sys.exit("benchmark: the gpt2 shape has no tokenizer here; use it with --engine-only")
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config(torch_dtype=dtype)).to(getattr(torch, dtype)).save_pretrained(out)
+        return out
 
     base = json.loads((tokenizer / "config.json").read_text()) if tokenizer else SMOLLM2
     config = LlamaConfig(**{**{k: base[k] for k in ("vocab_size", "rms_norm_eps", "rope_theta", "bos_token_id",

@@ -50,14 +50,14 @@ def _gpt2(path):
     return path
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama", "llama-static"])
+@pytest.fixture(scope="module", params=["gpt2", "llama", "gpt2-static", "llama-static"])
 def model(request, tmp_path_factory):
-    """``llama-static``: the same llama decoding through graphs.GraphDecoder's static KV cache, run eagerly
+    """``*-static``: the same model decoding through graphs.GraphDecoder's static KV cache, run eagerly
     (the arithmetic the GPU captures as CUDA graphs), with small column buckets so caches change bucket."""
     path = tmp_path_factory.mktemp(request.param)
-    (_gpt2 if request.param == "gpt2" else _llama)(path)
+    (_gpt2 if request.param.startswith("gpt2") else _llama)(path)
     model = load_model(path, torch.device("cpu"), torch.float32)
-    model.static_decode = request.param == "llama-static"
+    model.static_decode = request.param.endswith("-static")
     if model.static_decode:
         patch = pytest.MonkeyPatch()
         patch.setattr(graphs, "FIRST_COLUMNS", 8)

@@ -2,7 +2,8 @@
 
 On a GPU the same step is captured as CUDA graphs (``-o cuda_graphs``, default auto); what can be
 checked without one is its arithmetic: greedy ids equal ``generate`` token for token in float32 for
-each Llama-style architecture it takes (Llama with GQA, Qwen2's q/k/v biases, Qwen3's q/k norms),
+each architecture it takes (Llama with GQA, Qwen2's q/k/v biases, Qwen3's q/k norms; GPT-2 in
+tests/serve/test_engine.py's ``gpt2-static`` runs),
 with rows joining and leaving, and the refusals (``-o cuda_graphs=true`` where it cannot run).
 """
 
@@ -105,15 +106,15 @@ def test_sampled_and_processed_rows_share_the_static_step():
 
 
 def test_what_cannot_decode_through_graphs_says_why():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)).eval()
-    assert "GPT2LMHeadModel is not a Llama-style model" in graphs.unsupported(gpt2, 128)
-    engine = Engine(gpt2, Limits(VOCAB, 64, 128))
-    assert engine.use_graphs("auto").startswith("off (GPT2LMHeadModel is not a Llama-style model")
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=VOCAB)).eval()
+    assert "BloomForCausalLM is neither a Llama-style nor a GPT-2 model" in graphs.unsupported(bloom, 128)
+    engine = Engine(bloom, Limits(VOCAB, 64, 128))
+    assert engine.use_graphs("auto", capture=False).startswith("off (BloomForCausalLM is neither")
     assert engine.graphs is None
-    with pytest.raises(ValueError, match="-o cuda_graphs=true: cannot decode through CUDA graphs: GPT2"):
-        engine.use_graphs("true")
+    with pytest.raises(ValueError, match="-o cuda_graphs=true: cannot decode through CUDA graphs: Bloom"):
+        engine.use_graphs("true", capture=False)
     llama = Engine(_model("llama"), Limits(VOCAB, 64, 128))
     assert llama.use_graphs("auto") == "off (the model runs on cpu, not a GPU)"
     assert llama.use_graphs("false") == "off (-o cuda_graphs=false)"

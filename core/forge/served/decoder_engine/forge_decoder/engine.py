@@ -179,7 +179,7 @@ class Engine:
     def use_graphs(self, mode: str = "auto", *, capture: bool = True) -> str:
         """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
 
-        ``auto``: on a GPU where the model allows it (a Llama-style model, its KV cache for every row at
+        ``auto``: on a GPU where the model allows it (a Llama-style or GPT-2 model, its KV cache for every row at
         max_seq_len within half the free GPU memory; steps with a LoRA adapter in the batch run eagerly); ``true``: the same or an error
         saying why not; ``false``: the Hugging Face forward. Call before ``start`` and after ``lora``.
         """
@@ -205,7 +205,7 @@ class Engine:
             if mode in ("true", "1", "yes", "on"):
                 raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
             return f"off ({reason})"
-        self.graphs = graphs.GraphDecoder(self.model, self.max_rows, self.limits.max_seq_len, capture=capture)
+        self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture)
         return (f"on ({self.graphs.nbytes / 2**20:.0f} MiB static KV cache)" if self.graphs.capture
                 else "static KV cache, eager (no capture)")
 
@@ -405,6 +405,8 @@ class Engine:
             adapters = self.lora is not None and any(s.request.lora is not None for s in self._active)
             if adapters:  # this step runs eagerly through the modules, whose hooks add each row's adapter
                 self.lora.select([s.request.lora for s in self._active])
+            elif self.lora is not None:  # no adapter: hooks a capture runs through must add nothing
+                self.lora.select(None)
             logits = self.graphs.step([s.tokens[-1] for s in self._active], [len(s.tokens) - 1 for s in self._active],
                                       modules=adapters)
             plain = all(sampling.plain_greedy(s) for s in self._active)  # the graph picked their tokens already

@@ -27,15 +27,21 @@ from . import kvcache
 
 #: Model classes whose layers are Llama's: pre-norm, q/k/v/o projections (Qwen3 adds q/k norms), RoPE, gated MLP.
 LLAMA_STYLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+#: GPT-2's layers: pre-LayerNorm, one q/k/v projection (Conv1D), learned positions, GELU MLP.
+GPT2_STYLE = ("GPT2LMHeadModel",)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
 
 
 def unsupported(model, max_len: int) -> str | None:
-    """Why ``model`` cannot decode through ``GraphDecoder`` (None: it can)."""
+    """Why ``model`` cannot decode through a ``GraphDecoder`` (None: it can)."""
     name = type(model).__name__
+    if name in GPT2_STYLE:
+        if getattr(model.config, "add_cross_attention", False):
+            return "its layers have cross-attention"
+        return None
     if name not in LLAMA_STYLE:
-        return f"{name} is not a Llama-style model ({', '.join(LLAMA_STYLE)})"
+        return f"{name} is neither a Llama-style nor a GPT-2 model ({', '.join(LLAMA_STYLE + GPT2_STYLE)})"
     config = model.config
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kind = str(rope.get("rope_type", rope.get("type", "default")))
@@ -81,21 +87,22 @@ def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def decoder_for(model, rows: int, max_len: int, *, capture: bool = True) -> "GraphDecoder":
+    """The graph decoder of ``model``'s architecture (``unsupported`` says whether there is one)."""
+    cls = GPT2Decoder if type(model).__name__ in GPT2_STYLE else LlamaDecoder
+    return cls(model, rows, max_len, capture=capture)
+
+
 class GraphDecoder:
     """The decoding step of up to ``rows`` sequences of up to ``max_len`` tokens, as CUDA graphs.
 
-    With ``capture=False`` (or on a CPU) the same step runs eagerly: what the tests check against
-    transformers on a machine without a GPU.
+    Subclasses say where a model keeps its parts (``_layout``), prepare their tables (``_prepare``) and
+    write the step (``_forward``). With ``capture=False`` (or on a CPU) the step runs eagerly: what the
+    tests check against transformers on a machine without a GPU.
     """
 
     def __init__(self, model, rows: int, max_len: int, *, capture: bool = True):
-        inner = model.model
-        config = model.config
-        self.embed, self.layers, self.norm, self.head = inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
-        self.scale = float(getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
+        self._layout(model)
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.rows, self.max_len = rows, max_len
@@ -103,22 +110,9 @@ class GraphDecoder:
         shape = (rows, self.kv_heads, max_len + 1, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.columns = torch.arange(max_len + 1, device=self.device)
         with torch.no_grad():
-            self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-            self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
-        with torch.inference_mode():
-            positions = torch.arange(max_len + 1, device=self.device)
-            cos, sin = inner.rotary_emb(self.keys[0], positions[None])
-            half = self.head_dim // 2
-            # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated); the queries'
-            # rows carry the attention scale, so scores need no extra multiplication
-            sign = torch.ones(self.head_dim, dtype=sin.dtype, device=self.device)
-            sign[:half] = -1
-            scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, dtype=torch.float32,
-                                 device=self.device)[None, :, None]
-            self.cos = (cos[0].float()[:, None, :] * scale).to(self.dtype)  # [positions, heads + kv, dim]
-            self.sin = (sin[0].float()[:, None, :] * sign.float() * scale).to(self.dtype)
-        self.columns = positions
+            self._prepare(model)
         self.heads_offset = (torch.arange(rows, device=self.device)[:, None] * self.kv_heads
                              + torch.arange(self.kv_heads, device=self.device)[None, :]) * (max_len + 1)
         self.inputs = torch.zeros((2, rows), dtype=torch.long, device=self.device)  # ids, positions
@@ -128,6 +122,18 @@ class GraphDecoder:
         self.picks: torch.Tensor | None = None  # [rows, 2]: each row's argmax token and its log-probability
         self.pool = None
         self.used = 0  # slots holding running sequences
+
+    def _layout(self, model) -> None:
+        raise NotImplementedError
+
+    def _prepare(self, model) -> None:
+        raise NotImplementedError
+
+    def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for slots [0, rows) attending to columns [0, columns): the logits and, per row,
+        (argmax token, its log-probability) as float32. ``modules``: the projections through their
+        modules (hooks apply) instead of fused weights."""
+        raise NotImplementedError
 
     @property
     def nbytes(self) -> int:
@@ -212,22 +218,66 @@ class GraphDecoder:
         self.pool = graph.pool()
         self.graphs[(rows, columns)] = (graph, logits, picks)
 
-    def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token for slots [0, rows) attending to columns [0, columns): Llama's arithmetic.
-
-        Returns the logits and, per row, (argmax token, its log-probability) as float32. ``modules``: the
-        projections through their modules (hooks apply) instead of the fused weights."""
-        b, heads, kv, dim = rows, self.heads, self.kv_heads, self.head_dim
-        group = heads // kv
-        ids, pos = self.inputs[0, :b], self.inputs[1, :b]
-        cos, sin = self.cos[pos], self.sin[pos]  # [b, heads + kv, dim]
-        at = (self.heads_offset[:b] + pos[:, None]).view(-1)  # each (row, kv head)'s column in the flat cache
+    # -- pieces of every architecture's step ---------------------------------------------------------
+    def _step_inputs(self, rows: int, columns: int):
+        """This step's ids, positions, flat cache rows to write and the attention bias ``[b, 1, 1, columns]``."""
+        ids, pos = self.inputs[0, :rows], self.inputs[1, :rows]
+        at = (self.heads_offset[:rows] + pos[:, None]).view(-1)  # each (row, kv head)'s column in the flat cache
         hidden = self.columns[:columns].unsqueeze(0) > pos.unsqueeze(1)  # [b, columns]: not attended
-        bias = torch.zeros((b, 1, 1, columns), dtype=self.dtype, device=self.device)
-        bias = bias.masked_fill(hidden[:, None, None, :], float("-inf"))
+        bias = torch.zeros((rows, 1, 1, columns), dtype=self.dtype, device=self.device)
+        return ids, pos, at, bias.masked_fill(hidden[:, None, None, :], float("-inf"))
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor,
+                bias: torch.Tensor, columns: int) -> torch.Tensor:
+        """Write this step's keys/values [b, kv, dim] into the cache, attend with q [b, heads, dim] (scaled
+        already) over the first ``columns`` columns; returns [b, heads * dim]."""
+        b, kv, dim = k.shape
+        keys, values = self.keys[layer], self.values[layer]
+        keys.view(-1, dim).index_copy_(0, at, k.reshape(b * kv, dim))
+        values.view(-1, dim).index_copy_(0, at, v.reshape(b * kv, dim))
+        q = q.reshape(b, kv, self.heads // kv, dim)
+        scores = torch.matmul(q, keys[:b, :, :columns].transpose(-1, -2)) + bias  # [b, kv, group, columns]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        return torch.matmul(probs, values[:b, :, :columns]).view(b, self.heads * dim)
+
+    @staticmethod
+    def _picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top = logits.argmax(dim=-1, keepdim=True)
+        logprob = torch.log_softmax(logits.float(), dim=-1).gather(1, top)
+        return logits, torch.cat([top.float(), logprob], dim=1)
+
+
+class LlamaDecoder(GraphDecoder):
+    """Llama-style layers: RMSNorm, fused q/k/v and gate/up GEMMs, RoPE with the scale in its tables."""
+
+    def _layout(self, model) -> None:
+        inner, config = model.model, model.config
+        self.rotary = inner.rotary_emb
+        self.embed, self.layers, self.norm, self.head = inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.scale = float(getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
+
+    def _prepare(self, model) -> None:
+        self.qkv = [_fuse([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.gate_up = [_fuse([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        cos, sin = self.rotary(self.keys[0], self.columns[None])
+        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated); the queries' rows
+        # carry the attention scale, so scores need no extra multiplication
+        sign = torch.ones(self.head_dim, dtype=torch.float32, device=self.device)
+        sign[: self.head_dim // 2] = -1
+        scale = torch.tensor([self.scale] * self.heads + [1.0] * self.kv_heads, dtype=torch.float32,
+                             device=self.device)[None, :, None]
+        self.cos = (cos[0].float()[:, None, :] * scale).to(self.dtype)  # [positions, heads + kv, dim]
+        self.sin = (sin[0].float()[:, None, :] * sign * scale).to(self.dtype)
+
+    def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        b, heads, kv, dim = rows, self.heads, self.kv_heads, self.head_dim
+        ids, pos, at, bias = self._step_inputs(rows, columns)
+        cos, sin = self.cos[pos], self.sin[pos]  # [b, heads + kv, dim]
         h = self.embed(ids)
-        for layer, keys, values, (wqkv, bqkv), (wgu, bgu) in zip(self.layers, self.keys, self.values, self.qkv,
-                                                                  self.gate_up):
+        for i, (layer, (wqkv, bqkv), (wgu, bgu)) in enumerate(zip(self.layers, self.qkv, self.gate_up)):
             attn, mlp = layer.self_attn, layer.mlp
             x = _norm(layer.input_layernorm, h)
             if modules:
@@ -239,12 +289,7 @@ class GraphDecoder:
                 qk = torch.cat([_norm(attn.q_norm, qk[:, :heads]), _norm(attn.k_norm, qk[:, heads:])], dim=1)
             swapped = qk.view(b, heads + kv, 2, dim // 2).flip(2).view(b, heads + kv, dim)
             qk = torch.addcmul(qk * cos, swapped, sin)
-            keys.view(-1, dim).index_copy_(0, at, qk[:, heads:].reshape(b * kv, dim))
-            values.view(-1, dim).index_copy_(0, at, v.reshape(b * kv, dim))
-            q = qk[:, :heads].reshape(b, kv, group, dim)
-            scores = torch.matmul(q, keys[:b, :, :columns].transpose(-1, -2)) + bias  # [b, kv, group, columns]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            out = torch.matmul(probs, values[:b, :, :columns]).view(b, heads * dim)
+            out = self._attend(i, qk[:, :heads], qk[:, heads:], v, at, bias, columns)
             if modules:
                 h = h + attn.o_proj(out)
                 x = _norm(layer.post_attention_layernorm, h)
@@ -253,7 +298,38 @@ class GraphDecoder:
             h = _add_linear(h, out, attn.o_proj)
             gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
             h = _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
-        logits = self.head(_norm(self.norm, h))
-        top = logits.argmax(dim=-1, keepdim=True)
-        logprob = torch.log_softmax(logits.float(), dim=-1).gather(1, top)
-        return logits, torch.cat([top.float(), logprob], dim=1)
+        return self._picks(self.head(_norm(self.norm, h)))
+
+
+class GPT2Decoder(GraphDecoder):
+    """GPT-2 layers: LayerNorm, one Conv1D for q/k/v, learned position embeddings, GELU MLP. The
+    projections are module calls in either mode (Conv1D already is one GEMM with its bias)."""
+
+    def _layout(self, model) -> None:
+        inner, config = model.transformer, model.config
+        self.embed, self.positions, self.layers = inner.wte, inner.wpe, list(inner.h)
+        self.norm, self.head = inner.ln_f, model.lm_head
+        self.heads = self.kv_heads = int(config.n_head)
+        self.head_dim = int(config.n_embd) // self.heads
+
+    def _prepare(self, model) -> None:
+        config = model.config
+        scales = []
+        for i, layer in enumerate(self.layers):
+            scale = getattr(layer.attn, "scaling", None)
+            if scale is None:  # older transformers: the same rule
+                scale = self.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+                scale /= float(i + 1) if config.scale_attn_by_inverse_layer_idx else 1.0
+            scales.append(float(scale))
+        self.scales = scales
+
+    def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        b, heads, dim = rows, self.heads, self.head_dim
+        ids, pos, at, bias = self._step_inputs(rows, columns)
+        h = self.embed(ids) + self.positions(pos.clamp(max=self.positions.num_embeddings - 1))  # spare rows: any
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attn.c_attn(layer.ln_1(h)).view(b, 3, heads, dim).unbind(1)
+            out = self._attend(i, q * self.scales[i], k, v, at, bias, columns)
+            h = h + layer.attn.c_proj(out)
+            h = h + layer.mlp(layer.ln_2(h))
+        return self._picks(self.head(self.norm(h)))
