@@ -118,6 +118,8 @@ def test_what_cannot_decode_through_graphs_says_why():
     llama = Engine(_model("llama"), Limits(VOCAB, 64, 128))
     assert llama.use_graphs("auto") == "off (the model runs on cpu, not a GPU)"
     assert llama.use_graphs("false") == "off (-o cuda_graphs=false)"
+    with pytest.raises(ValueError, match="-o cuda_graphs='maybe': expected auto, true or false"):
+        llama.use_graphs("maybe")  # a hand-edited config.pbtxt: refused at load, not read as auto
 
 
 def test_steps_with_a_lora_adapter_run_through_the_hooked_modules():

@@ -154,7 +154,9 @@ def copy_alignment(tensors: Sequence[Planned], tag: str) -> int | None:
 
     A block whose source and destination offsets differ by a multiple of the page size is copied
     as whole pages (about 7% less kernel time than through partial ones, measured); one padding
-    serves one residue, so it goes to the one with the most bytes. None when nothing is copied.
+    serves one residue, so it goes to the one with the most bytes. None when nothing is copied. The
+    same padding whether or not copies run in the kernel: the rank files never depend on
+    FORGE_EXPORT_IN_KERNEL.
     """
     spans = data_offsets([(t.name, t.shape) for t in tensors], tag)
     weight: dict[int, int] = {}

@@ -180,29 +180,27 @@ class Engine:
         """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
 
         ``auto``: on a GPU where the model allows it (a Llama-style or GPT-2 model, its KV cache for every row at
-        max_seq_len within half the free GPU memory; steps with a LoRA adapter in the batch run eagerly); ``true``: the same or an error
-        saying why not; ``false``: the Hugging Face forward. Call before ``start`` and after ``lora``.
+        max_seq_len within half the free GPU memory; steps with a LoRA adapter in the batch run eagerly);
+        ``true``: the same or an error saying why not; ``false``: the Hugging Face forward; anything else is an
+        error. Call before ``start`` and after ``lora``.
         """
         mode = (mode or "auto").lower()
-        if mode in ("false", "0", "no", "off"):
+        if mode not in ("auto", "true", "false"):
+            raise ValueError(f"-o cuda_graphs={mode!r}: expected auto, true or false")
+        if mode == "false":
             return "off (-o cuda_graphs=false)"
         reason = graphs.unsupported(self.model, self.limits.max_seq_len)
         if reason is None and capture and self.device.type != "cuda":
             reason = f"the model runs on {self.device.type}, not a GPU"
         if reason is None and self.device.type == "cuda":
-            config = self.model.config
-            heads = int(config.num_attention_heads)
-            kv = int(getattr(config, "num_key_value_heads", None) or heads)
-            dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-            size = (2 * int(config.num_hidden_layers) * self.max_rows * kv * (self.limits.max_seq_len + 1) * dim
-                    * next(self.model.parameters()).element_size())
+            size = graphs.cache_bytes(self.model, self.max_rows, self.limits.max_seq_len)
             free, _total = torch.cuda.mem_get_info(self.device)
             if size > free // 2:
                 reason = (f"a static KV cache for {self.max_rows} rows × {self.limits.max_seq_len} tokens needs "
                           f"{size / 2**30:.1f} GiB, more than half the free GPU memory ({free / 2**30:.1f} GiB); "
                           "lower -o inflight_sequences or --max-seq-len")
         if reason is not None:
-            if mode in ("true", "1", "yes", "on"):
+            if mode == "true":
                 raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
             return f"off ({reason})"
         self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture)

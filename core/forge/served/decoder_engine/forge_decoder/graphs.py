@@ -87,6 +87,16 @@ def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def cache_bytes(model, rows: int, max_len: int) -> int:
+    """Bytes of the static KV cache a decoder for ``model`` allocates (keys and values, every layer)."""
+    config = model.config  # GPT-2's config maps these names to its n_head / n_layer / n_embd
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return (2 * int(config.num_hidden_layers) * rows * kv * (max_len + 1) * dim
+            * next(model.parameters()).element_size())
+
+
 def decoder_for(model, rows: int, max_len: int, *, capture: bool = True) -> "GraphDecoder":
     """The graph decoder of ``model``'s architecture (``unsupported`` says whether there is one)."""
     cls = GPT2Decoder if type(model).__name__ in GPT2_STYLE else LlamaDecoder
@@ -122,6 +132,7 @@ class GraphDecoder:
         self.picks: torch.Tensor | None = None  # [rows, 2]: each row's argmax token and its log-probability
         self.pool = None
         self.used = 0  # slots holding running sequences
+        self.filled = 0  # columns [0, filled) hold tokens of some running sequence
 
     def _layout(self, model) -> None:
         raise NotImplementedError
@@ -157,17 +168,24 @@ class GraphDecoder:
                 keys[first + i, :, :n] = k[i, :, width - n:]
                 values[first + i, :, :n] = v[i, :, width - n:]
         self.used += len(lengths)
+        self.filled = max(self.filled, width)
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only the slots ``rows`` (in that order), packed to the front."""
-        if rows != list(range(len(rows))):
-            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        """Keep only the slots ``rows`` (in that order), packed to the front.
+
+        Only the slots that move are copied, and only their columns in use (not all max_seq_len of them:
+        at 64 rows × 8192 columns a whole copy would move gigabytes every time a sequence ends)."""
+        first = next((i for i, row in enumerate(rows) if row != i), len(rows))
+        if first < len(rows):
+            index = torch.tensor(rows[first:], dtype=torch.long, device=self.device)
             for t in self.keys + self.values:
-                t[: len(rows)] = t.index_select(0, index)
+                t[first:len(rows), :, :self.filled] = t[:, :, :self.filled].index_select(0, index)
         self.used = len(rows)
+        if not rows:
+            self.filled = 0
 
     def reset(self) -> None:
-        self.used = 0
+        self.used = self.filled = 0
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self, tokens: list[int], positions: list[int], *, modules: bool = False) -> torch.Tensor:
@@ -183,6 +201,7 @@ class GraphDecoder:
         while columns < need:
             columns *= 2
         columns = min(columns, self.max_len)
+        self.filled = max(self.filled, need)
         if self.capture and not modules and (rows, columns) not in self.graphs:
             self._capture(rows, columns)
         self.staging[0, :n] = torch.as_tensor(tokens)
