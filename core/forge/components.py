@@ -32,6 +32,14 @@ class Option:
     minimum: float | None = None  # the smallest allowed value of an "int" / "float" option
     flag: str | None = None  # the first-class CLI flag that sets it too (e.g. "--instances")
 
+    def __post_init__(self) -> None:
+        # A declaration mistake, not a user's: choices on another kind would never be checked, and a
+        # value outside them would pass the build and be read as something else by whatever serves it.
+        if self.kind not in OPTION_KINDS:
+            raise ValueError(f"option {self.name!r}: kind {self.kind!r} is not one of {', '.join(OPTION_KINDS)}")
+        if self.choices and self.kind != "choice":
+            raise ValueError(f"option {self.name!r}: choices are checked only for kind 'choice', not {self.kind!r}")
+
     def used_by(self, target: str) -> bool:
         """True when a build for ``target`` reads this option."""
         return not self.targets or target in self.targets

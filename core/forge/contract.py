@@ -22,6 +22,11 @@ def _label(name: str) -> str:
     return FLAG_OPTIONS.get(name, f"-o {name}")
 
 
+def _choice_text(value: Any) -> str:
+    """A choice as written: ``-o key=true`` arrives as the boolean True, which stands for the choice "true"."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def check_value(option: Option, value: Any) -> None:
     """Refuse a value that does not fit the option's kind, choices or minimum."""
     label, kind = _label(option.name), option.kind
@@ -36,7 +41,7 @@ def check_value(option: Option, value: Any) -> None:
         if option.minimum is not None and value < option.minimum:
             raise UsageError(f"{label} must be at least {option.minimum:g}, got {value!r}")
     elif kind == "choice":
-        if str(value) not in option.choices:
+        if _choice_text(value) not in option.choices:
             raise UsageError(f"{label}={value} is not valid; choose one of {', '.join(option.choices)}")
     elif kind == "path":
         if not isinstance(value, (str, Path)) or not str(value):

@@ -26,6 +26,9 @@ from forge.cli import main
     (["--target", "hf-pipeline", "--tp", "2"], "cannot split across ranks for --target hf-pipeline"),
     (["--target", "hf-pipeline", "--max-batch-size", "4"], "--max-batch-size has no effect on --target hf-pipeline"),
     (["--target", "python", "-o", "compute_dtype=int8"], "compute_dtype"),
+    (["--target", "python", "--tp", "2", "-o", "cuda_graphs=true"], "-o cuda_graphs=true needs --tp 1"),
+    (["--target", "python", "-o", "cuda_graphs=maybe"], "-o cuda_graphs=maybe is not valid"),
+    (["--target", "tensorrtllm", "-o", "cuda_graphs=true"], "-o cuda_graphs has no effect on --target tensorrtllm"),
     (["-o", "max_num_images=2"], "unknown -o max_num_images for family gpt"),
     (["--backend-version", "v0.5.0", "-o", "enable_kv_cache_reuse=true"],
      "-o enable_kv_cache_reuse is not a parameter of tensorrtllm_backend"),
@@ -88,3 +91,15 @@ def test_hf_pipeline_target_writes_the_seed_model_as_the_ensemble(tiny_gpt2, tmp
     assert [i.name for i in config.input][:2] == ["text_input", "max_tokens"]
     assert config.parameters["dtype"].string_value == "float16"  # as seed 000 writes it
     assert (out / "ensemble" / "1" / "hf" / "config.json").is_file()
+
+
+def test_cuda_graphs_choice_reaches_the_served_model_as_written(tiny_gpt2, tmp_path):
+    """-o cuda_graphs=true/false arrive from the command line as booleans; the model reads the choice's text."""
+    from forge import tritonconfig
+
+    for value in ("true", "false", "auto"):
+        out = tmp_path / value
+        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+                     "-o", f"cuda_graphs={value}"]) == 0
+        config = tritonconfig.read(out / "tensorrt_llm")
+        assert config.parameters["cuda_graphs"].string_value == value
