@@ -168,14 +168,20 @@ def child(code: str, *args: object) -> dict:
 
 
 def interleaved(times: int, measures: list[tuple[str, Callable[[], dict], Callable[[], None]]]) -> dict[str, dict]:
-    """``times`` rounds of every (label, run, cleanup) in turn → label: summary.
+    """``times`` rounds of every (label, run, cleanup), in a shuffled order each round → label: summary.
 
     Rounds, not one measurement's runs after another's, so that all share the machine's moods (on a
-    shared machine, cp alone took 0.6 s or 2 s minutes apart) and the ratios to cp compare like with like.
+    shared machine, cp alone took 0.6 s or 2 s minutes apart) and the ratios to cp compare like with
+    like. Shuffled (seeded), because on a VM whose free memory goes back to the host a few seconds
+    after it is freed (virtio-balloon free page reporting) the run that follows a pause pays the host
+    for every page it writes: in a fixed order the same measurement would always be that one.
     """
+    import random
+
+    order = random.Random(0)
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in measures}
     for _ in range(times):
-        for label, run, cleanup in measures:
+        for label, run, cleanup in order.sample(measures, len(measures)):
             runs[label].append(run())
             cleanup()
     return {label: summary(found) for label, found in runs.items()}

@@ -8,7 +8,13 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__
+# numpy's OpenBLAS starts one thread per core at import and each busy-waits (sched_yield) for
+# about 2^28 cycles before sleeping: ~0.1 s of CPU per forge command on a 2-core machine, though
+# export and most commands make no BLAS call. 2^4 cycles lets them sleep at once; a later BLAS call
+# wakes them (same matmul speed, measured). Set before numpy loads; a user's own setting wins.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+from . import __version__  # noqa: E402 (after the environment above, before anything imports numpy)
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ForgeError
 
 # name → module in forge.commands; each module has HELP, add_arguments(parser), run(args) -> int
@@ -21,13 +27,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"forge: error: {message} (see '{self.prog} --help')\n")
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``only`` just that sub-command (its module alone is imported:
+    a command's start-up does not pay for every other command's imports)."""
     top = _Parser(prog="forge", description="Build, serve and measure Triton model repositories "
                   "from Hugging Face checkpoints.")
     top.add_argument("--version", action="version", version=f"forge {__version__}")
     top.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     sub = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in COMMANDS:
+    for name in (only,) if only in COMMANDS else COMMANDS:
         try:
             module = importlib.import_module(f"forge.commands.{name}")
         except ModuleNotFoundError as exc:
@@ -43,8 +51,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parser().parse_args(argv)
+        args = parser(_command(argv)).parse_args(argv)
     except SystemExit as exc:  # --help, --version, argument errors: keep main() returning codes
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if not getattr(args, "_run", None):
@@ -61,6 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("forge: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The sub-command named in ``argv`` (None for top-level options such as --help or --version)."""
+    for arg in argv:
+        if arg == "--debug":
+            continue
+        return arg if arg in COMMANDS else None
+    return None
 
 
 def run() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -65,3 +66,28 @@ def test_fast_commands_do_not_import_torch(command, tmp_path):
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_a_command_imports_only_its_own_module(tmp_path):
+    """`forge export …` builds the parser of export alone (start-up is part of every command's time);
+    `forge --help` and a misspelt command still see every command."""
+    code = ("import sys\nfrom forge.cli import main\ntry:\n    main(['--debug', 'export', '--help'])\nexcept SystemExit:\n"
+            "    pass\nothers = sorted(m for m in sys.modules if m.startswith('forge.commands.') and m not in "
+            "('forge.commands.export', 'forge.commands.build'))\nassert not others, others\n")  # export shares build's flags
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "--family" in proc.stdout
+    listing = subprocess.run([sys.executable, "-m", "forge", "--help"], capture_output=True, text=True).stdout
+    assert all(name in listing for name in ("build", "export", "serve", "bench", "doctor"))
+    typo = subprocess.run([sys.executable, "-m", "forge", "exprot"], capture_output=True, text=True)
+    assert typo.returncode == 2 and "invalid choice: 'exprot'" in typo.stderr and "export" in typo.stderr
+
+
+def test_openblas_threads_do_not_spin_unless_the_user_says(tmp_path):
+    """numpy's OpenBLAS threads sleep at once in forge commands (they busy-waited ~0.1 s of CPU);
+    a value the user set is kept."""
+    code = "import os, forge.cli\nprint(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "4"
+    env["OPENBLAS_THREAD_TIMEOUT"] = "20"
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "20"

@@ -192,18 +192,22 @@ def test_smollm2_at_tp3_reproduces_transformers(tmp_path):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_in_kernel_copies_write_the_same_bytes(tiny_llama, tmp_path, monkeypatch, tp):
-    """Unchanged tensors go file to file (copy_file_range); the rank files equal the through-process ones."""
+    """Unchanged tensors go file to file (copy_file_range), column slices of unchanged rows from the
+    mapped source (pwritev of the runs, at tp > 1); the rank files equal the through-process ones."""
     from forge.llm import checkpoint
 
-    copied = []
-    real_copy = checkpoint.RankWriter.copy
+    copied, runs = [], []
+    real_copy, real_runs = checkpoint.RankWriter.copy, checkpoint.RankWriter.write_runs
     monkeypatch.setattr(checkpoint.RankWriter, "copy",
                         lambda self, *a: copied.append(a[0]) or real_copy(self, *a))
+    monkeypatch.setattr(checkpoint.RankWriter, "write_runs",
+                        lambda self, *a: runs.append(a[0]) or real_runs(self, *a))
     assert export(tiny_llama, tmp_path / "kernel", "--dtype", "float32", "--tp", str(tp)) == 0
     monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
     assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
     assert copied, "no tensor was copied in the kernel"
+    assert bool(runs) == (tp > 1), runs  # row-parallel weights are split along columns only at tp > 1
     for rank in range(tp):
         name = f"rank{rank}.safetensors"
         assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
@@ -235,6 +239,29 @@ def test_in_kernel_copies_move_whole_pages(tiny_llama, tmp_path, monkeypatch, tp
         assert max(by_residue, key=by_residue.__getitem__) == 0, (name, by_residue)
         with safe_open(out / name, "np") as f:  # the padded header is a valid safetensors header
             assert all(f.get_tensor(k).size for k in f.keys())
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"])
+def test_refuses_nan_in_a_column_slice_written_from_the_mapping(tiny_llama, tmp_path, capsys, value, name):
+    """Bad input: a NaN/Inf in a row-parallel weight at --tp 2 (its column slices go to the rank files
+    from the mapped source, the whole rows checked once) is refused, and no rank file is left."""
+    from safetensors.numpy import load_file, save_file
+
+    from forge.llm import checkpoint
+
+    model = tmp_path / "bad"
+    shutil.copytree(tiny_llama, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors[name][5, -1] = value  # in the last rank's columns
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    written = []
+    real = checkpoint.RankWriter.write_runs
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint.RankWriter, "write_runs", lambda self, *a: written.append(a[0]) or real(self, *a))
+        out = tmp_path / "out"
+        refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", "2"), f"{name} contains NaN or Inf")
+    assert written, "no column slice went through write_runs"
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])

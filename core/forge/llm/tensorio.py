@@ -184,12 +184,25 @@ class SafetensorsFile:
         Such a block can be copied file to file inside the kernel (``os.copy_file_range``) instead
         of through this process.
         """
-        if not block.flags.c_contiguous or block.base is None:
+        if not block.flags.c_contiguous:
+            return None
+        return self.extent(block)
+
+    def extent(self, block: np.ndarray) -> tuple[int, int] | None:
+        """(file offset, length) of the bytes a view into this file spans (a strided view's too), else None."""
+        if block.base is None or block.size == 0 or any(step < 0 for step in block.strides):
             return None
         start = block.__array_interface__["data"][0] - self._address()
-        if start < 0 or start + block.nbytes > len(self._mm):
+        length = sum((n - 1) * step for n, step in zip(block.shape, block.strides)) + block.itemsize
+        if start < 0 or start + length > len(self._mm):
             return None
-        return start, block.nbytes
+        return start, length
+
+    def view(self) -> memoryview:
+        """The whole file, mapped (bytes for ``pwritev`` without a copy through this process)."""
+        if not hasattr(self, "_view"):
+            self._view = memoryview(self._mm)
+        return self._view
 
     def _address(self) -> int:
         if not hasattr(self, "_base"):
@@ -206,6 +219,9 @@ class SafetensorsFile:
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
+        if hasattr(self, "_view"):
+            self._view.release()
+            del self._view
         try:
             self._mm.close()
         except BufferError:  # a numpy view is still alive; the map closes when it is collected
