@@ -243,7 +243,10 @@ def _chunks(planned: Planned, tag: str) -> Iterator[tuple[int, Piece, np.ndarray
     row_bytes = row_elems * np.dtype(NUMPY_TYPES[tag]).itemsize
     row = 0
     for piece in planned.pieces:
-        for first, block, rows in _blocks(piece, row_elems):
+        # a column slice's block spans whole source rows: sized by those, so that the pages mapped
+        # at once (by its writers and its check, in parallel) stay a few chunks
+        width = piece.ref.shape[-1] if piece.ref is not None and piece.cols is not None and not piece.transpose else row_elems
+        for first, block, rows in _blocks(piece, width):
             yield (row + first) * row_bytes, piece, block, rows
         row += piece.rows[1] - piece.rows[0]
 
