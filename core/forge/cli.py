@@ -83,4 +83,25 @@ def _command(argv: Sequence[str]) -> str | None:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    _exit(main())
+
+
+def _exit(code: int) -> None:
+    """Exit without the interpreter's teardown once the command is done.
+
+    Freeing numpy's and forge's modules at exit takes ~25 ms (measured), part of every command's
+    time. Exit handlers run and the standard streams are flushed first; with another thread still
+    alive, or a stream that cannot be flushed, the normal exit runs instead.
+    """
+    import atexit
+    import threading
+
+    if threading.active_count() > 1:
+        sys.exit(code)
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 (a closed pipe: let the interpreter report it its own way)
+        sys.exit(code)
+    os._exit(code)

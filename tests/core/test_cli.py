@@ -91,3 +91,18 @@ def test_openblas_threads_do_not_spin_unless_the_user_says(tmp_path):
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "4"
     env["OPENBLAS_THREAD_TIMEOUT"] = "20"
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "20"
+
+
+def test_the_console_exit_keeps_output_and_exit_handlers(tmp_path):
+    """`forge` leaves without the interpreter's teardown, but only after exit handlers ran and the
+    streams were flushed: piped output is complete, codes are kept, a handler's file is written."""
+    marker = tmp_path / "handler-ran"
+    code = ("import atexit, pathlib, sys\nfrom forge.cli import run\n"
+            f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('yes'))\n"
+            "sys.argv = ['forge'] + sys.argv[1:]\nrun()\n")
+    done = subprocess.run([sys.executable, "-c", code, "plugins"], capture_output=True, text=True)
+    assert done.returncode == 0 and "family llama" in done.stdout and done.stdout.endswith("\n")
+    assert marker.read_text() == "yes"
+    bad = subprocess.run([sys.executable, "-c", code, "build", "--family", "nosuch", "--model", "x", "--out", "y"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("forge: error:"), bad.stderr
