@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -277,3 +278,20 @@ def test_refuses_nan_in_a_tensor_copied_in_the_kernel(tiny_llama, tmp_path, caps
     out = tmp_path / "out"
     refused(capsys, out, export(model, out, "--dtype", "float32"),
             "model.layers.1.self_attn.q_proj.weight contains NaN or Inf")
+
+
+@pytest.mark.parametrize("short", [0, 5, 11, 29])
+def test_column_runs_survive_a_short_pwritev(tmp_path, monkeypatch, short):
+    """A pwritev that writes only part of the runs (a signal, a full quota) is finished piece by piece."""
+    from forge.llm import checkpoint
+
+    source = memoryview(bytes(range(100)))
+    runs = checkpoint.Runs(source, first=3, stride=10, width=4, count=8)  # bytes 3-6, 13-16, … 73-76
+    write_some = lambda fd, views, pos: os.pwrite(fd, b"".join(views)[:short], pos)  # noqa: E731
+    monkeypatch.setattr(checkpoint.os, "pwritev", write_some)
+    writer = checkpoint.RankWriter(tmp_path / "r.safetensors", [("t", (16,))], "F16")
+    writer.write_runs("t", 0, runs)
+    writer.close()
+    expected = b"".join(bytes(range(o, o + 4)) for o in range(3, 80, 10))
+    data = (tmp_path / "r.safetensors").read_bytes()
+    assert data[writer.data_start:writer.data_start + 32] == expected

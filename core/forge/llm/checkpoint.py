@@ -17,7 +17,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -91,34 +91,25 @@ class RankWriter:
 
     def write(self, name: str, byte_offset: int, data: np.ndarray) -> None:
         """Write contiguous ``data`` at ``byte_offset`` inside tensor ``name``."""
-        view = memoryview(data).cast("B")
+        self._pwrite(memoryview(data).cast("B"), self.data_start + self.offsets[name] + byte_offset)
+
+    def write_runs(self, name: str, byte_offset: int, runs: Runs) -> None:
+        """Write the ``runs`` of a mapped source end to end at ``byte_offset`` inside tensor ``name``.
+
+        A column slice goes to the file in one copy (``pwritev`` of its runs), not gathered first.
+        """
         pos = self.data_start + self.offsets[name] + byte_offset
+        for start in range(0, runs.count, _IOV_MAX):
+            pieces = runs.views(start, min(runs.count, start + _IOV_MAX))
+            done = os.pwritev(self.fd, pieces, pos)
+            for piece in pieces:  # after a short write (rare on a regular file), the rest piece by piece
+                self._pwrite(piece[min(done, len(piece)):], pos + min(done, len(piece)))
+                done, pos = max(0, done - len(piece)), pos + len(piece)
+
+    def _pwrite(self, view: memoryview, pos: int) -> None:
         while view:
             done = os.pwrite(self.fd, view, pos)
             view, pos = view[done:], pos + done
-
-    def write_runs(self, name: str, byte_offset: int, source: memoryview, first: int, stride: int, width: int,
-                   count: int) -> None:
-        """Write ``count`` runs of ``width`` bytes, ``stride`` apart from ``first`` in ``source``, end to end.
-
-        A column slice of a mapped source goes to the file in one copy (``pwritev`` of the runs),
-        not gathered into a buffer first.
-        """
-        pos = self.data_start + self.offsets[name] + byte_offset
-        for start in range(0, count, _IOV_MAX):
-            stop = min(count, start + _IOV_MAX)
-            runs = [source[o:o + width] for o in range(first + start * stride, first + stop * stride, stride)]
-            done = os.pwritev(self.fd, runs, pos)
-            if done < width * len(runs):  # a short write (rare on a regular file): the rest run by run
-                for run in runs:
-                    run = run[max(0, done):]
-                    done -= width
-                    while run:
-                        n = os.pwrite(self.fd, run, pos + width - len(run))
-                        run = run[n:]
-                    pos += width
-            else:
-                pos += done
 
     def copy(self, name: str, byte_offset: int, src_fd: int, src_offset: int, length: int) -> bool:
         """Copy ``length`` bytes of another file into tensor ``name`` inside the kernel.
@@ -245,8 +236,8 @@ def _chunks(planned: Planned, tag: str) -> Iterator[tuple[int, Piece, np.ndarray
     for piece in planned.pieces:
         # a column slice's block spans whole source rows: sized by those, so that the pages mapped
         # at once (by its writers and its check, in parallel) stay a few chunks
-        width = piece.ref.shape[-1] if piece.ref is not None and piece.cols is not None and not piece.transpose else row_elems
-        for first, block, rows in _blocks(piece, width):
+        spans_rows = piece.ref is not None and piece.cols is not None and not piece.transpose
+        for first, block, rows in _blocks(piece, piece.ref.shape[-1] if spans_rows else row_elems):
             yield (row + first) * row_bytes, piece, block, rows
         row += piece.rows[1] - piece.rows[0]
 
@@ -262,12 +253,28 @@ def _unchanged_span(piece: Piece, block: np.ndarray | None, out: np.ndarray) -> 
     return None if span is None else (source.fileno(), *span)
 
 
-Runs = tuple[memoryview, int, int, int, int]  # (source view, first byte, row stride, run width, rows)
+class Runs(NamedTuple):
+    """``count`` runs of ``width`` bytes, ``stride`` apart from byte ``first`` of a mapped ``source``."""
+
+    source: memoryview
+    first: int
+    stride: int
+    width: int
+    count: int
+
+    @property
+    def end(self) -> int:
+        return self.first + self.stride * (self.count - 1) + self.width
+
+    def views(self, start: int, stop: int) -> list[memoryview]:
+        """Runs ``start`` to ``stop`` as views into the source (no copy)."""
+        begin = self.first + start * self.stride
+        return [self.source[o:o + self.width] for o in range(begin, begin + (stop - start) * self.stride, self.stride)]
 
 
 def _column_runs(piece: Piece, block: np.ndarray | None, tag: str) -> Runs | None:
-    """(source view, first byte, row stride, run width, rows) when ``block`` is a column slice of a mapped
-    source in the output dtype: its rows can be written from the mapping without a gather."""
+    """The runs of ``block`` when it is a column slice of a mapped source in the output dtype: its rows can
+    be written from the mapping without a gather."""
     if (block is None or piece.cols is None or piece.transpose or piece.ref.tag != tag or block.ndim != 2
             or not _IN_KERNEL):
         return None
@@ -275,7 +282,7 @@ def _column_runs(piece: Piece, block: np.ndarray | None, tag: str) -> Runs | Non
     extent = source.extent(block) if hasattr(source, "extent") else None
     if extent is None or block.strides[1] != block.itemsize:
         return None
-    return source.view(), extent[0], block.strides[0], block.shape[1] * block.itemsize, block.shape[0]
+    return Runs(source.view(), extent[0], block.strides[0], block.shape[1] * block.itemsize, block.shape[0])
 
 
 def _refuse_nonfinite(out: np.ndarray, block: np.ndarray, ref: TensorRef, tag: str, where: str) -> None:
@@ -301,8 +308,9 @@ class Transfers:
     first. Each rank file has one writing thread (two threads writing one file spin on its lock),
     with at most one thread per core; the NaN/Inf check of those bytes runs on one more, each
     source row once. The main thread meanwhile converts and writes the blocks whose bytes change
-    (dtype conversions, transposes), so every core works on the export. ``finish`` waits for all and raises the first failure; ``close`` drops what has
-    not started and waits for the rest (before the rank files are closed).
+    (dtype conversions, transposes), so every core works on the export. ``finish`` waits for all
+    and raises the first failure; ``close`` drops what has not started and waits for the rest
+    (before the rank files are closed).
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
@@ -333,12 +341,12 @@ class Transfers:
         """
         for writer, name, offset in targets:
             self._submit(self._lanes[writer], _write_runs, writer, name, offset, runs, ref)
-        first, stride, _, count = runs[1:]
-        row = (first - ref.begin) // stride
-        if (ref.name, row, count) != self._checked:
-            self._checked = (ref.name, row, count)
-            rows = ref.array()[row:row + count]
-            self._submit(self._checker, _check, rows, ref, (-1, ref.begin + row * stride, count * stride), tag, where)
+        row = (runs.first - ref.begin) // runs.stride
+        if (ref.name, row, runs.count) != self._checked:
+            self._checked = (ref.name, row, runs.count)
+            rows = ref.array()[row:row + runs.count]
+            span = (-1, ref.begin + row * runs.stride, runs.count * runs.stride)  # no descriptor: _check reads it
+            self._submit(self._checker, _check, rows, ref, span, tag, where)
 
     def _submit(self, pool, fn, *args) -> None:
         future = pool.submit(fn, *args)
@@ -386,9 +394,8 @@ def _check(block: np.ndarray, ref: TensorRef, span: tuple[int, int, int], tag: s
 
 
 def _write_runs(writer: RankWriter, name: str, offset: int, runs: Runs, ref: TensorRef) -> None:
-    writer.write_runs(name, offset, *runs)
-    first, stride, width, count = runs[1:]
-    ref.file.release(first, first + stride * (count - 1) + width)
+    writer.write_runs(name, offset, runs)
+    ref.file.release(runs.first, runs.end)
 
 
 def write_job(job: Job, writers: Mapping[int, RankWriter], tag: str, where: str, transfers: Transfers,
