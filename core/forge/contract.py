@@ -76,6 +76,8 @@ def check_options(spec: BuildSpec, builds: Sequence[tuple[Family, str]]) -> None
                              hint=f"drop it, or build --target {option.targets[0]}")
         for _, _, option in using:
             check_value(option, value)
+        if any(option.kind == "choice" for _, _, option in using):
+            spec.options[name] = _choice_text(value)  # what every reader compares with: the choice as written
 
 
 def check(spec: BuildSpec, builds: Sequence[tuple[Family, str]]) -> None:

@@ -58,7 +58,6 @@ class Driver:
     def plan(self, spec: BuildSpec, stages: tuple[str, ...] = STAGES) -> list[ComponentPlan]:
         """Resolve families, targets and components, and compute every stage's cache key."""
         spec.validate()
-        self._spec_json = spec.to_json()
         if not spec.families:
             raise UsageError("no --family given; known families: " + ", ".join(sorted(self.registry.families)))
         builds = [(family, spec.target or family.default_target)
@@ -67,6 +66,7 @@ class Driver:
         builds += [(family, family.default_target) for family in self.registry.families.values()
                    if family.name not in spec.families and any(o in spec.options for o in family.joins_on)]
         contract.check(spec, builds)
+        self._spec_json = spec.to_json()  # after the check: choice values as written (-o x=true arrives as True)
         plans: list[ComponentPlan] = []
         for family, target in builds:
             name = family.name

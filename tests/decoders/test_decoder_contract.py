@@ -103,3 +103,5 @@ def test_cuda_graphs_choice_reaches_the_served_model_as_written(tiny_gpt2, tmp_p
                      "-o", f"cuda_graphs={value}"]) == 0
         config = tritonconfig.read(out / "tensorrt_llm")
         assert config.parameters["cuda_graphs"].string_value == value
+        manifest = json.loads((out / "forge-manifest.json").read_text())
+        assert manifest["spec"]["options"]["cuda_graphs"] == value  # the manifest records the choice, not True

@@ -76,7 +76,7 @@ def check_spec(spec) -> None:
                          hint="drop --instances")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
-    if spec.tp > 1 and str(spec.options.get("cuda_graphs", "auto")).lower() == "true":
+    if spec.tp > 1 and spec.options.get("cuda_graphs") == "true":
         raise UsageError(f"--target python at --tp {spec.tp} decodes through the Hugging Face forward on every "
                          "rank; -o cuda_graphs=true needs --tp 1", hint="drop -o cuda_graphs, or build at --tp 1")
 
@@ -163,7 +163,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_seq_len": max_seq_len,
         "max_num_sequences": spec.limits.max_batch_size,
         "inflight_sequences": ctx.option("inflight_sequences", 0),
-        "cuda_graphs": str(ctx.option("cuda_graphs", "auto")).lower(),  # -o cuda_graphs=true arrives as True
+        "cuda_graphs": ctx.option("cuda_graphs", "auto"),
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),
