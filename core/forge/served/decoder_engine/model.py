@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
+from forge_decoder import graphs as graphs_mod  # noqa: E402
 from forge_decoder import lora as lora_mod  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
@@ -164,10 +165,10 @@ class TritonPythonModel:
         self.loras = lora_mod.from_parameters(model, lambda key, default: _parameter(config, key, default),
                                               dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
         self.engine.lora = None if self.loras is None else self.loras.modules
-        graphs = _parameter(config, "cuda_graphs", "auto") or "auto"
+        graphs = _parameter(config, "cuda_graphs", "auto")
         if tp == 1:
             graphs = self.engine.use_graphs(graphs)
-        elif graphs == "true":  # every rank repeats rank 0's Hugging Face forward (distributed.py)
+        elif graphs_mod.mode(graphs) == "true":  # every rank repeats rank 0's Hugging Face forward (distributed.py)
             raise ValueError("-o cuda_graphs=true: tensor-parallel ranks decode through the Hugging Face forward")
         else:
             graphs = "off (tensor-parallel ranks decode through the Hugging Face forward)"

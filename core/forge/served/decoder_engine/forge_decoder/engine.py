@@ -184,9 +184,7 @@ class Engine:
         ``true``: the same or an error saying why not; ``false``: the Hugging Face forward; anything else is an
         error. Call before ``start`` and after ``lora``.
         """
-        mode = (mode or "auto").lower()
-        if mode not in ("auto", "true", "false"):
-            raise ValueError(f"-o cuda_graphs={mode!r}: expected auto, true or false")
+        mode = graphs.mode(mode)
         if mode == "false":
             return "off (-o cuda_graphs=false)"
         reason = graphs.unsupported(self.model, self.limits.max_seq_len)

@@ -31,6 +31,15 @@ LLAMA_STYLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qw
 GPT2_STYLE = ("GPT2LMHeadModel",)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
+MODES = ("auto", "true", "false")  # -o cuda_graphs
+
+
+def mode(value: str | None) -> str:
+    """The ``-o cuda_graphs`` value of a model's config (empty: auto); anything else is an error."""
+    chosen = (value or "auto").lower()
+    if chosen not in MODES:
+        raise ValueError(f"-o cuda_graphs={value!r}: expected auto, true or false")
+    return chosen
 
 
 def unsupported(model, max_len: int) -> str | None:
@@ -87,13 +96,17 @@ def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
-def cache_bytes(model, rows: int, max_len: int) -> int:
-    """Bytes of the static KV cache a decoder for ``model`` allocates (keys and values, every layer)."""
-    config = model.config  # GPT-2's config maps these names to its n_head / n_layer / n_embd
+def attention_shape(config) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim); GPT-2's config maps these names to n_head / n_embd."""
     heads = int(config.num_attention_heads)
     kv = int(getattr(config, "num_key_value_heads", None) or heads)
-    dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return (2 * int(config.num_hidden_layers) * rows * kv * (max_len + 1) * dim
+    return heads, kv, int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
+def cache_bytes(model, rows: int, max_len: int) -> int:
+    """Bytes of the static KV cache a decoder for ``model`` allocates (keys and values, every layer)."""
+    _, kv, dim = attention_shape(model.config)
+    return (2 * int(model.config.num_hidden_layers) * rows * kv * (max_len + 1) * dim
             * next(model.parameters()).element_size())
 
 
@@ -273,9 +286,7 @@ class LlamaDecoder(GraphDecoder):
         inner, config = model.model, model.config
         self.rotary = inner.rotary_emb
         self.embed, self.layers, self.norm, self.head = inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.heads, self.kv_heads, self.head_dim = attention_shape(config)
         self.scale = float(getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
 
     def _prepare(self, model) -> None:
@@ -328,8 +339,7 @@ class GPT2Decoder(GraphDecoder):
         inner, config = model.transformer, model.config
         self.embed, self.positions, self.layers = inner.wte, inner.wpe, list(inner.h)
         self.norm, self.head = inner.ln_f, model.lm_head
-        self.heads = self.kv_heads = int(config.n_head)
-        self.head_dim = int(config.n_embd) // self.heads
+        self.heads, self.kv_heads, self.head_dim = attention_shape(config)
 
     def _prepare(self, model) -> None:
         config = model.config

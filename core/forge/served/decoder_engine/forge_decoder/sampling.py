@@ -35,13 +35,20 @@ def _banned(words: list[list[int]], tokens: list[int]) -> list[int]:
     return banned
 
 
-def plain_greedy(row: Row) -> bool:
-    """Whether the row's next token is the argmax of its raw logits: greedy, nothing to process."""
+def _untouched(row: Row) -> bool:
+    """Whether ``process`` leaves the row's logits as they are (no bias, bad words, min length,
+    penalties or temperature apply now). ``process`` skips exactly these rows."""
     req = row.request
     s = req.sampling
-    return (s.greedy and row.bias is None and not req.bad_words and not s.penalised
+    return (row.bias is None and not req.bad_words and not s.penalised
             and not (req.end_id is not None and row.generated < s.min_length)
-            and s.top_p_decay == 1.0 and s.top_p_reset_id is None)
+            and (s.greedy or s.temperature in (0.0, 1.0)))
+
+
+def plain_greedy(row: Row) -> bool:
+    """Whether the row's next token is the argmax of its raw logits (and ``choose`` would change nothing else)."""
+    s = row.request.sampling
+    return s.greedy and _untouched(row) and s.top_p_decay == 1.0 and s.top_p_reset_id is None
 
 
 def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
@@ -49,6 +56,8 @@ def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     logits = logits.float()
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
+        if _untouched(row):
+            continue
         req = row.request
         if row.bias is not None:
             logits[i] += row.bias
