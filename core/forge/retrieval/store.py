@@ -111,7 +111,7 @@ def index_params(client, kind: str):
 
 
 def current_index(client, collection: str) -> str:
-    return (client.describe_index(collection, forge_store.VECTOR) or {}).get("index_type", "")
+    return forge_store.vector_index(client, collection).get("index_type", "")
 
 
 def grow_index(client, collection: str, rows: int) -> str | None:

@@ -199,7 +199,7 @@ def _settle_server(client, collection: str, timeout: float) -> bool:
     loaded = "Loaded" in str(client.get_load_state(collection).get("state", ""))
     built_at = None
     while True:
-        index = client.describe_index(collection, VECTOR) or {}
+        index = vector_index(client, collection)
         if "pending_index_rows" not in index:
             return False
         indexed = int(index.get("indexed_rows", 0))
