@@ -102,7 +102,10 @@ class RankWriter:
         for start in range(0, runs.count, _IOV_MAX):
             pieces = runs.views(start, min(runs.count, start + _IOV_MAX))
             done = os.pwritev(self.fd, pieces, pos)
-            for piece in pieces:  # after a short write (rare on a regular file), the rest piece by piece
+            if done == runs.width * len(pieces):  # the usual case: no Python work per run
+                pos += done
+                continue
+            for piece in pieces:  # a short write (rare on a regular file): the rest piece by piece
                 self._pwrite(piece[min(done, len(piece)):], pos + min(done, len(piece)))
                 done, pos = max(0, done - len(piece)), pos + len(piece)
 
