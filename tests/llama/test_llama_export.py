@@ -191,27 +191,37 @@ def test_smollm2_at_tp3_reproduces_transformers(tmp_path):
     assert (got.argmax(-1) == expected.argmax(-1)).all()
 
 
+def _spy(monkeypatch, module, name: str) -> list:
+    """Record the first argument after ``self`` (or the first) of every call of ``module.name``."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_in_kernel_copies_write_the_same_bytes(tiny_llama, tmp_path, monkeypatch, tp):
-    """Unchanged tensors go file to file (copy_file_range), column slices of unchanged rows from the
-    mapped source (pwritev of the runs, at tp > 1); the rank files equal the through-process ones."""
+def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, monkeypatch, tp, cores):
+    """Unchanged whole rows go file to file in the kernel while a core is free for their check (one lane),
+    else the lanes relay them (read once, checked, written); column slices (tp > 1) are always relayed.
+    Every way, the rank files equal the through-process ones; relayed in pieces smaller than a row block."""
     from forge.llm import checkpoint
 
-    copied, runs = [], []
-    real_copy, real_runs = checkpoint.RankWriter.copy, checkpoint.RankWriter.write_runs
-    monkeypatch.setattr(checkpoint.RankWriter, "copy",
-                        lambda self, *a: copied.append(a[0]) or real_copy(self, *a))
-    monkeypatch.setattr(checkpoint.RankWriter, "write_runs",
-                        lambda self, *a: runs.append(a[0]) or real_runs(self, *a))
-    assert export(tiny_llama, tmp_path / "kernel", "--dtype", "float32", "--tp", str(tp)) == 0
+    monkeypatch.setattr(checkpoint, "_CORES", cores)
+    monkeypatch.setattr(checkpoint, "RELAY_BYTES", 1000)  # several pieces per block, rows not a divisor
+    copied = _spy(monkeypatch, checkpoint.RankWriter, "copy")
+    relayed = _spy(monkeypatch, checkpoint, "_relay")
+    assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", str(tp)) == 0
+    lanes = min(tp, cores)
+    assert bool(copied) == (lanes == 1)
+    assert bool(relayed) == (tp > 1)  # row-parallel weights are split along columns only at tp > 1
+    whole = [rows for _, targets, _, rows, *_ in relayed if all(width == rows.stride for *_, width in targets)]
+    assert bool(whole) == (lanes > 1)
     monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
     assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
-    assert copied, "no tensor was copied in the kernel"
-    assert bool(runs) == (tp > 1), runs  # row-parallel weights are split along columns only at tp > 1
     for rank in range(tp):
         name = f"rank{rank}.safetensors"
-        assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+        assert (tmp_path / "lanes" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -221,6 +231,7 @@ def test_in_kernel_copies_move_whole_pages(tiny_llama, tmp_path, monkeypatch, tp
 
     from forge.llm import checkpoint
 
+    monkeypatch.setattr(checkpoint, "_CORES", 1)  # one lane: whole rows are copied in the kernel
     copies: dict[str, list[tuple[int, int]]] = {}
     real_copy = checkpoint.RankWriter.copy
 
@@ -242,56 +253,73 @@ def test_in_kernel_copies_move_whole_pages(tiny_llama, tmp_path, monkeypatch, tp
             assert all(f.get_tensor(k).size for k in f.keys())
 
 
+def _poison(tiny_llama: Path, tmp_path: Path, name: str, value: float, where=(5, -1)) -> Path:
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "bad"
+    shutil.copytree(tiny_llama, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors[name][where] = value
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 @pytest.mark.parametrize("name", ["model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"])
-def test_refuses_nan_in_a_column_slice_written_from_the_mapping(tiny_llama, tmp_path, capsys, value, name):
-    """Bad input: a NaN/Inf in a row-parallel weight at --tp 2 (its column slices go to the rank files
-    from the mapped source, the whole rows checked once) is refused, and no rank file is left."""
-    from safetensors.numpy import load_file, save_file
-
+def test_refuses_nan_in_a_relayed_column_slice(tiny_llama, tmp_path, capsys, monkeypatch, value, name, cores):
+    """Bad input: a NaN/Inf in a row-parallel weight at --tp 2 (its column slices are relayed by the lanes,
+    the whole rows checked by one of them) is refused, and no rank file is left."""
     from forge.llm import checkpoint
 
-    model = tmp_path / "bad"
-    shutil.copytree(tiny_llama, model)
-    tensors = load_file(model / "model.safetensors")
-    tensors[name][5, -1] = value  # in the last rank's columns
-    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    written = []
-    real = checkpoint.RankWriter.write_runs
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(checkpoint.RankWriter, "write_runs", lambda self, *a: written.append(a[0]) or real(self, *a))
-        out = tmp_path / "out"
-        refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", "2"), f"{name} contains NaN or Inf")
-    assert written, "no column slice went through write_runs"
+    model = _poison(tiny_llama, tmp_path, name, value)  # in the last rank's columns
+    monkeypatch.setattr(checkpoint, "_CORES", cores)
+    relayed = _spy(monkeypatch, checkpoint, "_relay")
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", "2"), f"{name} contains NaN or Inf")
+    assert relayed, "no column slice was relayed"
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_refuses_nan_in_a_tensor_copied_in_the_kernel(tiny_llama, tmp_path, capsys, value):
-    """Bad input: a NaN/Inf in a float32 weight exported as float32 (its bytes go file to file, checked beside)."""
-    from safetensors.numpy import load_file, save_file
-
-    model = tmp_path / "bad"
-    shutil.copytree(tiny_llama, model)
-    tensors = load_file(model / "model.safetensors")
-    tensors["model.layers.1.self_attn.q_proj.weight"][3, 4] = value
-    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
-    out = tmp_path / "out"
-    refused(capsys, out, export(model, out, "--dtype", "float32"),
-            "model.layers.1.self_attn.q_proj.weight contains NaN or Inf")
-
-
-@pytest.mark.parametrize("short", [0, 5, 11, 29])
-def test_column_runs_survive_a_short_pwritev(tmp_path, monkeypatch, short):
-    """A pwritev that writes only part of the runs (a signal, a full quota) is finished piece by piece."""
+@pytest.mark.parametrize(("tp", "name"), [(1, "model.layers.1.self_attn.q_proj.weight"),
+                                          (2, "model.layers.1.self_attn.q_proj.weight"),
+                                          (2, "model.embed_tokens.weight")])
+def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monkeypatch, value, tp, name):
+    """Bad input: a NaN/Inf in a float32 weight exported as float32: copied in the kernel and checked beside
+    (tp 1), or relayed by the lanes (tp 2 on two cores: q_proj's rows split, the embedding on every rank)."""
     from forge.llm import checkpoint
 
-    source = memoryview(bytes(range(100)))
-    runs = checkpoint.Runs(source, first=3, stride=10, width=4, count=8)  # bytes 3-6, 13-16, … 73-76
-    write_some = lambda fd, views, pos: os.pwrite(fd, b"".join(views)[:short], pos)  # noqa: E731
-    monkeypatch.setattr(checkpoint.os, "pwritev", write_some)
-    writer = checkpoint.RankWriter(tmp_path / "r.safetensors", [("t", (16,))], "F16")
-    writer.write_runs("t", 0, runs)
-    writer.close()
-    expected = b"".join(bytes(range(o, o + 4)) for o in range(3, 80, 10))
-    data = (tmp_path / "r.safetensors").read_bytes()
-    assert data[writer.data_start:writer.data_start + 32] == expected
+    model = _poison(tiny_llama, tmp_path, name, value, (3, 4))
+    monkeypatch.setattr(checkpoint, "_CORES", 2)
+    copied = _spy(monkeypatch, checkpoint.RankWriter, "copy")
+    out = tmp_path / "out"
+    refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", str(tp)), f"{name} contains NaN or Inf")
+    assert bool(copied) == (tp == 1)
+
+
+@pytest.mark.parametrize("most", [1, 6, 4096])
+def test_relay_survives_short_reads(tiny_llama, tmp_path, monkeypatch, most):
+    """A read that returns fewer bytes than asked (allowed of preadv) is continued; the files are the same."""
+    from forge.llm import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CORES", 2)
+    real = os.preadv
+    monkeypatch.setattr(checkpoint.os, "preadv", lambda fd, buffers, pos: real(fd, [buffers[0][:most]], pos))
+    assert export(tiny_llama, tmp_path / "short", "--dtype", "float32", "--tp", "2") == 0
+    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))
+    assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", "2") == 0
+    for rank in range(2):
+        name = f"rank{rank}.safetensors"
+        assert (tmp_path / "short" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+
+
+def test_refuses_a_weight_file_that_ends_early(tiny_llama, tmp_path, capsys, monkeypatch):
+    """Bad input: the weight file is cut short while it is read (end of file inside a tensor): one line, no output."""
+    from forge.llm import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CORES", 2)
+    monkeypatch.setattr(checkpoint.os, "preadv", lambda fd, buffers, pos: 0)
+    out = tmp_path / "out"
+    refused(capsys, out, export(tiny_llama, out, "--dtype", "float32", "--tp", "2"),
+            "model.safetensors ended inside tensor")

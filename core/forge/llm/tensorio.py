@@ -198,12 +198,6 @@ class SafetensorsFile:
             return None
         return start, length
 
-    def view(self) -> memoryview:
-        """The whole file, mapped (bytes for ``pwritev`` without a copy through this process)."""
-        if not hasattr(self, "_view"):
-            self._view = memoryview(self._mm)
-        return self._view
-
     def _address(self) -> int:
         if not hasattr(self, "_base"):
             self._base = np.frombuffer(self._mm, dtype=np.uint8, count=1).__array_interface__["data"][0]
