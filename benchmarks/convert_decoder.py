@@ -9,7 +9,7 @@ with the model (a half-depth model is converted too). Every measurement runs in 
 peak RSS (``ru_maxrss``). The synthetic checkpoint is written by streaming random blocks into a
 pre-sized safetensors file (it is never built in torch memory) and deleted at the end unless ``--keep``.
 
-    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 3] [--keep]
+    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 3] [--keep] [--against CORE]
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ print(json.dumps({"seconds": time.perf_counter() - t,
 """
 
 
-def cli(model: Path, out: Path, tp: int) -> dict:
+def cli(model: Path, out: Path, tp: int, core: Path | None = None) -> dict:
     """``forge export`` as a user runs it: the whole CLI process, from spawn to exit (a fresh stage cache)."""
     cache = out.parent / f"{out.name}-cache"
-    env = {**os.environ, "FORGE_CACHE_DIR": str(cache)}
+    env = {**os.environ, "FORGE_CACHE_DIR": str(cache), **_core_env(core)}
     argv = [sys.executable, "-m", "forge", "export", "--family", "llama", "--model", str(model), "--out", str(out),
             "--dtype", "float16", "--tp", str(tp)]
     os.sync()
@@ -158,10 +158,16 @@ def summary(runs: list[dict]) -> dict:
             "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
 
 
-def child(code: str, *args: object) -> dict:
+def _core_env(core: Path | None) -> dict[str, str]:
+    """The environment that makes a child import forge's core from ``core`` (another checkout's ``core/``)."""
+    return {"PYTHONPATH": os.pathsep.join([str(core), os.environ.get("PYTHONPATH", "")])} if core else {}
+
+
+def child(code: str, *args: object, core: Path | None = None) -> dict:
     """Run ``code`` in a fresh interpreter (after flushing dirty pages) and return its json report."""
     os.sync()
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **_core_env(core)})
     if proc.returncode:
         raise SystemExit(f"child failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -206,8 +212,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3,
                         help="rounds of all measurements; the fastest and the median are shown")
     parser.add_argument("--skip-transformers", action="store_true", help="do not time the transformers load")
+    parser.add_argument("--against", type=Path, metavar="CORE",
+                        help="also time forge's conversion (in-process and CLI, full model) with its core imported "
+                             "from CORE, another checkout's core/ directory (e.g. a git worktree of main), in the "
+                             "same shuffled rounds: an A/B of two versions on one machine at one time")
     args = parser.parse_args()
+    if args.against and not (args.against / "forge" / "llm" / "checkpoint.py").is_file():
+        parser.error(f"--against {args.against}: not a forge core/ directory (no forge/llm/checkpoint.py)")
     compile_forge()
+    if args.against:
+        import compileall
+
+        compileall.compile_dir(args.against, quiet=1)
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="forge-bench-"))
     scratch.mkdir(parents=True, exist_ok=True)
     try:
@@ -229,6 +245,11 @@ def main() -> None:
                 measures.append((f"forge convert tp={tp}", functools.partial(child, CONVERT, model, out, tp), remove))
                 if layers == args.layers:
                     measures.append((f"forge export CLI tp={tp}", functools.partial(cli, model, out, tp), remove))
+                if layers == args.layers and args.against:
+                    measures += [(f"  against: convert tp={tp}", functools.partial(child, CONVERT, model, out, tp,
+                                                                                  core=args.against), remove),
+                                 (f"  against: CLI tp={tp}", functools.partial(cli, model, out, tp, args.against),
+                                  remove)]
             found = interleaved(args.repeat, measures)
             for label, result in found.items():
                 print(row(label, result, size, None if label == "cp" else found["cp"]))

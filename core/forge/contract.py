@@ -8,7 +8,6 @@ flag or parallel size is ever silently dropped.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -54,6 +53,8 @@ def _unknown(name: str, known: Iterable[str], families: Sequence[Family]) -> Usa
     if name in FLAG_OPTIONS:
         return UsageError(f"{FLAG_OPTIONS[name]} does not apply to family {names}",
                           hint="drop it (see 'forge options --family NAME')")
+    import difflib  # only on a misspelt key: not part of every command's start-up
+
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     guess = f"did you mean {' or '.join(close)}? " if close else ""
     listing = ", ".join(known) if len(known) <= 40 else ", ".join(known[:40]) + ", …"

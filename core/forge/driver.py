@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import platform
 import shlex
 import shutil
 import sys
@@ -272,7 +271,7 @@ class Driver:
         built_families = {p.component.family for p in plans}
         return {
             "forge_version": __version__,
-            "python": platform.python_version(),
+            "python": sys.version.split()[0],  # what platform.python_version() reads
             "build_fingerprint": build_key,
             "plugins": {info.name: info.version for info in self.registry.infos.values()
                         if set(info.families) & built_families},

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +44,8 @@ def version(name: str, args: tuple[str, ...] = ("--version",), timeout: float = 
     path = which(name)
     if not path:
         return None
+    import subprocess  # here, not at the top: every command imports this module, few run a tool
+
     try:
         proc = subprocess.run([path, *args], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -63,6 +64,8 @@ def run(argv: list[str], *, purpose: str, cwd: Path | None = None, log: Path | N
             f"{argv[0]} is not installed; {purpose} needs it",
             hint=f"use --target python to run on this machine, or run the recorded command on a "
                  f"machine with the toolchain: {shlex.join(argv)}")
+    import subprocess
+
     with open(log or os.devnull, "w") as out:
         proc = subprocess.run(argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                               env={**os.environ, **(env or {})})

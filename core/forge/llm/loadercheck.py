@@ -18,10 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,6 +26,9 @@ from typing import Any, Sequence
 from forge.errors import ForgeError, UsageError
 
 from .profiles import parse_version
+
+# subprocess, tarfile and tempfile are imported where they are used: every export imports this
+# module, and most never run the checker (start-up is part of the export's time)
 
 ENV = "FORGE_TRTLLM_CHECK"
 TARBALL = re.compile(r"trtllm-src-(\d+\.\d+\.\d+[\w.]*)\.tar\.gz$")
@@ -56,6 +56,8 @@ class Checker:
 
     def run(self, script: str, args: Sequence[str]) -> tuple[int, str]:
         """(exit status, last output line) of one of the checker's scripts."""
+        import subprocess
+
         argv = [sys.executable, str(self.root / script), *args]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S,
@@ -68,6 +70,8 @@ class Checker:
 
     def check_checkpoints(self, dirs: Sequence[Path], strict: bool = True) -> dict[Path, tuple[bool, str]]:
         """(accepted, line) per checkpoint directory, from one checker process (the import is paid once)."""
+        import subprocess
+
         argv = [sys.executable, str(self.root / "check_ckpt.py"), "--src", str(self.src), *map(str, dirs)]
         done = subprocess.run([*argv, *([] if strict else ["--lenient"])], capture_output=True, text=True,
                               timeout=TIMEOUT_S, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -82,6 +86,9 @@ class Checker:
 
 
 def _extract(tarball: Path, dest: Path) -> None:
+    import tarfile
+    import tempfile
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=dest.parent))
     try:
@@ -104,6 +111,8 @@ def at(root: Path, cache: Path) -> Checker:
     version = TARBALL.search(tarballs[-1].name).group(1)
     src = cache / version
     if not (src / "tensorrt_llm" / "models" / "modeling_utils.py").is_file():
+        import tarfile
+
         try:
             _extract(tarballs[-1], src)
         except (OSError, tarfile.TarError) as exc:
