@@ -323,3 +323,22 @@ def test_refuses_a_weight_file_that_ends_early(tiny_llama, tmp_path, capsys, mon
     out = tmp_path / "out"
     refused(capsys, out, export(tiny_llama, out, "--dtype", "float32", "--tp", "2"),
             "model.safetensors ended inside tensor")
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"index0": ("1", "48K"), "index2": ("2", "2048K")}, 2 << 20),
+    ({"index2": ("2", "512K"), "index3": ("3", "32768K")}, 512 << 10),
+    ({"index2": ("2", "64K")}, 256 << 10),  # a piece of at least 256 KiB: fewer system calls
+    ({"index2": ("2", "8M")}, 2 << 20),  # at most 2 MiB, the largest measured (4 MiB: erratic here)
+    ({"index3": ("3", "32768K")}, 1 << 20),  # no L2 listed: the default
+    ({"index2": ("2", "large")}, 1 << 20),  # unreadable size: the default
+    ({}, 1 << 20),  # no cache information (not Linux): the default
+])
+def test_relay_pieces_fit_the_core_cache(tmp_path, files, expected):
+    from forge.llm.checkpoint import core_cache_bytes
+
+    for index, (level, size) in files.items():
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(level + "\n")
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert core_cache_bytes(tmp_path) == expected
