@@ -183,9 +183,9 @@ def _copyable(piece: Piece, tag: str) -> bool:
             and hasattr(ref.file, "byte_range"))
 
 
-# Tensors whose bytes do not change (same dtype, whole rows) go file to file in the kernel; set
-# FORGE_EXPORT_IN_KERNEL=0 to send every byte through the process (to compare, or on a system
-# whose copy_file_range misbehaves).
+# Tensors whose bytes do not change (same dtype) go to the rank files off the converting thread:
+# file to file in the kernel, or relayed (see Transfers); set FORGE_EXPORT_IN_KERNEL=0 to send every
+# byte through the converting thread instead (to compare, or on a system whose copy_file_range misbehaves).
 _IN_KERNEL = hasattr(os, "copy_file_range") and os.environ.get("FORGE_EXPORT_IN_KERNEL", "1") != "0"
 
 
@@ -275,7 +275,7 @@ def _refuse_nonfinite(out: np.ndarray, block: np.ndarray, ref: TensorRef, tag: s
 
 
 _AHEAD = 256  # queued copies and checks the main thread may be ahead by (about a kilobyte each)
-_CORES = os.cpu_count() or 1
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # usable here
 
 
 def core_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache"), default: int = 1 << 20) -> int:
