@@ -213,9 +213,6 @@ class SafetensorsFile:
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
-        if hasattr(self, "_view"):
-            self._view.release()
-            del self._view
         try:
             self._mm.close()
         except BufferError:  # a numpy view is still alive; the map closes when it is collected
