@@ -221,8 +221,8 @@ def _chunks(planned: Planned, tag: str) -> Iterator[tuple[int, Piece, np.ndarray
     row_bytes = row_elems * np.dtype(NUMPY_TYPES[tag]).itemsize
     row = 0
     for piece in planned.pieces:
-        # a column slice's block spans whole source rows: sized by those, so that the pages mapped
-        # at once (by its writers and its check, in parallel) stay a few chunks
+        # a column slice's block spans whole source rows (its relay reads them all): sized by those,
+        # so that one relay job reads about a chunk of the source, not tp chunks
         spans_rows = piece.ref is not None and piece.cols is not None and not piece.transpose
         for first, block, rows in _blocks(piece, piece.ref.shape[-1] if spans_rows else row_elems):
             yield (row + first) * row_bytes, piece, block, rows
