@@ -86,20 +86,23 @@ class Checker:
 
 
 def _extract(tarball: Path, dest: Path) -> None:
+    """Unpack ``tarball`` into ``dest`` (through a temporary sibling); a failure is one UsageError."""
     import tarfile
     import tempfile
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=dest.parent))
+    tmp = None
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=dest.parent))
         with tarfile.open(tarball) as tar:
             tar.extractall(tmp, filter="data")
         os.replace(tmp, dest)  # another build may have won the race: its copy is the same
-    except OSError:
-        if not (dest / "tensorrt_llm").is_dir():
-            raise
+    except (OSError, tarfile.TarError) as exc:
+        if isinstance(exc, tarfile.TarError) or not (dest / "tensorrt_llm").is_dir():
+            raise UsageError(f"cannot unpack {tarball}: {' '.join(str(exc).split())}") from None  # tarfile's span lines
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def at(root: Path, cache: Path) -> Checker:
@@ -111,12 +114,7 @@ def at(root: Path, cache: Path) -> Checker:
     version = TARBALL.search(tarballs[-1].name).group(1)
     src = cache / version
     if not (src / "tensorrt_llm" / "models" / "modeling_utils.py").is_file():
-        import tarfile
-
-        try:
-            _extract(tarballs[-1], src)
-        except (OSError, tarfile.TarError) as exc:
-            raise UsageError(f"cannot unpack {tarballs[-1]}: {exc}") from None
+        _extract(tarballs[-1], src)
     return Checker(root, version, src)
 
 
