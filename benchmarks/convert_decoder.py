@@ -160,7 +160,10 @@ def summary(runs: list[dict]) -> dict:
 
 def _core_env(core: Path | None) -> dict[str, str]:
     """The environment that makes a child import forge's core from ``core`` (another checkout's ``core/``)."""
-    return {"PYTHONPATH": os.pathsep.join([str(core), os.environ.get("PYTHONPATH", "")])} if core else {}
+    if core is None:
+        return {}
+    inherited = os.environ.get("PYTHONPATH")  # not joined when unset: an empty entry would add the cwd
+    return {"PYTHONPATH": os.pathsep.join([str(core), *([inherited] if inherited else [])])}
 
 
 def child(code: str, *args: object, core: Path | None = None) -> dict:
