@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import contextlib
-from importlib import metadata
 from typing import Any, Iterator
 from unittest import mock
 
@@ -33,20 +32,13 @@ def use_plugins(*extra: tuple[str, Any], entry_points: bool = False) -> Iterator
         plugins.set_registry(previous)
 
 
-class _FakeDist:
-    def __init__(self, name: str, version: str):
-        self.name, self.version = name, version
-        self.metadata = {"Name": name, "Version": version}
-
-
 class FakeEntryPoint:
-    """Stands in for an installed ``forge.plugins`` entry point."""
+    """Stands in for an installed ``forge.plugins`` entry point (a ``forge.plugins.EntryPoint``)."""
 
     def __init__(self, name: str, target: Any, distribution: str = "fake-forge-plugin",
                  version: str = "0.0.0"):
-        self.name, self.group = name, plugins.ENTRY_POINT_GROUP
+        self.name, self.distribution, self.version = name, distribution, version
         self.value = f"{getattr(target, '__name__', type(target).__name__)}"
-        self.dist = _FakeDist(distribution, version)
         self._target = target
 
     def load(self) -> Any:
@@ -60,7 +52,7 @@ def fake_entry_points(*points: FakeEntryPoint, keep_installed: bool = True) -> I
     """Pretend these entry points are installed (beside the real ones unless told otherwise)."""
     real = plugins.iter_entry_points
 
-    def fake() -> list[metadata.EntryPoint]:
+    def fake() -> list:
         found = list(real()) if keep_installed else []
         return sorted([*found, *points], key=lambda ep: ep.name)
 

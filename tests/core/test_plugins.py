@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 import types
+import zipfile
 
 import pytest
 
-from forge import hookimpl
+from forge import hookimpl, plugins
 from forge.cli import main
 from forge.errors import PluginError
 from forge.plugins import load_registry, registry
@@ -77,3 +79,66 @@ def test_plugins_json_lists_families_and_hooks(toy, capsys):
     assert toy_info["families"] == ["toy"]
     assert toy_info["family_details"][0]["targets"] == ["python", "echo"]
     assert set(toy_info["hooks"]) >= {"forge_export", "forge_emit_config", "forge_ensemble_edges"}
+
+
+def _dist(root, directory: str, entry_points: str | None, metadata: str = "", filename: str = "METADATA"):
+    info = root / directory
+    info.mkdir(parents=True)
+    if entry_points is not None:
+        (info / "entry_points.txt").write_text(entry_points)
+    (info / filename).write_text(metadata)
+
+
+def test_entry_point_scan_agrees_with_importlib_metadata(tmp_path, monkeypatch):
+    """The scan that spares every command importlib.metadata finds what importlib.metadata finds:
+    dist-info and egg-info, the first distribution of a (normalized) name across the path, other
+    groups and comments ignored, a missing path entry skipped."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    _dist(first, "Forge_Alpha-1.0.dist-info", "# comment\n[console_scripts]\nalpha = alpha:main\n\n"
+          "[forge.plugins]\nalpha = forge_alpha:plugin\n  beta=forge_alpha.sub:obj.attr [extra]\n",
+          "Metadata-Version: 2.1\nName: Forge_Alpha\nVersion: 1.0\n\nName: not this\n")
+    _dist(first, "forge.gamma-2.0b1.egg-info", "[forge.plugins]\ngamma = forge_gamma\n",
+          "Metadata-Version: 1.1\nName: forge.gamma\nVersion: 2.0b1\n", filename="PKG-INFO")
+    _dist(first, "unrelated-3.dist-info", "[console_scripts]\nu = u:main\n", "Name: unrelated\nVersion: 3\n")
+    _dist(first, "no_points-1.dist-info", None, "Name: no-points\nVersion: 1\n")
+    _dist(second, "forge_alpha-9.9.dist-info", "[forge.plugins]\nshadowed = forge_alpha:other\n",
+          "Name: forge-alpha\nVersion: 9.9\n")  # same project as first/Forge_Alpha: importlib skips it
+    _dist(second, "forge_delta-0.1.dist-info", "[forge.plugins]\ndelta = forge_delta:plugin\n",
+          "Name: forge-delta\nVersion: 0.1\n")
+    monkeypatch.setattr(sys, "path", [str(first), str(tmp_path / "missing"), str(second)])
+
+    scanned = sorted(plugins._scan(sys.path), key=lambda ep: ep.name)
+    assert scanned == sorted(plugins._from_importlib_metadata(), key=lambda ep: ep.name)
+    assert [(ep.name, ep.value, ep.distribution, ep.version) for ep in scanned] == [
+        ("alpha", "forge_alpha:plugin", "Forge_Alpha", "1.0"),
+        ("beta", "forge_alpha.sub:obj.attr [extra]", "Forge_Alpha", "1.0"),
+        ("delta", "forge_delta:plugin", "forge-delta", "0.1"),
+        ("gamma", "forge_gamma", "forge.gamma", "2.0b1")]
+
+
+def test_a_zipped_plugin_is_found_through_importlib_metadata(tmp_path, monkeypatch):
+    """A zip archive on the path is not scanned by hand: importlib.metadata reads it, and the plugin loads
+    from the archive (zipimport)."""
+    archive = tmp_path / "plugins.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("forge_zipped.py", "MARK = 'zipped'\n")
+        z.writestr("forge_zipped-1.4.dist-info/METADATA", "Metadata-Version: 2.1\nName: forge-zipped\nVersion: 1.4\n")
+        z.writestr("forge_zipped-1.4.dist-info/entry_points.txt", "[forge.plugins]\nzipped = forge_zipped\n")
+    monkeypatch.setattr(sys, "path", [str(archive), *sys.path])
+    monkeypatch.delitem(sys.modules, "forge_zipped", raising=False)
+    assert plugins._scan(sys.path) is None
+    (zipped,) = [ep for ep in plugins.iter_entry_points() if ep.name == "zipped"]
+    assert (zipped.distribution, zipped.version) == ("forge-zipped", "1.4")
+    assert zipped.load().MARK == "zipped"
+
+
+def test_entry_point_load_follows_the_attribute_path():
+    ep = plugins.EntryPoint("x", "forge.errors:PluginError.__name__ [extra]")
+    assert ep.load() == "PluginError"
+    assert plugins.EntryPoint("y", "forge.errors").load() is sys.modules["forge.errors"]
+
+
+def test_a_forge_plugins_line_without_equals_is_refused():
+    with pytest.raises(PluginError, match=r"entry point line 'broken' in group forge.plugins has no '='"):
+        list(plugins._group("[forge.plugins]\nbroken\n", plugins.ENTRY_POINT_GROUP))
+    assert list(plugins._group("[other]\nbroken\n", plugins.ENTRY_POINT_GROUP)) == []
