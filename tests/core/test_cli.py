@@ -106,3 +106,27 @@ def test_the_console_exit_keeps_output_and_exit_handlers(tmp_path):
     bad = subprocess.run([sys.executable, "-c", code, "build", "--family", "nosuch", "--model", "x", "--out", "y"],
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("forge: error:"), bad.stderr
+
+
+def test_numpy_optional_parts_load_on_first_use_in_the_command_process(tmp_path):
+    """`forge` defers numpy.random/ma/polynomial/fft/ctypeslib (~25 ms of every start): in the command's
+    process they are not executed when numpy is imported, and on first use they are the real modules
+    (values checked against this process's numpy)."""
+    code = ("import atexit, sys\nfrom forge.cli import run\n"
+            "def after():\n"
+            "    import numpy\n"
+            "    lazy = sorted(n for n in ('random', 'ma', 'polynomial', 'fft', 'ctypeslib')\n"
+            "                  if type(sys.modules['numpy.' + n]).__name__ == '_LazyModule')\n"
+            "    print(lazy, numpy.random.default_rng(7).integers(1000), int(numpy.ma.masked_array([1, 2], mask=[0, 1]).sum()),\n"
+            "          numpy.fft.fft([1.0, 0.0]).real.tolist(), numpy.polynomial.Polynomial([1, 2])(3),\n"
+            "          numpy.ctypeslib.as_array((numpy.ctypeslib.ctypes.c_int * 2)(4, 5)).tolist())\n"
+            "atexit.register(after)\n"
+            "sys.argv = ['forge', 'plugins']\n"
+            "run()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    import numpy
+
+    expected = numpy.random.default_rng(7).integers(1000)
+    assert done.stdout.strip().splitlines()[-1] == (f"['ctypeslib', 'fft', 'ma', 'polynomial', 'random'] {expected} 1 "
+                                                    "[1.0, 1.0] 7.0 [4, 5]")
