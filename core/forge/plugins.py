@@ -136,7 +136,11 @@ def _scan(path: Iterable[str]) -> list[EntryPoint] | None:
             continue
         if os.path.basename(root).lower().endswith(".egg"):
             return None
-        for name, info in _distribution_dirs(children):
+        for info in children:
+            low = info.lower()
+            if not low.endswith((".dist-info", ".egg-info")):
+                continue
+            name = re.sub(r"[-_.]+", "_", low.rpartition(".")[0].partition("-")[0])  # as importlib.metadata does
             if name in seen:
                 continue
             seen.add(name)
@@ -146,19 +150,6 @@ def _scan(path: Iterable[str]) -> list[EntryPoint] | None:
                 dist, version = _name_and_version(os.path.join(root, info))
                 found += [EntryPoint(ep_name, value, dist, version) for ep_name, value in points]
     return found
-
-
-def _distribution_dirs(children: list[str]) -> Iterator[tuple[str, str]]:
-    """(normalized project name, metadata directory), grouped by name in first-seen order as importlib.metadata does."""
-    by_name: dict[str, list[str]] = {}
-    for child in children:
-        low = child.lower()
-        if low.endswith((".dist-info", ".egg-info")):
-            name = re.sub(r"[-_.]+", "_", low.rpartition(".")[0].partition("-")[0])
-            by_name.setdefault(name, []).append(child)
-    for name, infos in by_name.items():
-        for info in infos:
-            yield name, info
 
 
 def _read(path: str) -> str | None:
