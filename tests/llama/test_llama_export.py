@@ -321,6 +321,27 @@ def test_relay_survives_short_reads(tiny_llama, tmp_path, monkeypatch, most):
         assert (tmp_path / "short" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_rank_files_are_written_in_bounded_pieces(tiny_llama, tmp_path, monkeypatch, cores):
+    """No write to a rank file is longer than WRITE_BYTES (large page-cache writes were slow on this VM), also a
+    converted block's (float32 → float16) and a relayed piece's; the files equal the default export's."""
+    from forge.llm import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CORES", cores)
+    for dtype in ("float32", "float16"):
+        assert export(tiny_llama, tmp_path / f"default-{dtype}", "--dtype", dtype, "--tp", "2") == 0
+    monkeypatch.setattr(checkpoint, "WRITE_BYTES", 100)
+    real, sizes = os.pwrite, []
+    monkeypatch.setattr(checkpoint.os, "pwrite", lambda fd, data, pos: sizes.append(len(data)) or real(fd, data, pos))
+    for dtype in ("float32", "float16"):
+        monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / f"cache-{dtype}"))  # not the first export's stage
+        assert export(tiny_llama, tmp_path / f"small-{dtype}", "--dtype", dtype, "--tp", "2") == 0
+        for rank in range(2):
+            small, default = (tmp_path / f"{way}-{dtype}" / f"rank{rank}.safetensors" for way in ("small", "default"))
+            assert small.read_bytes() == default.read_bytes()
+    assert sizes and max(sizes) == 100
+
+
 def test_refuses_a_weight_file_that_ends_early(tiny_llama, tmp_path, capsys, monkeypatch):
     """Bad input: the weight file is cut short while it is read (end of file inside a tensor): one line, no output."""
     from forge.llm import checkpoint

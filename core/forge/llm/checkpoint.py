@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -65,6 +66,14 @@ def data_offsets(tensors: Sequence[tuple[str, tuple[int, ...]]], tag: str) -> di
     return offsets
 
 
+# Rank-file writes go to the page cache at most this many bytes per call. A larger write lets the kernel
+# back the file with larger folios, and on this VM those were far slower to fill, likely because they come
+# from free memory the hypervisor has taken back (free page reporting works on 2 MiB blocks) and every
+# first touch faults on the host: tp 4 relays writing 2 MiB at a time took 2.8 s median, 1 MiB 1.6 s,
+# 512 KiB 0.98 s, 256 KiB 1.07 s, 64 KiB 1.24 s (`cp` 0.73 s; same shuffled rounds, measured).
+WRITE_BYTES = 512 << 10
+
+
 class RankWriter:
     """A safetensors file whose header is written first and whose tensor bytes arrive in any order.
 
@@ -95,7 +104,7 @@ class RankWriter:
 
     def _pwrite(self, view: memoryview, pos: int) -> None:
         while view:
-            done = os.pwrite(self.fd, view, pos)
+            done = os.pwrite(self.fd, view[:WRITE_BYTES], pos)
             view, pos = view[done:], pos + done
 
     def copy(self, name: str, byte_offset: int, src_fd: int, src_offset: int, length: int) -> bool:
@@ -307,23 +316,27 @@ class Transfers:
     writes it to its rank files — two copies of each byte, but on two or more cores, where the kernel's
     copy runs on one, and the check beside it reads every byte a second time (tp 1 on this 2-core VM, in
     a slow phase of its host: 1.11 vs 2.30 s median, 0.56× vs 1.15× ``cp``, measured). Each rank file
-    belongs to one lane; where there are fewer files than lanes (tp 1) the blocks go to the lanes in
-    turn. Column slices (row-parallel weights at tp > 1) are always relayed, by one lane for all ranks,
-    the lanes in turn, so the rows are read once. The main thread meanwhile converts and writes the
-    blocks whose bytes change. ``finish`` waits for all and raises the first failure; ``close`` drops
-    what has not started and waits for the rest (before the rank files are closed).
+    belongs to one lane; where there are fewer files than lanes (tp 1) the lanes share them, each taking
+    the next block when it is free (so a lane whose core is slowed does not keep half the blocks
+    waiting). Column slices (row-parallel weights at tp > 1) are always relayed, by one lane for all
+    ranks, the lanes in turn, so the rows are read once. The main thread meanwhile converts and writes
+    the blocks whose bytes change. ``finish`` waits for all and raises the first failure; ``close``
+    drops what has not started and waits for the rest (before the rank files are closed).
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
         from concurrent.futures import ThreadPoolExecutor
 
         count = min(_CORES, max(len(writers), 2))  # one per file, at least two, at most one per core
-        lanes = [ThreadPoolExecutor(1, thread_name_prefix="forge-copy") for _ in range(count)]
-        self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
-        self._buffers = {lane: _Buffers() for lane in lanes}
+        if len(writers) >= count:
+            lanes = [ThreadPoolExecutor(1, thread_name_prefix="forge-copy") for _ in range(count)]
+            self._lanes = {writer: lanes[i % count] for i, writer in enumerate(writers.values())}
+        else:  # fewer files than lanes (tp 1): the lanes share them, each taking the next block when free
+            lanes = [ThreadPoolExecutor(count, thread_name_prefix="forge-copy")]
+            self._lanes = dict.fromkeys(writers.values(), lanes[0])
+        self._buffers = _Buffers()
         self._turns = itertools.cycle(lanes)
-        self._shared = len(writers) < len(lanes)  # fewer files than lanes (tp 1): blocks go to the lanes in turn
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if len(lanes) == 1 else None
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if count == 1 else None
         self._pools = [*lanes, *([self._checker] if self._checker else [])]
         self._pending: collections.deque = collections.deque()
         self._failed: list[BaseException] = []
@@ -351,13 +364,13 @@ class Transfers:
         faster than each lane reading them for its own files, measured).
         """
         by_lane: dict[Any, list] = {}
-        if all(width == rows.stride for *_, width in targets) and not self._shared:
+        if all(width == rows.stride for *_, width in targets):
             for target in targets:
                 by_lane.setdefault(self._lanes[target[0]], []).append(target)
         else:
             by_lane[next(self._turns)] = list(targets)
         for n, (lane, group) in enumerate(by_lane.items()):
-            self._submit(lane, _relay, self._buffers[lane], group, ref, rows, tag, where, n == 0)
+            self._submit(lane, _relay, self._buffers, group, ref, rows, tag, where, n == 0)
 
     def _submit(self, pool, fn, *args) -> None:
         future = pool.submit(fn, *args)
@@ -404,8 +417,8 @@ def _check(block: np.ndarray, ref: TensorRef, span: tuple[int, int, int], tag: s
     ref.file.release(span[1], span[1] + span[2])  # the check mapped the pages; keep peak memory flat
 
 
-class _Buffers:
-    """One lane's reading and gathering buffers (``RELAY_BYTES``, or one row where a row is longer)."""
+class _Buffers(threading.local):
+    """Each lane's own reading and gathering buffers (``RELAY_BYTES``, or one row where a row is longer)."""
 
     def __init__(self):
         self.read = self.gather = np.empty(0, np.uint8)
