@@ -201,10 +201,10 @@ def _spy(monkeypatch, module, name: str) -> list:
 @pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, monkeypatch, tp, cores):
-    """On one core unchanged whole rows go file to file in the kernel while a thread checks them; with
-    more cores the lanes relay them (read once, checked, written), every lane taking blocks, also when
-    there is one rank file; column slices (tp > 1) are always relayed. Every way, the rank files equal
-    the through-process ones; relayed in pieces smaller than a row block."""
+    """Unchanged whole rows go file to file in the kernel while a core is free for their check (one lane),
+    else the lanes relay them (read once, checked, written), each lane its own files; column slices
+    (tp > 1) are always relayed. Every way, the rank files equal the through-process ones; relayed in
+    pieces smaller than a row block."""
     import threading
 
     from forge.llm import checkpoint
@@ -216,11 +216,12 @@ def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, mo
     monkeypatch.setattr(checkpoint, "_relay",
                         lambda *a: relayed.append(a) or threads.add(threading.get_ident()) or relay(*a))
     assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", str(tp)) == 0
-    assert bool(copied) == (cores == 1)
-    assert bool(relayed) == (tp > 1 or cores > 1)  # row-parallel weights are split along columns only at tp > 1
+    lanes = min(tp, cores)
+    assert bool(copied) == (lanes == 1)
+    assert bool(relayed) == (tp > 1)  # row-parallel weights are split along columns only at tp > 1
     whole = [rows for _, targets, _, rows, *_ in relayed if all(width == rows.stride for *_, width in targets)]
-    assert bool(whole) == (cores > 1)
-    assert len(threads) == (cores if relayed else 0)  # every lane relayed
+    assert bool(whole) == (lanes > 1)
+    assert len(threads) == (lanes if relayed else 0)  # every lane relayed
     monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
     assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
@@ -288,11 +289,12 @@ def test_refuses_nan_in_a_relayed_column_slice(tiny_llama, tmp_path, capsys, mon
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 @pytest.mark.parametrize(("cores", "tp", "name"), [(1, 1, "model.layers.1.self_attn.q_proj.weight"),
                                                    (2, 1, "model.layers.1.self_attn.q_proj.weight"),
+                                                   (1, 2, "model.layers.1.self_attn.q_proj.weight"),
                                                    (2, 2, "model.layers.1.self_attn.q_proj.weight"),
                                                    (2, 2, "model.embed_tokens.weight")])
 def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monkeypatch, value, cores, tp, name):
     """Bad input: a NaN/Inf in a float32 weight exported as float32: copied in the kernel and checked beside
-    (one core), or relayed by the lanes (two cores: tp 1's one file; at tp 2 q_proj's rows split, the
+    (one lane: tp 1, or one core), or relayed by the lanes (tp 2 on two cores: q_proj's rows split, the
     embedding on every rank)."""
     from forge.llm import checkpoint
 
@@ -301,7 +303,7 @@ def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monke
     copied = _spy(monkeypatch, checkpoint.RankWriter, "copy")
     out = tmp_path / "out"
     refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", str(tp)), f"{name} contains NaN or Inf")
-    assert bool(copied) == (cores == 1)
+    assert bool(copied) == (min(cores, tp) == 1)
 
 
 @pytest.mark.parametrize("most", [1, 6, 4096])

@@ -309,34 +309,29 @@ RELAY_BYTES = core_cache_bytes()
 class Transfers:
     """Blocks whose bytes do not change, written and checked off the converting (main) thread.
 
-    Lanes are writing threads: one per rank file, at least two (tp 1), at most one per core this process
-    may use. On one core, whole rows go file to file in the kernel (``copy_file_range``: one copy of
-    each byte) and their NaN/Inf check runs on a thread of its own. With more cores the lanes *relay*: a
-    lane reads a block's source rows once, a cache-sized piece at a time, checks the piece there and
-    writes it to its rank files — two copies of each byte, but on two or more cores, where the kernel's
-    copy runs on one, and the check beside it reads every byte a second time (tp 1 on this 2-core VM, in
-    a slow phase of its host: 1.11 vs 2.30 s median, 0.56× vs 1.15× ``cp``, measured). Each rank file
-    belongs to one lane; where there are fewer files than lanes (tp 1) the lanes share them, each taking
-    the next block when it is free (so a lane whose core is slowed does not keep half the blocks
-    waiting). Column slices (row-parallel weights at tp > 1) are always relayed, by one lane for all
-    ranks, the lanes in turn, so the rows are read once. The main thread meanwhile converts and writes
-    the blocks whose bytes change. ``finish`` waits for all and raises the first failure; ``close``
-    drops what has not started and waits for the rest (before the rank files are closed).
+    Lanes are writing threads, at most one per core; each rank file belongs to one lane. With one
+    lane (tp 1, or one core), whole rows go file to file in the kernel (``copy_file_range``) and their
+    NaN/Inf check runs on a thread of its own. With more lanes the lanes *relay*: a lane reads a
+    block's source rows once, a cache-sized piece at a time, checks the piece there and writes it to
+    each of its rank files. Column slices (row-parallel weights at tp > 1) are always relayed, by one
+    lane for all ranks, the lanes in turn, so the rows are read once. The main thread meanwhile
+    converts and writes the blocks whose bytes change. ``finish`` waits for all and raises the first
+    failure; ``close`` drops what has not started and waits for the rest (before the rank files are
+    closed). Relaying tp 1's one file over two lanes was tried: in some phases of this VM's host it was
+    much faster than the in-kernel copy (0.87 vs 1.42 s median), in others much slower and erratic
+    (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1 keeps the in-kernel copy, whose worst
+    phases measured milder.
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
         from concurrent.futures import ThreadPoolExecutor
 
-        count = min(_CORES, max(len(writers), 2))  # one per file, at least two, at most one per core
-        if len(writers) >= count:
-            lanes = [ThreadPoolExecutor(1, thread_name_prefix="forge-copy") for _ in range(count)]
-            self._lanes = {writer: lanes[i % count] for i, writer in enumerate(writers.values())}
-        else:  # fewer files than lanes (tp 1): the lanes share them, each taking the next block when free
-            lanes = [ThreadPoolExecutor(count, thread_name_prefix="forge-copy")]
-            self._lanes = dict.fromkeys(writers.values(), lanes[0])
+        lanes = [ThreadPoolExecutor(1, thread_name_prefix="forge-copy")
+                 for _ in range(max(1, min(len(writers), _CORES)))]
+        self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
         self._buffers = _Buffers()
         self._turns = itertools.cycle(lanes)
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if count == 1 else None
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if len(lanes) == 1 else None
         self._pools = [*lanes, *([self._checker] if self._checker else [])]
         self._pending: collections.deque = collections.deque()
         self._failed: list[BaseException] = []
@@ -359,9 +354,8 @@ class Transfers:
         width), end to end, checked once.
 
         Whole rows go through the lane of each file they go to (a tensor every rank holds: each lane
-        reads it once), or with fewer files than lanes through one lane, the lanes in turn; column
-        slices through one lane, the lanes in turn, which reads the rows once for all ranks (tp 4: 8%
-        faster than each lane reading them for its own files, measured).
+        reads it once); column slices through one lane, the lanes in turn, which reads the rows once
+        for all ranks (tp 4: 8% faster than each lane reading them for its own files, measured).
         """
         by_lane: dict[Any, list] = {}
         if all(width == rows.stride for *_, width in targets):
