@@ -88,13 +88,16 @@ def _disabled() -> set[str]:
     return {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
 
 
+UNKNOWN_DISTRIBUTION, UNKNOWN_VERSION = "<unknown distribution>", "0"  # where the metadata does not say
+
+
 class EntryPoint(NamedTuple):
     """One installed ``forge.plugins`` entry point: ``name = module:attr`` of a distribution."""
 
     name: str
     value: str
-    distribution: str = "<unknown distribution>"
-    version: str = "0"
+    distribution: str = UNKNOWN_DISTRIBUTION
+    version: str = UNKNOWN_VERSION
 
     def load(self) -> Any:
         """Import the module and follow the attribute path (extras in ``[...]`` are not forge's concern)."""
@@ -184,7 +187,7 @@ def _name_and_version(info: str) -> tuple[str, str]:
         key, colon, value = line.partition(":")
         if colon and key in ("Name", "Version"):
             headers.setdefault(key, value.strip())
-    return headers.get("Name", "<unknown distribution>"), headers.get("Version", "0")
+    return headers.get("Name", UNKNOWN_DISTRIBUTION), headers.get("Version", UNKNOWN_VERSION)
 
 
 def _from_importlib_metadata() -> list[EntryPoint]:
@@ -193,8 +196,8 @@ def _from_importlib_metadata() -> list[EntryPoint]:
     found = []
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         meta = ep.dist.metadata if ep.dist is not None else {}
-        found.append(EntryPoint(ep.name, ep.value, meta.get("Name") or "<unknown distribution>",
-                                meta.get("Version") or "0"))
+        found.append(EntryPoint(ep.name, ep.value, meta.get("Name") or UNKNOWN_DISTRIBUTION,
+                                meta.get("Version") or UNKNOWN_VERSION))
     return found
 
 
@@ -225,7 +228,7 @@ def load_registry(extra: Iterable[tuple[str, Any]] = (), *, entry_points: bool =
         if name in blocked:
             continue
         _register(pm, plugin, name)
-        infos[name] = PluginInfo(name, "<in-process>", getattr(plugin, "__version__", "0"))
+        infos[name] = PluginInfo(name, "<in-process>", getattr(plugin, "__version__", UNKNOWN_VERSION))
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
