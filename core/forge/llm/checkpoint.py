@@ -69,8 +69,9 @@ def data_offsets(tensors: Sequence[tuple[str, tuple[int, ...]]], tag: str) -> di
 # Rank-file writes go to the page cache at most this many bytes per call. A larger write lets the kernel
 # back the file with larger folios, and on this VM those were far slower to fill, likely because they come
 # from free memory the hypervisor has taken back (free page reporting works on 2 MiB blocks) and every
-# first touch faults on the host: tp 4 relays writing 2 MiB at a time took 2.8 s median, 1 MiB 1.6 s,
-# 512 KiB 0.98 s, 256 KiB 1.07 s, 64 KiB 1.24 s (`cp` 0.73 s; same shuffled rounds, measured).
+# first touch faults on the host. In-process tp 4, medians of two A/B runs of shuffled rounds: 2 MiB
+# writes 2.79 s, 256 KiB 1.03 s, 64 KiB 1.24 s, 16 KiB 1.64 s (`cp` 0.72 s); 1 MiB 1.64 s, 512 KiB
+# 0.98 s, 256 KiB 1.07 s, 128 KiB 1.19 s (`cp` 0.73 s). RELAY_BYTES (below) was sized with 2 MiB writes.
 WRITE_BYTES = 512 << 10
 
 
