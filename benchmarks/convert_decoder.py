@@ -5,9 +5,11 @@ forge, and as the whole ``forge export`` CLI process a user runs, spawn to exit,
 cache, forge byte-compiled as an install leaves it) with ``cp`` of the same weight file and with
 loading the model through transformers, and shows that the converter's peak memory does not grow
 with the model (a half-depth model is converted too). Every measurement runs in a child process,
-``--repeat`` rounds of all of them in turn, and reports the fastest and the median time and the
-peak RSS (``ru_maxrss``). The synthetic checkpoint is written by streaming random blocks into a
-pre-sized safetensors file (it is never built in torch memory) and deleted at the end unless ``--keep``.
+``--repeat`` rounds of all of them in turn, and reports the fastest and the median time, the peak
+RSS (``ru_maxrss``), and the median and worst of each run's ratio to the ``cp`` of its own round
+(seconds apart: the pair shares the machine's mood). The synthetic checkpoint is written by
+streaming random blocks into a pre-sized safetensors file (it is never built in torch memory) and
+deleted at the end unless ``--keep``.
 
     python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 3] [--keep] [--against CORE]
 """
@@ -154,7 +156,7 @@ def compile_forge() -> None:
 def summary(runs: list[dict]) -> dict:
     """The fastest run (the least disturbed by other load), the median time and every time."""
     best = min(runs, key=lambda r: r["seconds"])
-    return {**best, "median": statistics.median(r["seconds"] for r in runs),
+    return {**best, "median": statistics.median(r["seconds"] for r in runs), "times": [r["seconds"] for r in runs],
             "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
 
 
@@ -197,11 +199,15 @@ def interleaved(times: int, measures: list[tuple[str, Callable[[], dict], Callab
 
 
 def row(label: str, result: dict, size: int, cp: dict | None) -> str:
-    """Fastest and median time, and each as a multiple of cp's fastest and median."""
+    """Fastest and median time, each as a multiple of cp's fastest and median, and the median and worst of
+    the per-round multiples (each run against the cp of its own round, seconds apart)."""
     gbps = size / result["seconds"] / 1e9
     median = f"median {result['median']:5.2f} s"
     ratio = (f"{result['seconds'] / cp['seconds']:5.2f}× cp, {median} {result['median'] / cp['median']:5.2f}× cp"
              if cp else f"{'':8} {median} {'':8}")
+    if cp and len(result["times"]) == len(cp["times"]):  # measured in the same rounds
+        rounds = [mine / theirs for mine, theirs in zip(result["times"], cp["times"])]
+        ratio += f", per round {statistics.median(rounds):4.2f}× (worst {max(rounds):4.2f}×)"
     extra = f"(imports {result['import_kib'] / 1024:5.0f} MiB)" if result["import_kib"] else ""
     return (f"  {label:<28} {result['seconds']:7.2f} s  {gbps:5.2f} GB/s  {ratio}  "
             f"peak RSS {result['peak_kib'] / 1024:6.0f} MiB {extra} runs {result['all']}")

@@ -15,7 +15,7 @@ from typing import Sequence
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from . import __version__  # noqa: E402 (after the environment above, before anything imports numpy)
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE, ForgeError
+from .errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ForgeError
 
 # name → module in forge.commands; each module has HELP, add_arguments(parser), run(args) -> int
 COMMANDS = ("build", "export", "plugins", "options", "validate", "doctor", "serve", "infer", "bench", "index",
@@ -67,6 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"forge: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # the system refused something (a full or failing disk, a permission): one line too
+        if debug:
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"forge: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("forge: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -201,10 +202,10 @@ def _spy(monkeypatch, module, name: str) -> list:
 @pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, monkeypatch, tp, cores):
-    """Unchanged whole rows go file to file in the kernel while a core is free for their check (one lane),
-    else the lanes relay them (read once, checked, written), each lane its own files; column slices
-    (tp > 1) are always relayed. Every way, the rank files equal the through-process ones; relayed in
-    pieces smaller than a row block."""
+    """Unchanged whole rows go file to file in the kernel on one core (checked beside), else the lanes relay
+    them (read once, checked, written), each lane its own files, and with one rank file on more cores the
+    writes are handed to a thread of their own; column slices (tp > 1) are always relayed. Every way, the
+    rank files equal the through-process ones; relayed in pieces smaller than a row block."""
     import threading
 
     from forge.llm import checkpoint
@@ -215,13 +216,20 @@ def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, mo
     relayed, relay, threads = [], checkpoint._relay, set()
     monkeypatch.setattr(checkpoint, "_relay",
                         lambda *a: relayed.append(a) or threads.add(threading.get_ident()) or relay(*a))
+    handed, writers = [], set()
+    real_write = checkpoint._Handoff._write
+    monkeypatch.setattr(checkpoint._Handoff, "_write", lambda self, *a: handed.append(a[1]) or
+                        writers.add(threading.get_ident()) or real_write(self, *a))
     assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", str(tp)) == 0
     lanes = min(tp, cores)
-    assert bool(copied) == (lanes == 1)
-    assert bool(relayed) == (tp > 1)  # row-parallel weights are split along columns only at tp > 1
+    assert bool(copied) == (cores == 1)
+    assert bool(relayed) == (tp > 1 or cores > 1)  # row-parallel weights are split along columns only at tp > 1
     whole = [rows for _, targets, _, rows, *_ in relayed if all(width == rows.stride for *_, width in targets)]
-    assert bool(whole) == (lanes > 1)
+    assert bool(whole) == (cores > 1)
     assert len(threads) == (lanes if relayed else 0)  # every lane relayed
+    assert bool(handed) == (tp == 1 and cores > 1)
+    assert not handed or len(handed) > len(whole)  # in pieces: RELAY_BYTES is small
+    assert not writers & threads  # the writes of a handoff run on a thread other than the lane's
     monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
     assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
@@ -294,8 +302,8 @@ def test_refuses_nan_in_a_relayed_column_slice(tiny_llama, tmp_path, capsys, mon
                                                    (2, 2, "model.embed_tokens.weight")])
 def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monkeypatch, value, cores, tp, name):
     """Bad input: a NaN/Inf in a float32 weight exported as float32: copied in the kernel and checked beside
-    (one lane: tp 1, or one core), or relayed by the lanes (tp 2 on two cores: q_proj's rows split, the
-    embedding on every rank)."""
+    (one core), or relayed by the lanes (two cores; tp 1: the writes handed to a thread of their own, tp 2:
+    q_proj's rows split, the embedding on every rank)."""
     from forge.llm import checkpoint
 
     model = _poison(tiny_llama, tmp_path, name, value, (3, 4))
@@ -303,7 +311,7 @@ def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monke
     copied = _spy(monkeypatch, checkpoint.RankWriter, "copy")
     out = tmp_path / "out"
     refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", str(tp)), f"{name} contains NaN or Inf")
-    assert bool(copied) == (min(cores, tp) == 1)
+    assert bool(copied) == (cores == 1)
 
 
 @pytest.mark.parametrize("most", [1, 6, 4096])
@@ -372,3 +380,29 @@ def test_relay_pieces_fit_the_core_cache(tmp_path, files, expected):
         (tmp_path / index / "level").write_text(level + "\n")
         (tmp_path / index / "size").write_text(size + "\n")
     assert core_cache_bytes(tmp_path) == expected
+
+
+@pytest.mark.parametrize(("cores", "tp"), [(1, 1), (2, 1), (2, 2)])
+def test_a_failing_write_is_one_line_and_leaves_nothing(tiny_llama, tmp_path, capsys, monkeypatch, cores, tp):
+    """Bad input (a disk that fails mid-export, here the fifth write to a rank file): wherever the write runs
+    (the main thread, a lane, a handoff's writing thread), the export stops with one line and no output."""
+    import errno
+
+    from forge.llm import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CORES", cores)
+    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False if cores == 1 else checkpoint._IN_KERNEL)
+    real, calls = os.pwrite, []
+
+    def pwrite(fd, data, pos):
+        calls.append(pos)
+        if len(calls) == 5:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(checkpoint.os, "pwrite", pwrite)
+    out = tmp_path / "out"
+    code = export(tiny_llama, out, "--dtype", "float32", "--tp", tp)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and re.fullmatch(r"forge: error: /\S+/checkpoint/rank\d\.safetensors: Input/output error", line), line
+    assert not out.exists()
