@@ -325,11 +325,11 @@ class Transfers:
     and raises the first failure; ``close`` drops what has not started and waits for the rest (before
     the rank files are closed).
 
-    Measured at tp 1 (`forge export` CLI, 2.2 GB, shuffled rounds with `cp`, this VM in a phase where
-    `cp` took 2.6–5.9 s): the handoff 3.04 s median against 3.38 s for the in-kernel copy with its
-    check beside (per-round ratio to `cp` 0.71 vs 0.81); two lanes each reading and writing the one
-    file (tried in an earlier session) were much faster in such phases but much slower and erratic in
-    fast ones.
+    Measured at tp 1 (`forge export` CLI, 2.2 GB, each run against the `cp` of its own shuffled round):
+    against the in-kernel copy with its check beside, 0.71 vs 0.81× and 0.77 vs 0.86× `cp` in two A/B
+    runs in phases where `cp` was slow (1.6–5.9 s), 0.91 vs 1.02×, 0.90 vs 0.98× and 1.02 vs 0.93× in
+    three benchmark runs. Two lanes each reading and writing the one file (an earlier session) were much
+    faster in slow phases but much slower and erratic in fast ones.
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
