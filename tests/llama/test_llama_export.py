@@ -245,7 +245,7 @@ def test_in_kernel_copies_move_whole_pages(tiny_llama, tmp_path, monkeypatch, tp
 
     from forge.llm import checkpoint
 
-    monkeypatch.setattr(checkpoint, "_CORES", 1)  # one lane: whole rows are copied in the kernel
+    monkeypatch.setattr(checkpoint, "_CORES", 1)  # one core: whole rows are copied in the kernel
     copies: dict[str, list[tuple[int, int]]] = {}
     real_copy = checkpoint.RankWriter.copy
 
