@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"forge: error: {exc.one_line()}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # the reader of our output went away (`forge … | head`): as before, the interpreter's way
+        raise
     except OSError as exc:  # the system refused something (a full or failing disk, a permission): one line too
         if debug:
             raise

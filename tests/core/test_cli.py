@@ -131,3 +131,25 @@ def test_numpy_optional_parts_load_on_first_use_in_the_command_process(tmp_path)
     expected = numpy.random.default_rng(7).integers(1000)
     assert done.stdout.strip().splitlines()[-1] == (f"['ctypeslib', 'fft', 'ma', 'polynomial', 'random'] {expected} 1 "
                                                     "[1.0, 1.0] 7.0 [4, 5]")
+
+
+@pytest.mark.parametrize(("error", "line"), [
+    (PermissionError(13, "Permission denied", "/srv/models/out"), "forge: error: /srv/models/out: Permission denied"),
+    (OSError(28, "No space left on device"), "forge: error: No space left on device"),
+])
+def test_a_system_error_is_one_line(monkeypatch, capsys, error, line):
+    """What the system refuses (a permission, a full disk) in any command is one line and exit 1, not a
+    traceback; with --debug the traceback is there; a closed output pipe is left to the interpreter as before."""
+    from forge.commands import plugins
+
+    def refuse(args):
+        raise error
+
+    monkeypatch.setattr(plugins, "run", refuse)
+    assert main(["plugins"]) == 1
+    assert capsys.readouterr().err.strip() == line
+    with pytest.raises(type(error)):
+        main(["plugins", "--debug"])
+    monkeypatch.setattr(plugins, "run", lambda args: (_ for _ in ()).throw(BrokenPipeError(32, "Broken pipe")))
+    with pytest.raises(BrokenPipeError):
+        main(["plugins"])
