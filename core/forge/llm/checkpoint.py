@@ -327,9 +327,10 @@ class Transfers:
 
     Measured at tp 1 (`forge export` CLI, 2.2 GB, each run against the `cp` of its own shuffled round):
     against the in-kernel copy with its check beside, 0.71 vs 0.81× and 0.77 vs 0.86× `cp` in two A/B
-    runs in phases where `cp` was slow (1.6–5.9 s), 0.91 vs 1.02×, 0.90 vs 0.98× and 1.02 vs 0.93× in
-    three benchmark runs. Two lanes each reading and writing the one file (an earlier session) were much
-    faster in slow phases but much slower and erratic in fast ones.
+    runs in phases where `cp` was slow (1.6–5.9 s); in five benchmark runs 0.91 vs 1.02×, 0.90 vs 0.98×,
+    1.02 vs 0.93×, 1.12 vs 1.17× and 1.27 vs 1.16× (the last two in fast phases, `cp` 0.9–1.1 s median).
+    Two lanes each reading and writing the one file (an earlier session) were much faster in slow phases
+    but much slower and erratic in fast ones.
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
