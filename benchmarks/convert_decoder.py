@@ -157,7 +157,7 @@ def summary(runs: list[dict]) -> dict:
     """The fastest run (the least disturbed by other load), the median time and every time."""
     best = min(runs, key=lambda r: r["seconds"])
     return {**best, "median": statistics.median(r["seconds"] for r in runs), "times": [r["seconds"] for r in runs],
-            "all": [round(r["seconds"], 2) for r in runs], "peak_kib": max(r["peak_kib"] for r in runs)}
+            "peak_kib": max(r["peak_kib"] for r in runs)}
 
 
 def _core_env(core: Path | None) -> dict[str, str]:
@@ -210,7 +210,7 @@ def row(label: str, result: dict, size: int, cp: dict | None) -> str:
         ratio += f", per round {statistics.median(rounds):4.2f}× (worst {max(rounds):4.2f}×)"
     extra = f"(imports {result['import_kib'] / 1024:5.0f} MiB)" if result["import_kib"] else ""
     return (f"  {label:<28} {result['seconds']:7.2f} s  {gbps:5.2f} GB/s  {ratio}  "
-            f"peak RSS {result['peak_kib'] / 1024:6.0f} MiB {extra} runs {result['all']}")
+            f"peak RSS {result['peak_kib'] / 1024:6.0f} MiB {extra} runs {[round(t, 2) for t in result['times']]}")
 
 
 def main() -> None:
