@@ -462,15 +462,16 @@ class _Handoff:
         buffer = self._free.get()
         return buffer if buffer.size >= size else np.empty(size, np.uint8)
 
-    def write(self, targets: Sequence[tuple[RankWriter, str, int, int, int]], first: int, data: np.ndarray,
-              buffer: np.ndarray) -> None:
-        """Write ``data`` (in ``buffer``) at row ``first`` of each whole-row target on the writing thread."""
-        self._writer.submit(self._write, targets, first, data, buffer).add_done_callback(self._failed)
+    def write(self, targets: Sequence[tuple[RankWriter, str, int, int, int]], first: int, buffer: np.ndarray,
+              size: int) -> None:
+        """Write the first ``size`` bytes of ``buffer`` at row ``first`` of each whole-row target on the writing
+        thread; the buffer goes back to the free ones after."""
+        self._writer.submit(self._write, targets, first, buffer, size).add_done_callback(self._failed)
 
-    def _write(self, targets, first: int, data: np.ndarray, buffer: np.ndarray) -> None:
+    def _write(self, targets, first: int, buffer: np.ndarray, size: int) -> None:
         try:
             for writer, name, offset, _, width in targets:
-                writer.write(name, offset + first * width, data)
+                writer.write(name, offset + first * width, buffer[:size])
         finally:
             self.release(buffer)
 
@@ -504,7 +505,7 @@ def _relay(buffers: _Buffers, targets: Sequence[tuple[RankWriter, str, int, int,
                 handoff.release(buffer)
             raise
         if handoff:  # whole rows (one rank file): written on the handoff's thread
-            handoff.write(targets, first, data, buffer)
+            handoff.write(targets, first, buffer, size)
             continue
         table = data.reshape(count, rows.stride)
         for writer, name, offset, col, width in targets:
