@@ -11,7 +11,7 @@ RSS (``ru_maxrss``), and the median and worst of each run's ratio to the ``cp`` 
 streaming random blocks into a pre-sized safetensors file (it is never built in torch memory) and
 deleted at the end unless ``--keep``.
 
-    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 3] [--keep] [--against CORE]
+    python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 7] [--keep] [--against CORE]
 """
 
 from __future__ import annotations
@@ -198,19 +198,44 @@ def interleaved(times: int, measures: list[tuple[str, Callable[[], dict], Callab
     return {label: summary(found) for label, found in runs.items()}
 
 
+def ratios(result: dict, cp: dict) -> dict[str, float]:
+    """``result`` as a multiple of ``cp``: fastest against fastest, median against median and, where both were
+    measured in the same rounds, the median and worst of the per-round multiples (each run against the
+    cp of its own round, seconds apart)."""
+    found = {"fastest": result["seconds"] / cp["seconds"], "median": result["median"] / cp["median"]}
+    if len(result["times"]) == len(cp["times"]):
+        rounds = [mine / theirs for mine, theirs in zip(result["times"], cp["times"])]
+        found.update({"per round": statistics.median(rounds), "worst round": max(rounds)})
+    return found
+
+
 def row(label: str, result: dict, size: int, cp: dict | None) -> str:
-    """Fastest and median time, each as a multiple of cp's fastest and median, and the median and worst of
-    the per-round multiples (each run against the cp of its own round, seconds apart)."""
+    """Fastest and median time, each as a multiple of cp's fastest and median, and the per-round multiples."""
     gbps = size / result["seconds"] / 1e9
     median = f"median {result['median']:5.2f} s"
-    ratio = (f"{result['seconds'] / cp['seconds']:5.2f}× cp, {median} {result['median'] / cp['median']:5.2f}× cp"
-             if cp else f"{'':8} {median} {'':8}")
-    if cp and len(result["times"]) == len(cp["times"]):  # measured in the same rounds
-        rounds = [mine / theirs for mine, theirs in zip(result["times"], cp["times"])]
-        ratio += f", per round {statistics.median(rounds):4.2f}× (worst {max(rounds):4.2f}×)"
+    ratio = f"{'':8} {median} {'':8}"
+    if cp:
+        times = ratios(result, cp)
+        ratio = f"{times['fastest']:5.2f}× cp, {median} {times['median']:5.2f}× cp"
+        if "per round" in times:
+            ratio += f", per round {times['per round']:4.2f}× (worst {times['worst round']:4.2f}×)"
     extra = f"(imports {result['import_kib'] / 1024:5.0f} MiB)" if result["import_kib"] else ""
     return (f"  {label:<28} {result['seconds']:7.2f} s  {gbps:5.2f} GB/s  {ratio}  "
             f"peak RSS {result['peak_kib'] / 1024:6.0f} MiB {extra} runs {[round(t, 2) for t in result['times']]}")
+
+
+GOAL = 1.5  # issue 13: the `forge export` CLI process within 1.5× the time of `cp` of the same weights
+
+
+def verdict(found: dict[str, dict]) -> str:
+    """Whether the CLI met GOAL at each tp, by each way of comparing it with cp."""
+    parts = []
+    for tp in (1, 4):
+        times = ratios(found[f"forge export CLI tp={tp}"], found["cp"])
+        shown = ", ".join(f"{name} {value:.2f}×{'' if value <= GOAL else ' MISSED'}"
+                          for name, value in times.items() if name != "worst round")
+        parts.append(f"tp={tp}: {shown}")
+    return f"goal, CLI ≤ {GOAL}× cp — " + "; ".join(parts)
 
 
 def main() -> None:
@@ -218,7 +243,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--layers", type=int, default=22, help="layers of the full model (22 = 1.1B)")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic models")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=int, default=7,
                         help="rounds of all measurements; the fastest and the median are shown")
     parser.add_argument("--skip-transformers", action="store_true", help="do not time the transformers load")
     parser.add_argument("--against", type=Path, metavar="CORE",
@@ -262,6 +287,8 @@ def main() -> None:
             found = interleaved(args.repeat, measures)
             for label, result in found.items():
                 print(row(label, result, size, None if label == "cp" else found["cp"]))
+            if layers == args.layers:
+                print(verdict(found))
             results.update({(layers, tp): found[f"forge convert tp={tp}"] for tp in (1, 4)})
             if layers == args.layers and not args.skip_transformers:
                 load = interleaved(1, [("transformers", functools.partial(child, LOAD, model), lambda: None)])
