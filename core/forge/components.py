@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 if TYPE_CHECKING:  # tritonclient.grpc takes 0.15 s to import; forge export never needs it
     from tritonclient.grpc import model_config_pb2 as mc
@@ -45,6 +45,42 @@ class Option:
         return not self.targets or target in self.targets
 
 
+class DeferredOptions(Sequence):
+    """A family's options, made by ``make`` when first read.
+
+    The decoder families' options are folded from every tensorrtllm_backend release (``forge.llm.options``):
+    ~20 ms (measured) that the commands which never read a family's options (``export``, ``serve``,
+    ``infer``, ``plugins``) would otherwise pay at plugin registration.
+    """
+
+    def __init__(self, make: Callable[[], Sequence[Option]]):
+        self._make = make
+        self._options: tuple[Option, ...] | None = None
+
+    def _all(self) -> tuple[Option, ...]:
+        if self._options is None:
+            self._options = tuple(self._make())
+        return self._options
+
+    def __getitem__(self, index):
+        return self._all()[index]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __iter__(self) -> Iterator[Option]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and self._all() == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return f"DeferredOptions({self._all()!r})"
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family a plugin adds: which checkpoints it accepts and which components it builds.
@@ -66,7 +102,7 @@ class Family:
     #: the targets on which ``--tp`` / ``--pp`` > 1 mean something (empty: the family has no parallelism)
     parallel_targets: tuple[str, ...] = ()
     #: every ``-o`` option the family reads (first-class flags such as ``--instances`` included)
-    options: tuple[Option, ...] = ()
+    options: Sequence[Option] = ()  # a tuple, or DeferredOptions where they are costly to make
     #: options that make the family join a build that does not name it (``--store`` adds retrieval);
     #: a joined family takes no weights, so dtype, quantization and parallelism are not its concern
     joins_on: tuple[str, ...] = ()

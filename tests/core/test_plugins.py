@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import types
 import zipfile
@@ -142,3 +143,19 @@ def test_a_forge_plugins_line_without_equals_is_refused():
     with pytest.raises(PluginError, match=r"entry point line 'broken' in group forge.plugins has no '='"):
         list(plugins._group("[forge.plugins]\nbroken\n", plugins.ENTRY_POINT_GROUP))
     assert list(plugins._group("[other]\nbroken\n", plugins.ENTRY_POINT_GROUP)) == []
+
+
+def test_decoder_options_are_made_when_first_read(tmp_path):
+    """Loading the plugins does not fold tensorrtllm_backend's releases into the decoder families' options
+    (~20 ms of every command, though only build/options/validate read them); reading them does, and they are
+    the same options as the ones made directly."""
+    code = ("import sys\nfrom forge.plugins import load_registry\nfamilies = load_registry().families\n"
+            "assert 'forge.llm.profiles' not in sys.modules\n"
+            "from forge.llm.options import LORA, decoder_options\n"
+            "from forge_llava import VISION_OPTIONS\n"
+            "assert tuple(families['llama'].options) == decoder_options() + (LORA,)\n"
+            "assert tuple(families['llava'].options) == decoder_options() + VISION_OPTIONS\n"
+            "assert families['gpt'].option('instances').kind == 'int'\n"
+            "assert families['llama'].options == families['gpt'].options and len(families['llama'].options) > 10\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -6,14 +6,19 @@ Heavy modules (torch, transformers) are imported inside the hooks so ``forge plu
 from __future__ import annotations
 
 from forge import hookimpl
-from forge.components import Component, Family
+from forge.components import Component, DeferredOptions, Family
 from forge.errors import UsageError
 
 from .adapter import DecoderAdapter
-from .options import LORA, decoder_options
 
 TARGETS = ("tensorrtllm", "python", "hf-pipeline")
 QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
+
+
+def _options():
+    from .options import LORA, decoder_options
+
+    return decoder_options() + (LORA,)
 
 
 class DecoderPlugin:
@@ -59,7 +64,7 @@ class DecoderPlugin:
         register(Family(name=a.family, kind="decoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
                         components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm", "python"),
-                        options=decoder_options() + (LORA,)))
+                        options=DeferredOptions(_options)))
 
     @hookimpl
     def forge_export(self, component, ctx):

@@ -22,7 +22,7 @@ import dataclasses
 import json
 
 from forge import hookimpl
-from forge.components import Component, Family, Option
+from forge.components import Component, DeferredOptions, Family, Option
 from forge.errors import UsageError
 
 from .checkpoint import ARCHITECTURES, TOKENIZER_FILES
@@ -44,6 +44,12 @@ VISION_OPTIONS = (
 )
 _VISION_KEYS = {"vision_opset": "opset", "vision_parity_tolerance": "parity_tolerance",
                 "vision_workspace_mib": "workspace_mib"}
+
+
+def _options():
+    from forge.llm.options import decoder_options
+
+    return decoder_options() + VISION_OPTIONS
 
 
 def _adapter():
@@ -120,14 +126,13 @@ class LlavaPlugin:
 
     @hookimpl
     def forge_register_families(self, register):
-        from forge.llm.options import decoder_options
         from forge.llm.plugin import QUANTS
 
         register(Family(name=FAMILY, kind="decoder", architectures=ARCHITECTURES, targets=TARGETS,
                         description="LLaVA-1.5 (CLIP vision tower + projector + Llama) as a multimodal ensemble",
                         default_target=TARGETS[0], components=self.components,
                         quants=tuple(q for q in QUANTS), parallel_targets=("tensorrtllm",),
-                        options=decoder_options() + VISION_OPTIONS))
+                        options=DeferredOptions(_options)))
 
     @hookimpl
     def forge_export(self, component, ctx):
