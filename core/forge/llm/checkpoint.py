@@ -313,24 +313,21 @@ RELAY_BYTES = core_cache_bytes()
 class Transfers:
     """Blocks whose bytes do not change, written and checked off the converting (main) thread.
 
-    Lanes are threads, at most one per core; each rank file belongs to one lane. The lanes *relay*: a
-    lane reads a block's source rows once, a cache-sized piece at a time, checks the piece for NaN/Inf
-    there and writes it to each of its rank files. Column slices (row-parallel weights at tp > 1) are
-    relayed by one lane for all ranks, the lanes in turn, so the rows are read once. With one rank file
-    (tp 1) and more than one core, the one lane reads and checks, and hands each piece to a writing
-    thread of its own (``_Handoff``): the reading and the writing run on two cores, and only one thread
-    writes the file (two threads writing one file wait for each other on its inode lock). On one core,
-    whole rows go file to file in the kernel (``copy_file_range``), their check on a thread beside. The
-    main thread meanwhile converts and writes the blocks whose bytes change. ``finish`` waits for all
-    and raises the first failure; ``close`` drops what has not started and waits for the rest (before
-    the rank files are closed).
-
-    Measured at tp 1 (`forge export` CLI, 2.2 GB, each run against the `cp` of its own shuffled round):
-    against the in-kernel copy with its check beside, 0.71 vs 0.81× and 0.77 vs 0.86× `cp` in two A/B
-    runs in phases where `cp` was slow (1.6–5.9 s); in five benchmark runs 0.91 vs 1.02×, 0.90 vs 0.98×,
-    1.02 vs 0.93×, 1.12 vs 1.17× and 1.27 vs 1.16× (the last two in fast phases, `cp` 0.9–1.1 s median).
-    Two lanes each reading and writing the one file (an earlier session) were much faster in slow phases
-    but much slower and erratic in fast ones.
+    Lanes are writing threads, at most one per core; each rank file belongs to one lane. With one
+    lane (tp 1, or one core), whole rows go file to file in the kernel (``copy_file_range``) and their
+    NaN/Inf check runs on a thread of its own. With more lanes the lanes *relay*: a lane reads a
+    block's source rows once, a cache-sized piece at a time, checks the piece there and writes it to
+    each of its rank files. Column slices (row-parallel weights at tp > 1) are always relayed, by one
+    lane for all ranks, the lanes in turn, so the rows are read once. The main thread meanwhile
+    converts and writes the blocks whose bytes change. ``finish`` waits for all and raises the first
+    failure; ``close`` drops what has not started and waits for the rest (before the rank files are
+    closed). Relaying tp 1's one file over two lanes was tried: in some phases of this VM's host it was
+    much faster than the in-kernel copy (0.87 vs 1.42 s median), in others much slower and erratic
+    (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1 keeps the in-kernel copy, whose worst
+    phases measured milder. So did a lane that reads and checks handing each piece to a writing thread
+    of its own (session 9): better where the host was slow (`forge export` CLI, per round 0.71–0.77 vs
+    0.81–0.86× `cp`), worse where it was fast, which is where the 1.5× `cp` goal is tight (1.45–1.46 vs
+    1.26–1.29× `cp` median, two A/Bs of 8 and 10 shuffled rounds, `cp` 0.70–0.80 s).
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
@@ -341,11 +338,10 @@ class Transfers:
         self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
         self._buffers = _Buffers()
         self._turns = itertools.cycle(lanes)
-        self._failed: list[BaseException] = []
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if _CORES == 1 else None
-        self._handoff = _Handoff(self._done) if len(writers) == 1 and _CORES > 1 else None
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if len(lanes) == 1 else None
         self._pools = [*lanes, *([self._checker] if self._checker else [])]
         self._pending: collections.deque = collections.deque()
+        self._failed: list[BaseException] = []
 
     def copy(self, targets: Sequence[tuple[RankWriter, str, int]], block: np.ndarray, ref: TensorRef,
              span: tuple[int, int, int], tag: str, where: str) -> None:
@@ -369,15 +365,13 @@ class Transfers:
         for all ranks (tp 4: 8% faster than each lane reading them for its own files, measured).
         """
         by_lane: dict[Any, list] = {}
-        whole = all(width == rows.stride for *_, width in targets)
-        if whole:
+        if all(width == rows.stride for *_, width in targets):
             for target in targets:
                 by_lane.setdefault(self._lanes[target[0]], []).append(target)
         else:
             by_lane[next(self._turns)] = list(targets)
-        handoff = self._handoff if whole else None
         for n, (lane, group) in enumerate(by_lane.items()):
-            self._submit(lane, _relay, self._buffers, group, ref, rows, tag, where, n == 0, handoff)
+            self._submit(lane, _relay, self._buffers, group, ref, rows, tag, where, n == 0)
 
     def _submit(self, pool, fn, *args) -> None:
         future = pool.submit(fn, *args)
@@ -402,8 +396,6 @@ class Transfers:
         """Wait for every copy and check; raise the first failure."""
         for future in self._pending:
             future.exception()
-        if self._handoff is not None:
-            self._handoff.drain()  # the lanes are done: nothing more is handed off
         self.pace()
 
     def close(self) -> None:
@@ -411,8 +403,6 @@ class Transfers:
             future.cancel()
         for pool in self._pools:
             pool.shutdown(wait=True)
-        if self._handoff is not None:
-            self._handoff.shutdown()
         self._pending.clear()
 
 
@@ -442,71 +432,17 @@ class _Buffers(threading.local):
         return buffer[:size]
 
 
-class _Handoff:
-    """A writing thread the one lane hands its checked pieces to, in ``depth`` buffers of ``RELAY_BYTES`` that
-    go round (they bound how far the lane reads ahead). Failures go to ``failed`` (a callback)."""
-
-    def __init__(self, failed: Callable[[Any], None], depth: int = 4):
-        import queue
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._failed = failed
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="forge-write")
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(depth):
-            self._free.put(np.empty(RELAY_BYTES, np.uint8))
-
-    def buffer(self, size: int) -> np.ndarray:
-        """A free buffer of at least ``size`` bytes (waits for one; for a row longer than RELAY_BYTES, a larger
-        one takes its place)."""
-        buffer = self._free.get()
-        return buffer if buffer.size >= size else np.empty(size, np.uint8)
-
-    def write(self, targets: Sequence[tuple[RankWriter, str, int, int, int]], first: int, buffer: np.ndarray,
-              size: int) -> None:
-        """Write the first ``size`` bytes of ``buffer`` at row ``first`` of each whole-row target on the writing
-        thread; the buffer goes back to the free ones after."""
-        self._writer.submit(self._write, targets, first, buffer, size).add_done_callback(self._failed)
-
-    def _write(self, targets, first: int, buffer: np.ndarray, size: int) -> None:
-        try:
-            for writer, name, offset, _, width in targets:
-                writer.write(name, offset + first * width, buffer[:size])
-        finally:
-            self.release(buffer)
-
-    def release(self, buffer: np.ndarray) -> None:
-        self._free.put(buffer)
-
-    def drain(self) -> None:
-        """Wait for everything handed off so far (one thread: in order)."""
-        self._writer.submit(int).result()
-
-    def shutdown(self) -> None:
-        self._writer.shutdown(wait=True)
-
-
 def _relay(buffers: _Buffers, targets: Sequence[tuple[RankWriter, str, int, int, int]], ref: TensorRef,
-           rows: Rows, tag: str, where: str, check: bool, handoff: _Handoff | None = None) -> None:
+           rows: Rows, tag: str, where: str, check: bool) -> None:
     fd = ref.file.fileno()
     step = max(1, RELAY_BYTES // rows.stride)
     for first in range(0, rows.count, step):
         count = min(step, rows.count - first)
-        size = count * rows.stride
-        buffer = handoff.buffer(size) if handoff else buffers.take("read", size)
-        data = buffer[:size]
-        try:
-            _read(fd, memoryview(data), rows.start + first * rows.stride, ref, where)
-            if check:
-                values = data.view(NUMPY_TYPES[tag])
-                _refuse_nonfinite(values, values, ref, tag, where)
-        except BaseException:
-            if handoff:
-                handoff.release(buffer)
-            raise
-        if handoff:  # whole rows (one rank file): written on the handoff's thread
-            handoff.write(targets, first, buffer, size)
-            continue
+        data = buffers.take("read", count * rows.stride)
+        _read(fd, memoryview(data), rows.start + first * rows.stride, ref, where)
+        if check:
+            values = data.view(NUMPY_TYPES[tag])
+            _refuse_nonfinite(values, values, ref, tag, where)
         table = data.reshape(count, rows.stride)
         for writer, name, offset, col, width in targets:
             if width == rows.stride:
