@@ -405,3 +405,22 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(tiny_llama, tmp_path, ca
     assert len(calls) >= 5
     assert code == 1 and re.fullmatch(r"forge: error: /\S+/checkpoint/rank\d\.safetensors: Input/output error", line), line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("tag", ["F16", "BF16", "F32"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "-nan"])
+def test_nonfinite_finds_a_value_in_any_part(tag, value):
+    """The NaN/Inf check reads in parts of _CHECK_ELEMS: a bad value in the last, short part is found (NaN with
+    either sign, ±Inf), and finite extremes are not reported."""
+    import numpy as np
+
+    from forge.llm.tensorio import _CHECK_ELEMS, NUMPY_TYPES, from_float32, nonfinite
+
+    clean = np.full(2 * _CHECK_ELEMS + 5, 3.0, np.float32)
+    clean[::7] = -65504.0  # the float16 extremes: finite
+    clean[1::7] = 65504.0
+    assert not nonfinite(from_float32(clean, tag) if tag != "F32" else clean, tag)
+    bad = clean.copy()
+    bad[-2] = -np.float32("nan") if value == "-nan" else np.float32(value)
+    data = from_float32(bad, tag) if tag != "F32" else bad
+    assert data.dtype == np.dtype(NUMPY_TYPES[tag]) and nonfinite(data, tag)
