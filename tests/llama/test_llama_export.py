@@ -375,7 +375,7 @@ def test_relay_pieces_fit_the_core_cache(tmp_path, files, expected):
     assert core_cache_bytes(tmp_path) == expected
 
 
-@pytest.mark.parametrize(("cores", "tp", "way"), [(1, 1, "write"), (2, 2, "write"), (1, 1, "copy"), (2, 1, "copy")])
+@pytest.mark.parametrize(("cores", "tp", "way"), [(1, 1, "write"), (2, 2, "write"), (1, 1, "copy")])
 def test_a_failing_write_is_one_line_and_leaves_nothing(tiny_llama, tmp_path, capsys, monkeypatch, cores, tp, way):
     """Bad input (a disk that fails mid-export, here the fifth write or in-kernel copy to a rank file, the copy
     after part of a block went): wherever it runs (the main thread, a lane), the export stops with one line
