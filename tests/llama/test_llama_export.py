@@ -307,6 +307,47 @@ def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monke
     assert bool(copied) == (min(cores, tp) == 1)
 
 
+def test_column_slices_go_to_the_lane_with_least_work_queued(tiny_llama, tmp_path, monkeypatch):
+    """At tp 4 on two cores, a lane that falls behind (here: rank 0's, slowed) is given fewer of the column
+    slices that either lane may relay, so the lanes end together (taken in turn, each would get half); the
+    rank files are those of the through-process export."""
+    import threading
+    import time
+
+    from forge.llm import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CORES", 2)
+    relay, slow, sliced = checkpoint._relay, set(), []
+
+    def relay_spy(buffers, targets, ref, rows, *rest):
+        lane = threading.get_ident()
+        if all(width == rows.stride for *_, width in targets):
+            if any(writer.path.name == "rank0.safetensors" for writer, *_ in targets):
+                slow.add(lane)
+        else:
+            sliced.append(lane)
+        if lane in slow:
+            time.sleep(0.05)
+        return relay(buffers, targets, ref, rows, *rest)
+
+    def paced(self, *args):  # the main thread no faster than the quick lane
+        time.sleep(0.01)
+        return submit(self, *args)
+
+    monkeypatch.setattr(checkpoint, "_relay", relay_spy)
+    submit = checkpoint.Transfers.relay
+    monkeypatch.setattr(checkpoint.Transfers, "relay", paced)
+    assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", "4") == 0
+    assert len(slow) == 1 and len(sliced) >= 4
+    assert sum(lane in slow for lane in sliced) <= len(sliced) // 4, sliced
+    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))
+    assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", "4") == 0
+    for rank in range(4):
+        name = f"rank{rank}.safetensors"
+        assert (tmp_path / "lanes" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+
+
 @pytest.mark.parametrize("most", [1, 6, 4096])
 def test_relay_survives_short_reads(tiny_llama, tmp_path, monkeypatch, most):
     """A read that returns fewer bytes than asked (allowed of preadv) is continued; the files are the same."""
