@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 # numpy's OpenBLAS starts one thread per core at import and each busy-waits (sched_yield) for
@@ -73,11 +74,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"forge: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        print(f"forge: error: {where}{exc.strerror or exc}{_in_cache(exc.filename)}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("forge: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _in_cache(filename: object) -> str:
+    """A note for a path inside forge's cache, where stages write before their output moves to --out."""
+    if not isinstance(filename, (str, os.PathLike)):
+        return ""
+    from .cache import CACHE_ENV, cache_dir
+
+    try:
+        Path(filename).resolve().relative_to(cache_dir().resolve())
+    except (ValueError, OSError):
+        return ""
+    return f" (in forge's cache, where outputs are made before they move to --out; ${CACHE_ENV} sets it)"
 
 
 def _command(argv: Sequence[str]) -> str | None:

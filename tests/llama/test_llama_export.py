@@ -444,7 +444,9 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(tiny_llama, tmp_path, ca
     code = export(tiny_llama, out, "--dtype", "float32", "--tp", tp)
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert len(calls) >= 5
-    assert code == 1 and re.fullmatch(r"forge: error: /\S+/checkpoint/rank\d\.safetensors: Input/output error", line), line
+    assert code == 1 and re.fullmatch(r"forge: error: /\S+/checkpoint/rank\d\.safetensors: Input/output error "
+                                      r"\(in forge's cache, where outputs are made before they move to --out; "
+                                      r"\$FORGE_CACHE_DIR sets it\)", line), line
     assert not out.exists()
 
 
