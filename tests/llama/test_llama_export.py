@@ -199,6 +199,18 @@ def _spy(monkeypatch, module, name: str) -> list:
     return calls
 
 
+def _same_as_through_process(model: Path, tmp_path: Path, monkeypatch, got: Path, tp: int) -> None:
+    """The rank files in ``got`` equal those of an export that sends every byte through the converting thread."""
+    from forge.llm import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
+    assert export(model, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
+    for rank in range(tp):
+        name = f"rank{rank}.safetensors"
+        assert (got / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+
+
 @pytest.mark.parametrize("cores", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, monkeypatch, tp, cores):
@@ -223,12 +235,7 @@ def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, mo
     whole = [rows for _, targets, _, rows, *_ in relayed if all(width == rows.stride for *_, width in targets)]
     assert bool(whole) == (lanes > 1)
     assert len(threads) == (lanes if relayed else 0)  # every lane relayed
-    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
-    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
-    assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
-    for rank in range(tp):
-        name = f"rank{rank}.safetensors"
-        assert (tmp_path / "lanes" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+    _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "lanes", tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -340,12 +347,7 @@ def test_column_slices_go_to_the_lane_with_least_work_queued(tiny_llama, tmp_pat
     assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", "4") == 0
     assert len(slow) == 1 and len(sliced) >= 4
     assert sum(lane in slow for lane in sliced) <= len(sliced) // 4, sliced
-    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
-    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))
-    assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", "4") == 0
-    for rank in range(4):
-        name = f"rank{rank}.safetensors"
-        assert (tmp_path / "lanes" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+    _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "lanes", 4)
 
 
 @pytest.mark.parametrize("most", [1, 6, 4096])
@@ -357,12 +359,7 @@ def test_relay_survives_short_reads(tiny_llama, tmp_path, monkeypatch, most):
     real = os.preadv
     monkeypatch.setattr(checkpoint.os, "preadv", lambda fd, buffers, pos: real(fd, [buffers[0][:most]], pos))
     assert export(tiny_llama, tmp_path / "short", "--dtype", "float32", "--tp", "2") == 0
-    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
-    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))
-    assert export(tiny_llama, tmp_path / "process", "--dtype", "float32", "--tp", "2") == 0
-    for rank in range(2):
-        name = f"rank{rank}.safetensors"
-        assert (tmp_path / "short" / name).read_bytes() == (tmp_path / "process" / name).read_bytes()
+    _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "short", 2)
 
 
 @pytest.mark.parametrize("cores", [1, 2])
