@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="1,2",
                         help="torch thread counts tried for the in-process baseline (the best one is compared)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating served / in-process rounds")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "float16"),
+                        help="--dtype of the build (default: none given, the build's default)")
     parser.add_argument("--quant", default=None, choices=(None, "int8"))
     parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                         help="forge build option for the served repository (e.g. max_queue_delay_us=500)")
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="forge-bench-"))
     repo = args.repo or work / "repo"
     build = ["build", "--family", "minilm", "--model", str(model_dir), "--out", str(repo), "--target", "python",
-             "--dtype", args.dtype, "--max-batch-size", str(max(8, args.concurrency))]
+             "--max-batch-size", str(max(8, args.concurrency))]
+    build += ["--dtype", args.dtype] if args.dtype else []
     build += ["--quant", args.quant] if args.quant else []
     for option in args.option:
         build += ["-o", option]

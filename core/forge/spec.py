@@ -46,6 +46,7 @@ class BuildSpec:
     tp: int = 1
     pp: int = 1
     dtype: str = "float16"
+    dtype_given: bool = True  # False: --dtype was left at its default, so a family may pick a better one
     quant: tuple[str, ...] = ()
     target: str | None = None  # None: each family's default target
     backend_version: str | None = None  # None: the newest known profile

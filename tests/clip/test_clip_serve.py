@@ -158,7 +158,7 @@ def test_int8_parity_is_reported_for_both_towers(hf_clip_model, hf_reference, tm
     # max |Δ| 0.6 of 3.3) than the family's default tolerance allows: forge refuses that build, as it
     # should. This test is about the reporting, so it states a tolerance that fits random weights.
     repo = built(tmp_path / "repo", "--family", "clip", "--model", str(hf_clip_model), "--target", "python",
-                 "--quant", "int8", "-o", "quant_parity_tolerance=0.3")
+                 "--quant", "int8", "--dtype", "float16", "-o", "quant_parity_tolerance=0.3")
     vision = manifest_notes(repo, "clip_vision", "quantize")
     text = manifest_notes(repo, "clip_text", "quantize")
     assert vision["quantization"]["mode"] == "static" and vision["quantization"]["format"] == "QDQ"

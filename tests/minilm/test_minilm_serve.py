@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from encoder_fixtures import built, cosine, infer, manifest_notes, serving
 
+from forge.tritonconfig import read
+
 pytestmark = pytest.mark.heavy
 
 TEXTS = ["A man is eating food.", "", "word " * 400, "Triton serves sentence embeddings.",
@@ -22,22 +24,39 @@ def reference(minilm_model):
 
 @pytest.fixture(scope="module")
 def minilm_server(encoder_environment, minilm_model, tmp_path_factory):
-    """The default-dtype (float16) python-target repository, served once for the module."""
+    """The default python-target repository (float32 on a machine whose ONNX Runtime has no GPU), served once
+    for the module."""
     repo = built(tmp_path_factory.mktemp("minilm") / "repo", "--family", "minilm", "--model", str(minilm_model),
                  "--target", "python")
     with serving(repo) as (server, client):
         yield repo, server, client
 
 
-def test_build_records_export_and_float16_parity(minilm_server):
+def test_build_records_export_parity_and_the_default_dtype(minilm_server):
+    """Without --dtype, the python target on a CPU keeps float32 (float16 is slower on ONNX Runtime's CPU
+    provider) and says so; the manifest records the export's parity."""
+    import onnxruntime
+
     repo, _, _ = minilm_server
     export = manifest_notes(repo, "minilm", "export")
     assert export["parity"]["max_abs_diff"] < 1e-4 and export["parity"]["precision"] == "float32"
     assert export["tokenizer_parity"]["identical"]
     assert export["export"]["opset"] == 17 and "constant folding" in export["export"]["changes"][0]
     assert export["interface"]["pooling"] == ["mean"] and export["interface"]["normalize"] is True
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime serves on a GPU: the default stays float16")
+    assert "float32 kept" in manifest_notes(repo, "minilm", "quantize")["dtype"]
+    assert read(repo / "minilm_encoder").parameters["precision"].string_value == "float32"
+
+
+def test_float16_when_asked(minilm_model, tmp_path):
+    """--dtype float16 on a CPU: the graph is converted, with its parity against torch recorded."""
+    repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(minilm_model), "--target", "python",
+                 "--dtype", "float16")
     fp16 = manifest_notes(repo, "minilm", "quantize")
+    assert "dtype" not in fp16
     assert fp16["parity"]["precision"] == "float16" and fp16["parity"]["min_cosine"] > 0.9999
+    assert read(repo / "minilm_encoder").parameters["precision"].string_value == "float16"
 
 
 def test_embeddings_equal_sentence_transformers(minilm_server, reference):

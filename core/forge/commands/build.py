@@ -36,7 +36,8 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    p.add_argument("--dtype", default="float16", help="weights dtype: float32, float16, bfloat16 (default float16; the family's list)")
+    p.add_argument("--dtype", default=None, help="weights dtype: float32, float16, bfloat16 (the family's list; "
+                   "default float16, but float32 for an encoder's python target where ONNX Runtime has no GPU)")
     p.add_argument("--quant", action="append", default=[], metavar="MODE",
                    help="quantization (repeat or comma-separate), e.g. w8a16, w4a16, int4_awq, fp8, int8_kv, int8")
     p.add_argument("--target", default=None, help="compile target, e.g. tensorrtllm, tensorrt, onnxruntime, python "
@@ -115,7 +116,8 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
         options["store"] = normalize_uri(str(options["store"]))
     return BuildSpec(
         families=families, model=model, models=models, out=args.out, tp=args.tp, pp=args.pp,
-        dtype=args.dtype, quant=tuple(_split(args.quant)), target=args.target,
+        dtype=args.dtype or "float16", dtype_given=args.dtype is not None, quant=tuple(_split(args.quant)),
+        target=args.target,
         backend_version=args.backend_version,
         limits=Limits(max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
                       max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
