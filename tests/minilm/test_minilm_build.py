@@ -18,6 +18,32 @@ def copy_minilm(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.parametrize(("target", "device", "given", "cuda", "float32"), [
+    ("python", "auto", False, False, True),  # served by this onnxruntime, which has no GPU: float32
+    ("python", "auto", False, True, False),  # this onnxruntime has a GPU: float16, the default
+    ("python", "auto", True, False, False),  # --dtype float16 given: as asked
+    ("python", "cpu", False, True, True),
+    ("onnxruntime", "cpu", False, False, True),
+    ("onnxruntime", "auto", False, False, False),  # Triton's onnxruntime backend runs where it is served
+    ("tensorrt", "auto", False, False, False),
+    (None, "auto", False, False, False),  # the default target, tensorrt
+])
+def test_the_default_dtype_follows_where_onnx_runtime_runs(monkeypatch, tmp_path, target, device, given, cuda,
+                                                          float32):
+    import onnxruntime
+
+    from forge.encoder.plugin import cpu_float32
+    from forge.spec import BuildSpec
+
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: providers)
+    spec = BuildSpec(families=["minilm"], model=tmp_path, out=tmp_path / "repo", dtype="float16", dtype_given=given,
+                     target=target, options={} if device == "auto" else {"device": device})
+    assert cpu_float32(spec) is float32
+    assert not cpu_float32(BuildSpec(families=["minilm"], model=tmp_path, out=tmp_path, dtype="float32",
+                                     dtype_given=given, target=target))
+
+
 def test_dry_run_prints_the_trtexec_command(minilm_model, tmp_path, capsys):
     """tensorrt is the default target; --dry-run shows the profile from --max-batch-size and max_seq_length."""
     code = build("--family", "minilm", "--model", str(minilm_model), "--out", str(tmp_path / "repo"),
