@@ -31,10 +31,11 @@ CALIBRATION_BATCH = 8
 def quantize(adapter: EncoderAdapter, component: Component, artifact: Artifact, ctx: BuildContext) -> Artifact | None:
     """The stage hook's body; None when there is nothing to do for this target and precision."""
     int8 = "int8" in ctx.spec.quant
-    fp16 = component.options.get("dtype", ctx.spec.dtype) == "float16"
-    if component.options.get("dtype") == "float32":  # the default dtype, left at float32 (plugin.cpu_float32)
-        why = ("float32 kept: no --dtype given, and ONNX Runtime serves it on a CPU here, where float16 is slower "
-               "(--dtype float16 keeps float16)")
+    kept = component.options.get("dtype") == "float32"  # the default dtype left at float32 (plugin.cpu_float32)
+    fp16 = not kept and ctx.spec.dtype == "float16"
+    if kept and not int8:  # (an int8 graph keeps float32 activations either way)
+        why = ("float32 kept: no --dtype given, and ONNX Runtime serves it on a CPU, where float16 is slower "
+               "(--dtype float16 converts anyway)")
         ctx.note("dtype", why)
         ctx.log(f"{component.name}: {why}")
     if ctx.target == "tensorrt":

@@ -319,9 +319,9 @@ class Transfers:
     block's source rows once, a cache-sized piece at a time, checks the piece there and writes it to
     each of its rank files. Column slices (row-parallel weights at tp > 1) are always relayed, by one
     lane for all ranks (the one with the least work queued: the lanes end together), so the rows are
-    read once. The main thread meanwhile converts and writes the blocks whose bytes change. ``finish`` waits for all and raises the first
-    failure; ``close`` drops what has not started and waits for the rest (before the rank files are
-    closed). Relaying tp 1's one file over two lanes was tried: in some phases of this VM's host it was
+    read once. The main thread meanwhile converts and writes the blocks whose bytes change. ``finish``
+    waits for all and raises the first failure; ``close`` drops what has not started and waits for the
+    rest (before the rank files are closed). Relaying tp 1's one file over two lanes was tried: in some phases of this VM's host it was
     much faster than the in-kernel copy (0.87 vs 1.42 s median), in others much slower and erratic
     (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1 keeps the in-kernel copy, whose worst
     phases measured milder. So did a lane that reads and checks handing each piece to a writing thread
@@ -375,9 +375,10 @@ class Transfers:
         for n, (lane, group) in enumerate(by_lane.items()):
             size = rows.count * sum(width for *_, width in group)
             self._given[lane] += size
-            self._submit(lane, self._relay, lane, size, group, ref, rows, tag, where, n == 0)
+            self._submit(lane, self._counted, lane, size, group, ref, rows, tag, where, n == 0)
 
-    def _relay(self, lane, size: int, *args) -> None:
+    def _counted(self, lane, size: int, *args) -> None:
+        """``_relay(*args)`` on ``lane``, its ``size`` bytes counted as relayed when it ends."""
         try:
             _relay(self._buffers, *args)
         finally:
