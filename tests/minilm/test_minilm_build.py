@@ -30,18 +30,40 @@ def copy_minilm(src: Path, dst: Path) -> Path:
 ])
 def test_the_default_dtype_follows_where_onnx_runtime_runs(monkeypatch, tmp_path, target, device, given, cuda,
                                                           float32):
-    import onnxruntime
-
+    from forge.encoder import plugin
     from forge.encoder.plugin import cpu_float32
     from forge.spec import BuildSpec
 
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
-    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: providers)
+    monkeypatch.setattr(plugin, "onnxruntime_has_cuda", lambda: cuda)
     spec = BuildSpec(families=["minilm"], model=tmp_path, out=tmp_path / "repo", dtype="float16", dtype_given=given,
                      target=target, options={} if device == "auto" else {"device": device})
     assert cpu_float32(spec) is float32
     assert not cpu_float32(BuildSpec(families=["minilm"], model=tmp_path, out=tmp_path, dtype="float32",
                                      dtype_given=given, target=target))
+
+
+def test_the_cuda_check_agrees_with_onnxruntime_without_importing_it(tmp_path, monkeypatch):
+    """The installed onnxruntime's own answer, and a package directory that holds the CUDA provider library."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from forge.encoder.plugin import onnxruntime_has_cuda; has = onnxruntime_has_cuda(); "
+            "print(has, 'onnxruntime' in sys.modules)")
+    has, imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True).stdout.split()
+    import onnxruntime
+
+    assert has == str("CUDAExecutionProvider" in onnxruntime.get_available_providers()) and imported == "False"
+    fake = tmp_path / "onnxruntime"
+    (fake / "capi").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "onnxruntime")  # found on the path again: the stand-in package
+    from forge.encoder.plugin import onnxruntime_has_cuda
+
+    assert not onnxruntime_has_cuda()
+    (fake / "capi" / "libonnxruntime_providers_cuda.so").write_bytes(b"")
+    assert onnxruntime_has_cuda()
 
 
 def test_dry_run_prints_the_trtexec_command(minilm_model, tmp_path, capsys):
