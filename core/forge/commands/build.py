@@ -116,7 +116,7 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
         options["store"] = normalize_uri(str(options["store"]))
     return BuildSpec(
         families=families, model=model, models=models, out=args.out, tp=args.tp, pp=args.pp,
-        dtype=args.dtype or "float16", dtype_given=args.dtype is not None, quant=tuple(_split(args.quant)),
+        dtype=args.dtype or BuildSpec.dtype, dtype_given=args.dtype is not None, quant=tuple(_split(args.quant)),
         target=args.target,
         backend_version=args.backend_version,
         limits=Limits(max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,

@@ -313,21 +313,20 @@ RELAY_BYTES = core_cache_bytes()
 class Transfers:
     """Blocks whose bytes do not change, written and checked off the converting (main) thread.
 
-    Lanes are writing threads, at most one per core; each rank file belongs to one lane. With one
-    lane (tp 1, or one core), whole rows go file to file in the kernel (``copy_file_range``) and their
-    NaN/Inf check runs on a thread of its own. With more lanes the lanes *relay*: a lane reads a
-    block's source rows once, a cache-sized piece at a time, checks the piece there and writes it to
-    each of its rank files. Column slices (row-parallel weights at tp > 1) are always relayed, by one
-    lane for all ranks (the one with the least work queued: the lanes end together), so the rows are
-    read once. The main thread meanwhile converts and writes the blocks whose bytes change. ``finish``
-    waits for all and raises the first failure; ``close`` drops what has not started and waits for the
-    rest (before the rank files are closed). Relaying tp 1's one file over two lanes was tried: in some phases of this VM's host it was
-    much faster than the in-kernel copy (0.87 vs 1.42 s median), in others much slower and erratic
-    (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1 keeps the in-kernel copy, whose worst
-    phases measured milder. So did a lane that reads and checks handing each piece to a writing thread
-    of its own (session 9): better where the host was slow (`forge export` CLI, per round 0.71–0.77 vs
-    0.81–0.86× `cp`), worse where it was fast, which is where the 1.5× `cp` goal is tight (1.45–1.46 vs
-    1.26–1.29× `cp` median, two A/Bs of 8 and 10 shuffled rounds, `cp` 0.70–0.80 s).
+    Lanes are writing threads, at most one per core; each rank file belongs to one lane. With one lane (tp 1, or
+    one core), whole rows go file to file in the kernel (``copy_file_range``) and their NaN/Inf check runs on a
+    thread of its own. With more lanes the lanes *relay*: a lane reads a block's source rows once, a cache-sized
+    piece at a time, checks the piece there and writes it to each of its rank files. Column slices (row-parallel
+    weights at tp > 1) are always relayed, by one lane for all ranks (the one with the least work queued: the
+    lanes end together), so the rows are read once. The main thread meanwhile converts and writes the blocks
+    whose bytes change. ``finish`` waits for all and raises the first failure; ``close`` drops what has not
+    started and waits for the rest (before the rank files are closed). Relaying tp 1's one file over two lanes
+    was tried: in some phases of this VM's host it was much faster than the in-kernel copy (0.87 vs 1.42 s
+    median), in others much slower and erratic (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1 keeps the
+    in-kernel copy, whose worst phases measured milder. So was a lane that reads and checks and hands each piece
+    to a writing thread of its own (session 9), left out too: better where the host was slow (`forge export` CLI, per round
+    0.71–0.77 vs 0.81–0.86× `cp`), worse where it was fast, which is where the 1.5× `cp` goal is tight
+    (1.45–1.46 vs 1.26–1.29× `cp` median, two A/Bs of 8 and 10 shuffled rounds, `cp` 0.70–0.80 s).
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
