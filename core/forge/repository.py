@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
-from .cache import cache_dir
+from .cache import cache_dir, sha256
 from .components import TritonModel
 from .errors import UsageError
 
@@ -45,7 +44,7 @@ def locked(out: Path, lock_root: Path) -> Iterator[None]:
     A ``flock`` on a file under ``lock_root`` (what filelock does on Linux, without its import time).
     """
     lock_root.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:24]
+    key = sha256(str(out.resolve()).encode()).hexdigest()[:24]
     fd = os.open(lock_root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:

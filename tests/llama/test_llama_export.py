@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -464,3 +465,23 @@ def test_nonfinite_finds_a_value_in_any_part(tag, value):
     bad[-2] = -np.float32("nan") if value == "-nan" else np.float32(value)
     data = from_float32(bad, tag) if tag != "F32" else bad
     assert data.dtype == np.dtype(NUMPY_TYPES[tag]) and nonfinite(data, tag)
+
+
+def test_an_export_loads_neither_openssl_nor_concurrent_futures(tiny_llama, tmp_path):
+    """Start-up is part of every export's time: the stage keys hash with CPython's own sha256 (hashlib's
+    import loads OpenSSL) and the lanes are plain threads (concurrent.futures imports logging)."""
+    import hashlib
+
+    from forge.cache import sha256
+
+    assert sha256(b"forge").hexdigest() == hashlib.sha256(b"forge").hexdigest()
+    code = ("import atexit, sys\nfrom forge.cli import run\n"  # as the console script runs
+            "atexit.register(lambda: print(sorted(m for m in ('_hashlib', 'concurrent.futures', 'logging')"
+            " if m in sys.modules)))\n"
+            f"sys.argv = ['forge', 'export', '--family', 'llama', '--model', {str(tiny_llama)!r}, '--out', "
+            f"{str(tmp_path / 'o')!r}, '--tp', '2']\nrun()\n")
+    env = {**os.environ, "FORGE_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "o" / "rank1.safetensors").is_file()

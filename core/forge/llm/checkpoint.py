@@ -9,12 +9,13 @@ stays at a few chunks whatever the model size. The parity check lives in :mod:`.
 
 from __future__ import annotations
 
-import collections
 import errno
 import gc
 import itertools
 import json
+import math
 import os
+import queue
 import struct
 import threading
 from pathlib import Path
@@ -61,7 +62,7 @@ def data_offsets(tensors: Sequence[tuple[str, tuple[int, ...]]], tag: str) -> di
     size = np.dtype(NUMPY_TYPES[tag]).itemsize
     offsets, pos = {}, 0
     for name, shape in tensors:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * size
+        nbytes = math.prod(shape) * size
         offsets[name], pos = (pos, pos + nbytes), pos + nbytes
     return offsets
 
@@ -177,7 +178,7 @@ def copy_alignment(tensors: Sequence[Planned], tag: str) -> int | None:
     spans = data_offsets([(t.name, t.shape) for t in tensors], tag)
     weight: dict[int, int] = {}
     for planned in tensors:
-        row_bytes = int(np.prod(planned.shape[1:], dtype=np.int64)) * np.dtype(NUMPY_TYPES[tag]).itemsize
+        row_bytes = math.prod(planned.shape[1:]) * np.dtype(NUMPY_TYPES[tag]).itemsize
         row = 0
         for piece in planned.pieces:
             rows = piece.rows[1] - piece.rows[0]
@@ -230,7 +231,7 @@ def _signature(planned: Planned) -> tuple:
 
 def _chunks(planned: Planned, tag: str) -> Iterator[tuple[int, Piece, np.ndarray | None, int]]:
     """(byte offset in the tensor, piece, source block or None for zeros, rows) of one rank tensor."""
-    row_elems = int(np.prod(planned.shape[1:], dtype=np.int64)) if len(planned.shape) > 1 else 1
+    row_elems = math.prod(planned.shape[1:])
     row_bytes = row_elems * np.dtype(NUMPY_TYPES[tag]).itemsize
     row = 0
     for piece in planned.pieces:
@@ -319,7 +320,7 @@ class Transfers:
     piece at a time, checks the piece there and writes it to each of its rank files. Column slices (row-parallel
     weights at tp > 1) are always relayed, by one lane for all ranks (the one with the least work queued: the
     lanes end together), so the rows are read once. The main thread meanwhile converts and writes the blocks
-    whose bytes change. ``finish`` waits for all and raises the first failure; ``close`` drops what has not
+    whose bytes change. ``finish`` waits for all, or raises the first failure; ``close`` drops what has not
     started and waits for the rest (before the rank files are closed). Relaying tp 1's one file over two lanes
     was tried: in some phases of this VM's host it was much faster than the in-kernel copy (0.87 vs 1.42 s
     median), in others much slower and erratic (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1 keeps the
@@ -330,19 +331,15 @@ class Transfers:
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
-        from concurrent.futures import ThreadPoolExecutor
-
-        lanes = [ThreadPoolExecutor(1, thread_name_prefix="forge-copy")
-                 for _ in range(max(1, min(len(writers), _CORES)))]
+        self._progress = threading.Condition(threading.Lock())
+        self._failed: list[BaseException] = []
+        lanes = [_Lane("forge-copy", self) for _ in range(max(1, min(len(writers), _CORES)))]
         self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
         self._buffers = _Buffers()
-        # bytes given to each lane and bytes it has relayed (each counter has one writing thread)
-        self._given = {lane: 0 for lane in lanes}
-        self._relayed = {lane: 0 for lane in lanes}
-        self._checker = ThreadPoolExecutor(1, thread_name_prefix="forge-check") if len(lanes) == 1 else None
-        self._pools = [*lanes, *([self._checker] if self._checker else [])]
-        self._pending: collections.deque = collections.deque()
-        self._failed: list[BaseException] = []
+        self._copiers = lanes
+        self._checker = _Lane("forge-check", self) if len(lanes) == 1 else None
+        self._all = [*lanes, *([self._checker] if self._checker else [])]
+        self._ahead = None  # while the main thread waits: the number of queued jobs it waits for
 
     def copy(self, targets: Sequence[tuple[RankWriter, str, int]], block: np.ndarray, ref: TensorRef,
              span: tuple[int, int, int], tag: str, where: str) -> None:
@@ -353,8 +350,8 @@ class Transfers:
                        Rows(span[1], size, span[2] // size), tag, where)
             return
         for writer, name, offset in targets:
-            self._submit(self._lanes[writer], _copy, writer, name, offset, block, ref, span)
-        self._submit(self._checker, _check, block, ref, span, tag, where)
+            self._lanes[writer].give(0, _copy, writer, name, offset, block, ref, span)
+        self._checker.give(0, _check, block, ref, span, tag, where)
 
     def relay(self, targets: Sequence[tuple[RankWriter, str, int, int, int]], ref: TensorRef, rows: Rows,
               tag: str, where: str) -> None:
@@ -365,55 +362,105 @@ class Transfers:
         reads it once); column slices through the lane with the least work queued, which reads the rows
         once for all ranks (tp 4: 8% faster than each lane reading them for its own files, measured).
         """
-        by_lane: dict[Any, list] = {}
+        by_lane: dict[_Lane, list] = {}
         if all(width == rows.stride for *_, width in targets):
             for target in targets:
                 by_lane.setdefault(self._lanes[target[0]], []).append(target)
-        else:  # the lane with the least work queued
-            by_lane[min(self._given, key=lambda lane: self._given[lane] - self._relayed[lane])] = list(targets)
+        else:
+            by_lane[min(self._copiers, key=_Lane.queued_bytes)] = list(targets)
         for n, (lane, group) in enumerate(by_lane.items()):
-            size = rows.count * sum(width for *_, width in group)
-            self._given[lane] += size
-            self._submit(lane, self._counted, lane, size, group, ref, rows, tag, where, n == 0)
+            lane.give(rows.count * sum(width for *_, width in group), _relay_job, self._buffers, group, ref, rows,
+                      tag, where, n == 0)
 
-    def _counted(self, lane, size: int, *args) -> None:
-        """``_relay(*args)`` on ``lane``, its ``size`` bytes counted as relayed when it ends."""
-        try:
-            _relay(self._buffers, *args)
-        finally:
-            self._relayed[lane] += size
+    def ended(self, failure: BaseException | None) -> None:
+        """Called by a lane after each job (with its exception, if it failed): wakes the main thread once
+        what it waits for has ended, or at the first failure."""
+        if failure is not None:
+            self._failed.append(failure)
+        with self._progress:
+            if self._ahead is not None and (self._failed or self._queued() <= self._ahead):
+                self._progress.notify()
 
-    def _submit(self, pool, fn, *args) -> None:
-        future = pool.submit(fn, *args)
-        future.add_done_callback(self._done)
-        self._pending.append(future)
-
-    def _done(self, future) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            self._failed.append(future.exception())
+    def _queued(self) -> int:
+        return sum(lane.given - lane.ended for lane in self._all)
 
     def pace(self) -> None:
         """Raise the first failure so far (the main thread stops early instead of converting the rest),
-        and keep the main thread at most ``_AHEAD`` blocks ahead, so memory does not grow with the model."""
+        and keep the main thread at most ``_AHEAD`` jobs ahead, so memory does not grow with the model;
+        once that far, it waits until half of them have ended (one wake-up, not one per job)."""
         if self._failed:
             raise self._failed[0]
-        while self._pending and self._pending[0].done():  # futures finish about in submission order
-            self._pending.popleft()
-        while len(self._pending) > _AHEAD:
-            self._pending.popleft().exception()  # waits for it
+        if self._queued() > _AHEAD:
+            self._wait(_AHEAD // 2)
+
+    def _wait(self, ahead: int) -> None:
+        with self._progress:
+            self._ahead = ahead
+            try:
+                while self._queued() > ahead and not self._failed:
+                    self._progress.wait()
+            finally:
+                self._ahead = None
+        if self._failed:
+            raise self._failed[0]
 
     def finish(self) -> None:
         """Wait for every copy and check; raise the first failure."""
-        for future in self._pending:
-            future.exception()
-        self.pace()
+        self._wait(0)
 
     def close(self) -> None:
-        for future in self._pending:
-            future.cancel()
-        for pool in self._pools:
-            pool.shutdown(wait=True)
-        self._pending.clear()
+        """Drop the jobs that have not started and wait for the rest (before the rank files are closed)."""
+        for lane in self._all:
+            lane.stop()
+        for lane in self._all:
+            lane.join()
+
+
+class _Lane:
+    """One thread running the jobs it is given, in order (``concurrent.futures`` would add ~7 ms of imports
+    to every export and a future per job). A failed job's exception goes to ``transfers``; later jobs still
+    run unless the lane is stopped, which drops those not started."""
+
+    def __init__(self, name: str, transfers: Transfers):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._transfers = transfers
+        self.given = self.ended = 0  # jobs: counted by the main thread / by the lane's thread
+        self.given_bytes = self.ended_bytes = 0  # the same for the bytes of relays
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def queued_bytes(self) -> int:
+        return self.given_bytes - self.ended_bytes
+
+    def give(self, size: int, fn: Callable[..., None], *args: Any) -> None:
+        self.given += 1
+        self.given_bytes += size
+        self._jobs.put((size, fn, args))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            size, fn, args = job
+            failure = None
+            try:
+                if not self._stopping:
+                    fn(*args)
+            except BaseException as exc:  # noqa: BLE001 (handed to the main thread, which raises it)
+                failure = exc
+            self.ended_bytes += size
+            self.ended += 1
+            self._transfers.ended(failure)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._jobs.put(None)
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def _relay_job(*args: Any) -> None:
+    _relay(*args)  # looked up when the job runs (tests replace it)
 
 
 def _copy(writer: RankWriter, name: str, offset: int, block: np.ndarray, ref: TensorRef,

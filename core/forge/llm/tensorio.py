@@ -8,6 +8,7 @@ float16 and bfloat16 work on raw bits in reusable scratch buffers (numpy has no 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -62,7 +63,7 @@ class Scratch:
         self._bufs: dict[str, np.ndarray] = {}
 
     def take(self, key: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         buf = self._bufs.get(key)
         if buf is None or buf.size < nbytes:
             buf = self._bufs[key] = np.empty(nbytes, dtype=np.uint8)
@@ -168,7 +169,7 @@ class SafetensorsFile:
     def array(self, ref: TensorRef) -> np.ndarray:
         if ref.tag not in _READABLE:
             raise UsageError(f"{self.path.name}: tensor {ref.name} has dtype {ref.tag}, which forge cannot read")
-        count = int(np.prod(ref.shape, dtype=np.int64))
+        count = math.prod(ref.shape)
         return np.frombuffer(self._mm, dtype=_READABLE[ref.tag], count=count, offset=ref.begin).reshape(ref.shape)
 
     def release(self, begin: int, end: int) -> None:
