@@ -315,28 +315,25 @@ def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monke
     assert bool(copied) == (min(cores, tp) == 1)
 
 
-def test_column_slices_go_to_the_lane_with_least_work_queued(tiny_llama, tmp_path, monkeypatch):
-    """At tp 4 on two cores, a lane that falls behind (here: rank 0's, slowed) is given fewer of the column
-    slices that either lane may relay, so the lanes end together (taken in turn, each would get half); the
-    rank files are those of the through-process export."""
+def test_a_lane_that_falls_behind_takes_fewer_jobs(tiny_llama, tmp_path, monkeypatch):
+    """At tp 4 on two cores the lanes share one queue: a lane that falls behind (here: the first to start,
+    slowed) takes fewer of the jobs, whatever rank files they go to, so the lanes end together (with a lane
+    per rank file it would take half); the rank files are those of the through-process export."""
     import threading
     import time
 
     from forge.llm import checkpoint
 
     monkeypatch.setattr(checkpoint, "_CORES", 2)
-    relay, slow, sliced = checkpoint._relay, set(), []
+    relay, slow, lanes = checkpoint._relay, [], []
 
-    def relay_spy(buffers, targets, ref, rows, *rest):
+    def relay_spy(*args):
         lane = threading.get_ident()
-        if all(width == rows.stride for *_, width in targets):
-            if any(writer.path.name == "rank0.safetensors" for writer, *_ in targets):
-                slow.add(lane)
-        else:
-            sliced.append(lane)
-        if lane in slow:
+        slow[:] = slow or [lane]
+        lanes.append(lane)
+        if lane == slow[0]:
             time.sleep(0.05)
-        return relay(buffers, targets, ref, rows, *rest)
+        return relay(*args)
 
     def paced(self, *args):  # the main thread no faster than the quick lane
         time.sleep(0.01)
@@ -346,8 +343,8 @@ def test_column_slices_go_to_the_lane_with_least_work_queued(tiny_llama, tmp_pat
     submit = checkpoint.Transfers.relay
     monkeypatch.setattr(checkpoint.Transfers, "relay", paced)
     assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", "4") == 0
-    assert len(slow) == 1 and len(sliced) >= 4
-    assert sum(lane in slow for lane in sliced) <= len(sliced) // 4, sliced
+    assert len(set(lanes)) == 2 and len(lanes) >= 20
+    assert lanes.count(slow[0]) <= len(lanes) // 4, lanes
     _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "lanes", 4)
 
 

@@ -314,32 +314,34 @@ RELAY_BYTES = core_cache_bytes()
 class Transfers:
     """Blocks whose bytes do not change, written and checked off the converting (main) thread.
 
-    Lanes are writing threads, at most one per core; each rank file belongs to one lane. With one lane (tp 1, or
-    one core), whole rows go file to file in the kernel (``copy_file_range``) and their NaN/Inf check runs on a
-    thread of its own. With more lanes the lanes *relay*: a lane reads a block's source rows once, a cache-sized
-    piece at a time, checks the piece there and writes it to each of its rank files. Column slices (row-parallel
-    weights at tp > 1) are always relayed, by one lane for all ranks (the one with the least work queued: the
-    lanes end together), so the rows are read once. The main thread meanwhile converts and writes the blocks
-    whose bytes change. ``finish`` waits for all, or raises the first failure; ``close`` drops what has not
-    started and waits for the rest (before the rank files are closed). Relaying tp 1's one file over two lanes
-    was tried: in some phases of this VM's host it was much faster than the in-kernel copy (0.87 vs 1.42 s
-    median), in others much slower and erratic (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1 keeps the
-    in-kernel copy, whose worst phases measured milder. So was a lane that reads and checks and hands each piece
-    to a writing thread of its own (session 9), left out too: better where the host was slow (`forge export` CLI, per round
-    0.71–0.77 vs 0.81–0.86× `cp`), worse where it was fast, which is where the 1.5× `cp` goal is tight
-    (1.45–1.46 vs 1.26–1.29× `cp` median, two A/Bs of 8 and 10 shuffled rounds, `cp` 0.70–0.80 s).
+    Lanes are writing threads, at most one per core (and per rank file), taking jobs from one queue: each the
+    next when it is free, so they end together. With one lane (tp 1, or one core), whole rows go file to file in
+    the kernel (``copy_file_range``) and their NaN/Inf check runs on a thread of its own. With more lanes the
+    lanes *relay*: a lane reads a block's source rows once, a cache-sized piece at a time, checks the piece there
+    and writes it to each rank file of its job; rows that several ranks hold (embeddings) make one job per lane.
+    Column slices (row-parallel weights at tp > 1) are always relayed, all ranks' slices in one job, so the rows
+    are read once (tp 4: 8% faster than each rank's slices read on their own, measured). The main thread
+    meanwhile converts and writes the blocks whose bytes change. ``finish`` waits for all, or raises the first
+    failure; ``close`` drops what has not started and waits for the rest (before the rank files are closed).
+    Per-file lanes (before session 12) ended 16–41 ms apart at tp 4; sharing the queue, 3–5 ms. Relaying tp 1's one
+    file over two lanes was tried: in some phases of this VM's host it was much faster than the in-kernel copy (0.87
+    vs 1.42 s median), in others much slower and erratic (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1
+    keeps the in-kernel copy, whose worst phases measured milder. So was a lane that reads and checks and hands each
+    piece to a writing thread of its own (session 9), left out too: better where the host was slow (`forge export`
+    CLI, per round 0.71–0.77 vs 0.81–0.86× `cp`), worse where it was fast, which is where the 1.5× `cp` goal is
+    tight (1.45–1.46 vs 1.26–1.29× `cp` median, two A/Bs of 8 and 10 shuffled rounds, `cp` 0.70–0.80 s).
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
         self._progress = threading.Condition(threading.Lock())
         self._failed: list[BaseException] = []
-        lanes = [_Lane("forge-copy", self) for _ in range(max(1, min(len(writers), _CORES)))]
-        self._lanes = {writer: lanes[i % len(lanes)] for i, writer in enumerate(writers.values())}
-        self._buffers = _Buffers()
-        self._copiers = lanes
-        self._checker = _Lane("forge-check", self) if len(lanes) == 1 else None
-        self._all = [*lanes, *([self._checker] if self._checker else [])]
+        self._given = self._ended = 0  # jobs given (main thread) and ended (under ``_progress``)
         self._ahead = None  # while the main thread waits: the number of queued jobs it waits for
+        self._buffers = _Buffers()
+        lanes = max(1, min(len(writers), _CORES))
+        self._copiers = _Crew("forge-copy", lanes, self)
+        self._checker = _Crew("forge-check", 1, self) if lanes == 1 else None
+        self._crews = [self._copiers, *([self._checker] if self._checker else [])]
 
     def copy(self, targets: Sequence[tuple[RankWriter, str, int]], block: np.ndarray, ref: TensorRef,
              span: tuple[int, int, int], tag: str, where: str) -> None:
@@ -350,39 +352,30 @@ class Transfers:
                        Rows(span[1], size, span[2] // size), tag, where)
             return
         for writer, name, offset in targets:
-            self._lanes[writer].give(0, _copy, writer, name, offset, block, ref, span)
-        self._checker.give(0, _check, block, ref, span, tag, where)
+            self._give(self._copiers, _copy, writer, name, offset, block, ref, span)
+        self._give(self._checker, _check, block, ref, span, tag, where)
 
     def relay(self, targets: Sequence[tuple[RankWriter, str, int, int, int]], ref: TensorRef, rows: Rows,
               tag: str, where: str) -> None:
         """Write bytes ``col`` to ``col + width`` of each of ``rows`` to each (writer, tensor, byte offset, col,
-        width), end to end, checked once.
+        width), end to end, checked once."""
+        lanes = self._copiers.size if all(width == rows.stride for *_, width in targets) else 1
+        for n in range(min(lanes, len(targets))):
+            self._give(self._copiers, _relay_job, self._buffers, targets[n::lanes], ref, rows, tag, where, n == 0)
 
-        Whole rows go through the lane of each file they go to (a tensor every rank holds: each lane
-        reads it once); column slices through the lane with the least work queued, which reads the rows
-        once for all ranks (tp 4: 8% faster than each lane reading them for its own files, measured).
-        """
-        by_lane: dict[_Lane, list] = {}
-        if all(width == rows.stride for *_, width in targets):
-            for target in targets:
-                by_lane.setdefault(self._lanes[target[0]], []).append(target)
-        else:
-            by_lane[min(self._copiers, key=_Lane.queued_bytes)] = list(targets)
-        for n, (lane, group) in enumerate(by_lane.items()):
-            lane.give(rows.count * sum(width for *_, width in group), _relay_job, self._buffers, group, ref, rows,
-                      tag, where, n == 0)
+    def _give(self, crew: "_Crew", fn: Callable[..., None], *args: Any) -> None:
+        self._given += 1
+        crew.give(fn, args)
 
     def ended(self, failure: BaseException | None) -> None:
         """Called by a lane after each job (with its exception, if it failed): wakes the main thread once
         what it waits for has ended, or at the first failure."""
-        if failure is not None:
-            self._failed.append(failure)
         with self._progress:
-            if self._ahead is not None and (self._failed or self._queued() <= self._ahead):
+            self._ended += 1
+            if failure is not None:
+                self._failed.append(failure)
+            if self._ahead is not None and (self._failed or self._given - self._ended <= self._ahead):
                 self._progress.notify()
-
-    def _queued(self) -> int:
-        return sum(lane.given - lane.ended for lane in self._all)
 
     def pace(self) -> None:
         """Raise the first failure so far (the main thread stops early instead of converting the rest),
@@ -390,14 +383,14 @@ class Transfers:
         once that far, it waits until half of them have ended (one wake-up, not one per job)."""
         if self._failed:
             raise self._failed[0]
-        if self._queued() > _AHEAD:
+        if self._given - self._ended > _AHEAD:
             self._wait(_AHEAD // 2)
 
     def _wait(self, ahead: int) -> None:
         with self._progress:
             self._ahead = ahead
             try:
-                while self._queued() > ahead and not self._failed:
+                while self._given - self._ended > ahead and not self._failed:
                     self._progress.wait()
             finally:
                 self._ahead = None
@@ -410,53 +403,48 @@ class Transfers:
 
     def close(self) -> None:
         """Drop the jobs that have not started and wait for the rest (before the rank files are closed)."""
-        for lane in self._all:
-            lane.stop()
-        for lane in self._all:
-            lane.join()
+        for crew in self._crews:
+            crew.stop()
+        for crew in self._crews:
+            crew.join()
 
 
-class _Lane:
-    """One thread running the jobs it is given, in order (``concurrent.futures`` would add ~7 ms of imports
-    to every export and a future per job). A failed job's exception goes to ``transfers``; later jobs still
-    run unless the lane is stopped, which drops those not started."""
+class _Crew:
+    """Threads taking jobs from one queue, each the next when it is free (``concurrent.futures`` would add ~7 ms
+    of imports to every export and a future per job). Exceptions go to ``transfers``; stopping drops the jobs
+    not started."""
 
-    def __init__(self, name: str, transfers: Transfers):
+    def __init__(self, name: str, size: int, transfers: Transfers):
+        self.size = size
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._transfers = transfers
-        self.given = self.ended = 0  # jobs: counted by the main thread / by the lane's thread
-        self.given_bytes = self.ended_bytes = 0  # the same for the bytes of relays
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=name, daemon=True) for _ in range(size)]
+        for thread in self._threads:
+            thread.start()
 
-    def queued_bytes(self) -> int:
-        return self.given_bytes - self.ended_bytes
-
-    def give(self, size: int, fn: Callable[..., None], *args: Any) -> None:
-        self.given += 1
-        self.given_bytes += size
-        self._jobs.put((size, fn, args))
+    def give(self, fn: Callable[..., None], args: tuple) -> None:
+        self._jobs.put((fn, args))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            size, fn, args = job
+            fn, args = job
             failure = None
             try:
                 if not self._stopping:
                     fn(*args)
             except BaseException as exc:  # noqa: BLE001 (handed to the main thread, which raises it)
                 failure = exc
-            self.ended_bytes += size
-            self.ended += 1
             self._transfers.ended(failure)
 
     def stop(self) -> None:
         self._stopping = True
-        self._jobs.put(None)
+        for _ in self._threads:
+            self._jobs.put(None)
 
     def join(self) -> None:
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
 
 def _relay_job(*args: Any) -> None:
