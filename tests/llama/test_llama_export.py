@@ -309,10 +309,12 @@ def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monke
 
     model = _poison(tiny_llama, tmp_path, name, value, (3, 4))
     monkeypatch.setattr(checkpoint, "_CORES", cores)
-    copied = _spy(monkeypatch, checkpoint.RankWriter, "copy")
+    given, give = [], checkpoint.Transfers._give  # what the main thread hands out (the lanes stop at the NaN)
+    monkeypatch.setattr(checkpoint.Transfers, "_give",
+                        lambda self, crew, fn, *a: given.append(fn) or give(self, crew, fn, *a))
     out = tmp_path / "out"
     refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", str(tp)), f"{name} contains NaN or Inf")
-    assert bool(copied) == (min(cores, tp) == 1)
+    assert (checkpoint._copy in given) == (min(cores, tp) == 1)
 
 
 def test_a_lane_that_falls_behind_takes_fewer_jobs(tiny_llama, tmp_path, monkeypatch):
