@@ -361,9 +361,9 @@ class Transfers:
         width), end to end, checked once."""
         lanes = self._copiers.size if all(width == rows.stride for *_, width in targets) else 1
         for n in range(min(lanes, len(targets))):
-            self._give(self._copiers, _relay_job, self._buffers, targets[n::lanes], ref, rows, tag, where, n == 0)
+            self._give(self._copiers, _relay, self._buffers, targets[n::lanes], ref, rows, tag, where, n == 0)
 
-    def _give(self, crew: "_Crew", fn: Callable[..., None], *args: Any) -> None:
+    def _give(self, crew: _Crew, fn: Callable[..., None], *args: Any) -> None:
         self._given += 1
         crew.give(fn, args)
 
@@ -445,10 +445,6 @@ class _Crew:
     def join(self) -> None:
         for thread in self._threads:
             thread.join()
-
-
-def _relay_job(*args: Any) -> None:
-    _relay(*args)  # looked up when the job runs (tests replace it)
 
 
 def _copy(writer: RankWriter, name: str, offset: int, block: np.ndarray, ref: TensorRef,
