@@ -323,13 +323,11 @@ class Transfers:
     are read once (tp 4: 8% faster than each rank's slices read on their own, measured). The main thread
     meanwhile converts and writes the blocks whose bytes change. ``finish`` waits for all, or raises the first
     failure; ``close`` drops what has not started and waits for the rest (before the rank files are closed).
-    Per-file lanes (before session 12) ended 16–41 ms apart at tp 4; sharing the queue, 3–5 ms. Relaying tp 1's one
-    file over two lanes was tried: in some phases of this VM's host it was much faster than the in-kernel copy (0.87
-    vs 1.42 s median), in others much slower and erratic (1.29 vs 0.89 s median, single runs up to 4 s), so tp 1
-    keeps the in-kernel copy, whose worst phases measured milder. So was a lane that reads and checks and hands each
-    piece to a writing thread of its own (session 9), left out too: better where the host was slow (`forge export`
-    CLI, per round 0.71–0.77 vs 0.81–0.86× `cp`), worse where it was fast, which is where the 1.5× `cp` goal is
-    tight (1.45–1.46 vs 1.26–1.29× `cp` median, two A/Bs of 8 and 10 shuffled rounds, `cp` 0.70–0.80 s).
+    Per-file lanes (before session 12) ended 16–41 ms apart at tp 4; sharing the queue, 3–5 ms. tp 1 keeps the
+    in-kernel copy, which met the 1.5× `cp` goal in the host's fast phases; in its memory-bound phases two relaying
+    lanes are far faster (CLI 0.71× against 1.63× `cp`, session 12), but relaying tp 1 was erratic in fast phases
+    (sessions 8 and 10, older relay code): choosing per run is open. Every design tried, with its numbers:
+    benchmarks/CONVERSION.md.
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
@@ -339,8 +337,8 @@ class Transfers:
         self._ahead = None  # while the main thread waits: the number of queued jobs it waits for
         self._buffers = _Buffers()
         lanes = max(1, min(len(writers), _CORES))
-        self._copiers = _Crew("forge-copy", lanes, self)
-        self._checker = _Crew("forge-check", 1, self) if lanes == 1 else None
+        self._copiers = _Crew("forge-copy", lanes, self.ended)
+        self._checker = _Crew("forge-check", 1, self.ended) if lanes == 1 else None
         self._crews = [self._copiers, *([self._checker] if self._checker else [])]
 
     def copy(self, targets: Sequence[tuple[RankWriter, str, int]], block: np.ndarray, ref: TensorRef,
@@ -411,17 +409,20 @@ class Transfers:
 
 class _Crew:
     """Threads taking jobs from one queue, each the next when it is free (``concurrent.futures`` would add ~7 ms
-    of imports to every export and a future per job). Exceptions go to ``transfers``; stopping drops the jobs
-    not started."""
+    of imports to every export and a future per job). After each job ``ended`` gets its exception or None;
+    stopping drops the jobs not started."""
 
-    def __init__(self, name: str, size: int, transfers: Transfers):
-        self.size = size
+    def __init__(self, name: str, size: int, ended: Callable[[BaseException | None], None]):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._transfers = transfers
+        self._ended = ended
         self._stopping = False
         self._threads = [threading.Thread(target=self._run, name=name, daemon=True) for _ in range(size)]
         for thread in self._threads:
             thread.start()
+
+    @property
+    def size(self) -> int:
+        return len(self._threads)
 
     def give(self, fn: Callable[..., None], args: tuple) -> None:
         self._jobs.put((fn, args))
@@ -435,7 +436,7 @@ class _Crew:
                     fn(*args)
             except BaseException as exc:  # noqa: BLE001 (handed to the main thread, which raises it)
                 failure = exc
-            self._transfers.ended(failure)
+            self._ended(failure)
 
     def stop(self) -> None:
         self._stopping = True
