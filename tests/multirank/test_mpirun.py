@@ -25,13 +25,10 @@ class Serve:
     """``forge serve REPO --json`` in the background, until it prints its endpoints."""
 
     def __init__(self, repo: Path, log: Path):
-        from forge.serving.server import free_port
-
         self.repo = repo
-        ports = [free_port() for _ in range(3)]
-        self.process = subprocess.Popen(
+        self.process = subprocess.Popen(  # ports of 0: forge picks them (and picks again if one is taken first)
             [sys.executable, "-m", "forge", "serve", str(repo), "--json", "--log-file", str(log),
-             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2])],
+             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             text = ""

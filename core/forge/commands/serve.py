@@ -17,9 +17,9 @@ HELP = "serve a Triton model repository with a real tritonserver (local, or the 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("repo", type=Path, metavar="REPO", help="model repository (forge-built or hand-written)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--http-port", type=int, default=8000, help="default 8000; 0: a free port, printed")
+    p.add_argument("--grpc-port", type=int, default=8001, help="default 8001; 0: a free port, printed")
+    p.add_argument("--metrics-port", type=int, default=8002, help="default 8002; 0: a free port, printed")
     p.add_argument("--log-file", type=Path, default=None, help="tritonserver log (default: a temporary file)")
     p.add_argument("--world-size", type=int, default=None,
                    help="MPI ranks (default: the engine's tp × pp; a different value is refused)")

@@ -106,6 +106,11 @@ def tritonserver_binary() -> Path:
 _RANK_SIGNAL = re.compile(r"process rank (?P<rank>\d+) with PID \d+ on node \S+ exited on signal "
                           r"(?P<signal>\d+)(?: \((?P<name>[^)]*)\))?")
 _RANK_STATUS = re.compile(r"Process name:\s*\[\[\d+,\d+\],(?P<rank>\d+)\]\s*Exit code:\s*(?P<status>\d+)")
+# A port someone else bound first: tritonserver says "Socket 'HOST:PORT' already in use", torch's rendezvous
+# (the followers of a tensor-parallel python model) "address already in use".
+_PORT_TAKEN = re.compile(r"(?:'[^']*:(?P<port>\d+)' )?already in use", re.IGNORECASE)
+_PORT_ATTEMPTS = 3
+_SERVICE_FAILURE = re.compile(r"failed to start (?P<reason>\w+ service: [^\"\n]*)")
 _LOAD_FAILURE = re.compile(r"failed to load '(?P<model>[^']+)' version \d+: (?P<reason>.*)")
 
 
@@ -219,12 +224,8 @@ class TritonServer:
                 *self.extra_args]
 
     def start(self) -> "TritonServer":
-        self._trap_sigterm()
         if not Path(self.repo).is_dir():
             raise ForgeError(f"model repository {self.repo} is not a directory")
-        for name in ("http_port", "grpc_port", "metrics_port"):
-            if not getattr(self, name):
-                setattr(self, name, free_port(self._client_host))
         binary = tritonserver_binary()
         if not binary.is_file():
             raise ToolMissingError(f"tritonserver binary not found at {binary}")
@@ -234,6 +235,22 @@ class TritonServer:
             raise ToolMissingError(
                 f"this repository needs {self.world.world_size} ranks, and mpirun is not installed",
                 hint=f"install Open MPI, or run on a machine that has it: {shlex.join(self.command())}")
+        # Ports of 0 are picked here; another process may bind one between the pick and the server's
+        # bind, so a server that stops on a taken port it did not ask for starts again on fresh ones.
+        chosen = [name for name in ("http_port", "grpc_port", "metrics_port", "rendezvous_port")
+                  if not getattr(self, name)]
+        for attempt in range(_PORT_ATTEMPTS):
+            for name in chosen:
+                setattr(self, name, 0 if name == "rendezvous_port" else free_port(self._client_host))
+            try:
+                return self._launch()
+            except ForgeError:
+                if attempt == _PORT_ATTEMPTS - 1 or not self._took_a_chosen_port(chosen):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> "TritonServer":
+        self._trap_sigterm()
         if self.log_file is None:
             handle, name = tempfile.mkstemp(prefix="forge-tritonserver-", suffix=".log")
             os.close(handle)
@@ -250,6 +267,18 @@ class TritonServer:
             self.stop()
             raise
         return self
+
+    def _took_a_chosen_port(self, chosen: list[str]) -> bool:
+        """Whether the server's log says it stopped on a taken port that was picked here (not one asked for)."""
+        try:
+            text = Path(self.log_file).read_text(errors="replace")
+        except OSError:
+            return False
+        matches = list(_PORT_TAKEN.finditer(text))
+        named = {int(match["port"]) for match in matches if match["port"]}
+        if named:
+            return bool(named & {getattr(self, name) for name in chosen})
+        return bool(matches) and "rendezvous_port" in chosen and self.world is not None
 
     def _get(self, path: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
         request = urllib.request.Request(f"http://{self.http_url}{path}", data=body, method=method)
@@ -320,6 +349,9 @@ class TritonServer:
             pass
         log = Path(self.log_file) if self.log_file else None
         text = log.read_text(errors="replace") if log and log.exists() else ""
+        service = _SERVICE_FAILURE.search(text)
+        if service:
+            return f"failed to start its {service['reason'].strip()}"
         for line in text.splitlines():
             match = _LOAD_FAILURE.search(line)
             if match:
