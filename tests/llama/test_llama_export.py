@@ -350,6 +350,70 @@ def test_a_lane_that_falls_behind_takes_fewer_jobs(tiny_llama, tmp_path, monkeyp
     _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "lanes", 4)
 
 
+@pytest.mark.parametrize("slow", ["kernel", "relay"])
+def test_tp1_times_both_ways_and_keeps_the_faster(tiny_llama, tmp_path, monkeypatch, capsys, slow):
+    """At tp 1 on two cores whole rows can be copied in the kernel (and checked beside) or relayed by two
+    lanes, and which is faster depends on the host's phase: the export times both (half the kernel's bytes,
+    the relay's, the kernel's other half), sends what follows the faster way, and times them again after
+    REPROBE_BYTES. Here one way is slowed: past the timings, every byte goes the other way, and the log
+    says which. The rank file is the through-process one."""
+    import time
+
+    from forge.llm import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_CORES", 2)
+    monkeypatch.setattr(checkpoint, "PROBE_BYTES", 32 << 10)  # the tiny model is 0.4 MiB
+    monkeypatch.setattr(checkpoint, "REPROBE_BYTES", 32 << 10)
+
+    def slowed(real, size):
+        return lambda *a: time.sleep(size(*a) * 5e-6) or real(*a)  # 5 s per MB
+
+    sizes = {"kernel": ("_copy", lambda *a: a[-1][2]), "relay": ("_relay", lambda *a: a[3].count * a[3].stride)}
+    name, size = sizes[slow]
+    monkeypatch.setattr(checkpoint, name, slowed(getattr(checkpoint, name), size))
+    went, timings, way, time_ways = [], [], checkpoint.Transfers._way, checkpoint.Transfers._time
+
+    def timed(self, size):  # a timing ends where ``rates`` is replaced
+        rates = self.rates
+        time_ways(self, size)
+        if self.rates is not rates:
+            timings.append(self.rates)
+
+    monkeypatch.setattr(checkpoint.Transfers, "_time", timed)
+    def chosen(self, size):  # after the call, a timing under way means these bytes were timed
+        went.append((way(self, size), bool(self._probe), size))
+        return went[-1][0]
+
+    monkeypatch.setattr(checkpoint.Transfers, "_way", chosen)
+    assert export(tiny_llama, tmp_path / "timed", "--dtype", "float32", "--tp", "1") == 0
+    fast = checkpoint.RELAY if slow == "kernel" else checkpoint.KERNEL
+    assert len(timings) >= 2 and all(max(rates, key=rates.__getitem__) == fast for rates in timings), timings
+    timing = [size for _, probing, size in went if probing]
+    after = [(way, size) for way, probing, size in went if not probing]
+    assert sum(timing) >= len(timings) * 2 * checkpoint.PROBE_BYTES
+    assert after and all(way == fast for way, _ in after), after
+    assert f"unchanged rows went {fast} at the end" in capsys.readouterr().err
+    _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "timed", 1)
+
+
+def test_tp1_keeps_the_kernel_way_where_relaying_is_barely_faster():
+    """The kernel way does less work per byte: relaying is chosen only where it timed RELAY_MARGIN times faster."""
+    import time
+
+    from forge.llm import checkpoint
+
+    transfers = checkpoint.Transfers({0: None})
+    try:
+        for relayed, expected in ((1.1, checkpoint.KERNEL), (1.3, checkpoint.RELAY), (0.5, checkpoint.KERNEL)):
+            transfers._timed = {checkpoint.KERNEL: [1.0, 1.0], checkpoint.RELAY: [relayed, 1.0]}
+            transfers._probe, transfers._timing = [(checkpoint.KERNEL, 0)], [time.perf_counter(), 0]
+            transfers._untimed_bytes = 0
+            transfers._time(0)
+            assert transfers.way == expected, (relayed, transfers.rates)
+    finally:
+        transfers.close()
+
+
 @pytest.mark.parametrize("most", [1, 6, 4096])
 def test_relay_survives_short_reads(tiny_llama, tmp_path, monkeypatch, most):
     """A read that returns fewer bytes than asked (allowed of preadv) is continued; the files are the same."""

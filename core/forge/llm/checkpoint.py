@@ -18,6 +18,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -311,23 +312,32 @@ def core_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache"), 
 RELAY_BYTES = core_cache_bytes()
 
 
+# At tp 1 on two or more cores, whole rows can go either way (see Transfers), and which is faster depends on
+# the host's phase: an export times PROBE_BYTES each way at its start and again after every REPROBE_BYTES, and
+# relays until the next timing only where relaying was RELAY_MARGIN times faster (the kernel way does less
+# work per byte; where both are close it is kept).
+PROBE_BYTES = 128 << 20
+REPROBE_BYTES = 1 << 30
+RELAY_MARGIN = 1.2
+KERNEL, RELAY = "in the kernel", "relayed"
+
+
 class Transfers:
     """Blocks whose bytes do not change, written and checked off the converting (main) thread.
 
-    Lanes are writing threads, at most one per core (and per rank file), taking jobs from one queue: each the
-    next when it is free, so they end together. With one lane (tp 1, or one core), whole rows go file to file in
-    the kernel (``copy_file_range``) and their NaN/Inf check runs on a thread of its own. With more lanes the
-    lanes *relay*: a lane reads a block's source rows once, a cache-sized piece at a time, checks the piece there
-    and writes it to each rank file of its job; rows that several ranks hold (embeddings) make one job per lane.
-    Column slices (row-parallel weights at tp > 1) are always relayed, all ranks' slices in one job, so the rows
-    are read once (tp 4: 8% faster than each rank's slices read on their own, measured). The main thread
-    meanwhile converts and writes the blocks whose bytes change. ``finish`` waits for all, or raises the first
-    failure; ``close`` drops what has not started and waits for the rest (before the rank files are closed).
-    Per-file lanes (before session 12) ended 16–41 ms apart at tp 4; sharing the queue, 3–5 ms. tp 1 keeps the
-    in-kernel copy, which met the 1.5× `cp` goal in the host's fast phases; in its memory-bound phases two relaying
-    lanes are far faster (CLI 0.71× against 1.63× `cp`, session 12), but relaying tp 1 was erratic in fast phases
-    (sessions 8 and 10, older relay code): choosing per run is open. Every design tried, with its numbers:
-    benchmarks/CONVERSION.md.
+    Whole rows go one of two ways. *In the kernel*: one thread copies them file to file (``copy_file_range``)
+    and another reads them again for the NaN/Inf check. *Relayed*: lanes (threads, at most one per core,
+    taking jobs from one queue, each the next when it is free, so they end together) read a block's source
+    rows once, a cache-sized piece at a time, check the piece there and write it to each rank file of its job;
+    rows that several ranks hold (embeddings) make one job per lane. With one core only the kernel way is
+    left; at tp > 1 the lanes relay (each rank file would otherwise be copied on one thread). At tp 1 neither
+    way is faster in every phase of the host this was measured on (in its memory-bound phases relaying made
+    0.71× ``cp`` where the kernel way made 1.63×, session 12; in its fast phases relaying was erratic, sessions
+    8 and 10): an export times both ways as it goes (``_time``) and relays where that was much faster.
+    Column slices (row-parallel weights at tp > 1) are always relayed, all ranks' slices in one job, so the
+    rows are read once. The main thread meanwhile converts and writes the blocks whose bytes change.
+    ``finish`` waits for all, or raises the first failure; ``close`` drops what has not started and waits for
+    the rest (before the rank files are closed). Every design tried, with its numbers: benchmarks/CONVERSION.md.
     """
 
     def __init__(self, writers: Mapping[int, RankWriter]):
@@ -336,30 +346,73 @@ class Transfers:
         self._given = self._ended = 0  # jobs given (main thread) and ended (under ``_progress``)
         self._ahead = None  # while the main thread waits: the number of queued jobs it waits for
         self._buffers = _Buffers()
-        lanes = max(1, min(len(writers), _CORES))
-        self._copiers = _Crew("forge-copy", lanes, self.ended)
-        self._checker = _Crew("forge-check", 1, self.ended) if lanes == 1 else None
-        self._crews = [self._copiers, *([self._checker] if self._checker else [])]
+        self._lanes = _Crew("forge-relay", min(max(len(writers), 2), _CORES), self.ended)
+        self._crews = [self._lanes]
+        ways = [KERNEL] if _CORES == 1 else [KERNEL, RELAY] if len(writers) == 1 else [RELAY]
+        self._fixed = ways[0] if len(ways) == 1 else None
+        self._probe: list[tuple[str, int]] = []  # (way, bytes) segments left to time
+        self._timing: list[float] | None = None  # [start, bytes given] of the segment being timed
+        self._timed: dict[str, list[float]] = {}  # way → [bytes, seconds] of its segments in the timing under way
+        self.rates: dict[str, float] = {}  # way → bytes per second in the latest complete timing
+        self._untimed_bytes = REPROBE_BYTES  # given since the latest timing ended: time the first bytes
+        self.way = self._fixed or KERNEL
+        self._copier = self._checker = None
+        if KERNEL in ways:
+            self._copier = self._lanes if self._lanes.size == 1 else _Crew("forge-copy", 1, self.ended)
+            self._checker = _Crew("forge-check", 1, self.ended)
+            self._crews += [crew for crew in (self._copier, self._checker) if crew is not self._lanes]
 
     def copy(self, targets: Sequence[tuple[RankWriter, str, int]], block: np.ndarray, ref: TensorRef,
              span: tuple[int, int, int], tag: str, where: str) -> None:
         """Write ``block`` (whole rows, ``span`` of its source file) to each (writer, tensor, byte offset), checked."""
-        if self._checker is None:  # contiguous: relayed as "rows" of one element, pieces of RELAY_BYTES
+        if self._way(span[2] * len(targets)) == RELAY:  # contiguous: "rows" of one element, pieces of RELAY_BYTES
             size = block.itemsize
             self.relay([(writer, name, offset, 0, size) for writer, name, offset in targets], ref,
                        Rows(span[1], size, span[2] // size), tag, where)
             return
         for writer, name, offset in targets:
-            self._give(self._copiers, _copy, writer, name, offset, block, ref, span)
+            self._give(self._copier, _copy, writer, name, offset, block, ref, span)
         self._give(self._checker, _check, block, ref, span, tag, where)
+
+    def _way(self, size: int) -> str:
+        """The way the next ``size`` bytes of whole rows go (both ways possible: see ``_time``)."""
+        if self._fixed is None:
+            self._time(size)
+        return self._probe[0][0] if self._probe else self.way
+
+    def _time(self, size: int) -> None:
+        """Times the ways when due: half the kernel's bytes, the relay's, the kernel's other half, each segment
+        from the queue drained to the queue drained. Copies get faster over the first few hundred MiB on this
+        host (cp's too: fresh page-cache pages); timed in this order, that drift falls on both ways alike."""
+        if self._probe and self._timing is not None and self._timing[1] >= self._probe[0][1]:
+            self._wait(0)
+            start, done = self._timing
+            timed = self._timed.setdefault(self._probe.pop(0)[0], [0, 0.0])
+            timed[0] += done
+            timed[1] += time.perf_counter() - start
+            self._timing = None
+            if not self._probe:
+                self.rates = {way: done / max(seconds, 1e-9) for way, (done, seconds) in self._timed.items()}
+                self.way = RELAY if self.rates[RELAY] > RELAY_MARGIN * self.rates[KERNEL] else KERNEL
+        if not self._probe and self._untimed_bytes >= REPROBE_BYTES:
+            self._probe = [(KERNEL, PROBE_BYTES // 2), (RELAY, PROBE_BYTES), (KERNEL, PROBE_BYTES // 2)]
+            self._timed = {}
+            self._untimed_bytes = 0
+        if self._probe:
+            if self._timing is None:
+                self._wait(0)
+                self._timing = [time.perf_counter(), 0]
+            self._timing[1] += size
+        else:
+            self._untimed_bytes += size
 
     def relay(self, targets: Sequence[tuple[RankWriter, str, int, int, int]], ref: TensorRef, rows: Rows,
               tag: str, where: str) -> None:
         """Write bytes ``col`` to ``col + width`` of each of ``rows`` to each (writer, tensor, byte offset, col,
         width), end to end, checked once."""
-        lanes = self._copiers.size if all(width == rows.stride for *_, width in targets) else 1
+        lanes = self._lanes.size if all(width == rows.stride for *_, width in targets) else 1
         for n in range(min(lanes, len(targets))):
-            self._give(self._copiers, _relay, self._buffers, targets[n::lanes], ref, rows, tag, where, n == 0)
+            self._give(self._lanes, _relay, self._buffers, targets[n::lanes], ref, rows, tag, where, n == 0)
 
     def _give(self, crew: _Crew, fn: Callable[..., None], *args: Any) -> None:
         self._given += 1
@@ -658,7 +711,9 @@ def convert_checkpoint(adapter: DecoderAdapter, config: Mapping[str, Any], weigh
             transfers.close()
             for w in writers.values():
                 w.close()
-    log(f"wrote {tp * pp} rank file(s), {total / 2**20:.1f} MiB of {dtype} weights")
+    timed = ", ".join(f"{way} {rate / 2**30:.2f} GiB/s" for way, rate in transfers.rates.items())
+    log(f"wrote {tp * pp} rank file(s), {total / 2**20:.1f} MiB of {dtype} weights"
+        + (f"; unchanged rows went {transfers.way} at the end (timed {timed})" if timed else ""))
     return norm
 
 
