@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -353,17 +354,18 @@ def test_a_lane_that_falls_behind_takes_fewer_jobs(tiny_llama, tmp_path, monkeyp
 @pytest.mark.parametrize("slow", ["kernel", "relay"])
 def test_tp1_times_both_ways_and_keeps_the_faster(tiny_llama, tmp_path, monkeypatch, capsys, slow):
     """At tp 1 on two cores whole rows can be copied in the kernel (and checked beside) or relayed by two
-    lanes, and which is faster depends on the host's phase: the export times both (half the kernel's bytes,
-    the relay's, the kernel's other half), sends what follows the faster way, and times them again after
-    REPROBE_BYTES. Here one way is slowed: past the timings, every byte goes the other way, and the log
-    says which. The rank file is the through-process one."""
+    lanes, and which is faster depends on the host's phase: the export starts in the kernel, times both after
+    TIME_AFTER bytes (half the kernel's bytes, the relay's, the kernel's other half), sends what follows the
+    faster way, and times them again after RETIME_BYTES. Here one way is slowed: past the timings, every byte
+    goes the other way, and the log says which. The rank file is the through-process one."""
     import time
 
     from forge.llm import checkpoint
 
     monkeypatch.setattr(checkpoint, "_CORES", 2)
     monkeypatch.setattr(checkpoint, "PROBE_BYTES", 32 << 10)  # the tiny model is 0.4 MiB
-    monkeypatch.setattr(checkpoint, "REPROBE_BYTES", 32 << 10)
+    monkeypatch.setattr(checkpoint, "TIME_AFTER", 16 << 10)
+    monkeypatch.setattr(checkpoint, "RETIME_BYTES", 32 << 10)
 
     def slowed(real, size):
         return lambda *a: time.sleep(size(*a) * 5e-6) or real(*a)  # 5 s per MB
@@ -389,8 +391,11 @@ def test_tp1_times_both_ways_and_keeps_the_faster(tiny_llama, tmp_path, monkeypa
     fast = checkpoint.RELAY if slow == "kernel" else checkpoint.KERNEL
     assert len(timings) >= 2 and all(max(rates, key=rates.__getitem__) == fast for rates in timings), timings
     timing = [size for _, probing, size in went if probing]
-    after = [(way, size) for way, probing, size in went if not probing]
+    before = list(itertools.takewhile(lambda went: not went[1], went))  # until the first timing
+    after = [(way, size) for way, probing, size in went[len(before):] if not probing]
     assert sum(timing) >= len(timings) * 2 * checkpoint.PROBE_BYTES
+    assert before and all(way == checkpoint.KERNEL for way, *_ in before)
+    assert sum(size for *_, size in before) >= checkpoint.TIME_AFTER
     assert after and all(way == fast for way, _ in after), after
     assert f"unchanged rows went {fast} at the end" in capsys.readouterr().err
     _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "timed", 1)

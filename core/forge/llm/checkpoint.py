@@ -313,11 +313,13 @@ RELAY_BYTES = core_cache_bytes()
 
 
 # At tp 1 on two or more cores, whole rows can go either way (see Transfers), and which is faster depends on
-# the host's phase: an export times PROBE_BYTES each way at its start and again after every REPROBE_BYTES, and
-# relays until the next timing only where relaying was RELAY_MARGIN times faster (the kernel way does less
-# work per byte; where both are close it is kept).
-PROBE_BYTES = 128 << 20
-REPROBE_BYTES = 1 << 30
+# the host's phase: an export times PROBE_BYTES each way once TIME_AFTER bytes went (copies speed up over the
+# first few hundred MiB on the host measured, cp's too: fresh page-cache pages), again after every
+# RETIME_BYTES, and relays until the next timing only where relaying was RELAY_MARGIN times faster (the kernel
+# way does less work per byte; where both are close it is kept). A timing drains the queue four times.
+PROBE_BYTES = 64 << 20
+TIME_AFTER = 256 << 20
+RETIME_BYTES = 4 << 30
 RELAY_MARGIN = 1.2
 KERNEL, RELAY = "in the kernel", "relayed"
 
@@ -354,7 +356,7 @@ class Transfers:
         self._timing: list[float] | None = None  # [start, bytes given] of the segment being timed
         self._timed: dict[str, list[float]] = {}  # way → [bytes, seconds] of its segments in the timing under way
         self.rates: dict[str, float] = {}  # way → bytes per second in the latest complete timing
-        self._untimed_bytes = REPROBE_BYTES  # given since the latest timing ended: time the first bytes
+        self._untimed_bytes = RETIME_BYTES - TIME_AFTER  # given since the latest timing (none yet: TIME_AFTER)
         self.way = self._fixed or KERNEL
         self._copier = self._checker = None
         if KERNEL in ways:
@@ -382,8 +384,8 @@ class Transfers:
 
     def _time(self, size: int) -> None:
         """Times the ways when due: half the kernel's bytes, the relay's, the kernel's other half, each segment
-        from the queue drained to the queue drained. Copies get faster over the first few hundred MiB on this
-        host (cp's too: fresh page-cache pages); timed in this order, that drift falls on both ways alike."""
+        from the queue drained to the queue drained. Timed in this order, a steady drift in the host's speed
+        falls on both ways alike."""
         if self._probe and self._timing is not None and self._timing[1] >= self._probe[0][1]:
             self._wait(0)
             start, done = self._timing
@@ -394,7 +396,7 @@ class Transfers:
             if not self._probe:
                 self.rates = {way: done / max(seconds, 1e-9) for way, (done, seconds) in self._timed.items()}
                 self.way = RELAY if self.rates[RELAY] > RELAY_MARGIN * self.rates[KERNEL] else KERNEL
-        if not self._probe and self._untimed_bytes >= REPROBE_BYTES:
+        if not self._probe and self._untimed_bytes >= RETIME_BYTES:
             self._probe = [(KERNEL, PROBE_BYTES // 2), (RELAY, PROBE_BYTES), (KERNEL, PROBE_BYTES // 2)]
             self._timed = {}
             self._untimed_bytes = 0
