@@ -239,15 +239,16 @@ class TritonServer:
         # bind, so a server that stops on a taken port it did not ask for starts again on fresh ones.
         chosen = [name for name in ("http_port", "grpc_port", "metrics_port", "rendezvous_port")
                   if not getattr(self, name)]
-        for attempt in range(_PORT_ATTEMPTS):
+        attempts = _PORT_ATTEMPTS
+        while True:
             for name in chosen:
                 setattr(self, name, 0 if name == "rendezvous_port" else free_port(self._client_host))
+            attempts -= 1
             try:
                 return self._launch()
             except ForgeError:
-                if attempt == _PORT_ATTEMPTS - 1 or not self._took_a_chosen_port(chosen):
+                if not attempts or not self._took_a_chosen_port(chosen):
                     raise
-        raise AssertionError("unreachable")
 
     def _launch(self) -> "TritonServer":
         self._trap_sigterm()
