@@ -403,20 +403,10 @@ def test_tp1_times_both_ways_and_keeps_the_faster(tiny_llama, tmp_path, monkeypa
 
 def test_tp1_keeps_the_kernel_way_where_relaying_is_barely_faster():
     """The kernel way does less work per byte: relaying is chosen only where it timed RELAY_MARGIN times faster."""
-    import time
+    from forge.llm.checkpoint import KERNEL, RELAY, faster_way
 
-    from forge.llm import checkpoint
-
-    transfers = checkpoint.Transfers({0: None})
-    try:
-        for relayed, expected in ((1.1, checkpoint.KERNEL), (1.3, checkpoint.RELAY), (0.5, checkpoint.KERNEL)):
-            transfers._timed = {checkpoint.KERNEL: [1.0, 1.0], checkpoint.RELAY: [relayed, 1.0]}
-            transfers._probe, transfers._timing = [(checkpoint.KERNEL, 0)], [time.perf_counter(), 0]
-            transfers._untimed_bytes = 0
-            transfers._time(0)
-            assert transfers.way == expected, (relayed, transfers.rates)
-    finally:
-        transfers.close()
+    for relayed, expected in ((1.1, KERNEL), (1.3, RELAY), (0.5, KERNEL)):
+        assert faster_way({KERNEL: 1.0, RELAY: relayed}) == expected, relayed
 
 
 @pytest.mark.parametrize("most", [1, 6, 4096])

@@ -324,6 +324,12 @@ RELAY_MARGIN = 1.2
 KERNEL, RELAY = "in the kernel", "relayed"
 
 
+def faster_way(rates: Mapping[str, float]) -> str:
+    """The way to take after a timing of both (bytes per second each): the relay only where it was
+    ``RELAY_MARGIN`` times faster, since the kernel way does less work per byte."""
+    return RELAY if rates[RELAY] > RELAY_MARGIN * rates[KERNEL] else KERNEL
+
+
 class Transfers:
     """Blocks whose bytes do not change, written and checked off the converting (main) thread.
 
@@ -351,13 +357,13 @@ class Transfers:
         self._lanes = _Crew("forge-relay", min(max(len(writers), 2), _CORES), self.ended)
         self._crews = [self._lanes]
         ways = [KERNEL] if _CORES == 1 else [KERNEL, RELAY] if len(writers) == 1 else [RELAY]
-        self._fixed = ways[0] if len(ways) == 1 else None
+        self._choosing = len(ways) > 1
+        self.way = ways[0]  # where choosing: until the first timing
         self._probe: list[tuple[str, int]] = []  # (way, bytes) segments left to time
         self._timing: list[float] | None = None  # [start, bytes given] of the segment being timed
         self._timed: dict[str, list[float]] = {}  # way → [bytes, seconds] of its segments in the timing under way
         self.rates: dict[str, float] = {}  # way → bytes per second in the latest complete timing
         self._untimed_bytes = RETIME_BYTES - TIME_AFTER  # given since the latest timing (none yet: TIME_AFTER)
-        self.way = self._fixed or KERNEL
         self._copier = self._checker = None
         if KERNEL in ways:
             self._copier = self._lanes if self._lanes.size == 1 else _Crew("forge-copy", 1, self.ended)
@@ -378,7 +384,7 @@ class Transfers:
 
     def _way(self, size: int) -> str:
         """The way the next ``size`` bytes of whole rows go (both ways possible: see ``_time``)."""
-        if self._fixed is None:
+        if self._choosing:
             self._time(size)
         return self._probe[0][0] if self._probe else self.way
 
@@ -395,7 +401,7 @@ class Transfers:
             self._timing = None
             if not self._probe:
                 self.rates = {way: done / max(seconds, 1e-9) for way, (done, seconds) in self._timed.items()}
-                self.way = RELAY if self.rates[RELAY] > RELAY_MARGIN * self.rates[KERNEL] else KERNEL
+                self.way = faster_way(self.rates)
         if not self._probe and self._untimed_bytes >= RETIME_BYTES:
             self._probe = [(KERNEL, PROBE_BYTES // 2), (RELAY, PROBE_BYTES), (KERNEL, PROBE_BYTES // 2)]
             self._timed = {}

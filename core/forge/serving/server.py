@@ -279,7 +279,8 @@ class TritonServer:
         named = {int(match["port"]) for match in matches if match["port"]}
         if named:
             return bool(named & {getattr(self, name) for name in chosen})
-        return bool(matches) and "rendezvous_port" in chosen and self.world is not None
+        # no port named: torch's rendezvous, which only the followers of a multi-rank server use
+        return bool(matches) and "rendezvous_port" in chosen and self.world is not None and self.world.world_size > 1
 
     def _get(self, path: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
         request = urllib.request.Request(f"http://{self.http_url}{path}", data=body, method=method)
