@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import subprocess
@@ -32,6 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-size", default="2g", help="with --docker: shared memory size (default 2g)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for READY")
     p.add_argument("--json", action="store_true", help="print the endpoints as json when ready")
+    p.add_argument("--openai-port", type=int, default=9000,
+                   help="port of the OpenAI API (/v1; default 9000; 0: a free port, printed)")
+    p.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI API")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the OpenAI API's model id (default: the repository's directory name)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="OpenAI API requests must send 'Authorization: Bearer KEY' (default: $FORGE_API_KEY; "
+                        "none: no key asked)")
 
 
 def _docker(args: argparse.Namespace, world) -> int:
@@ -71,16 +80,27 @@ def run(args: argparse.Namespace) -> int:
         return _docker(args, world)
     if args.run:
         raise UsageError("--run only goes with --docker")
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("FORGE_API_KEY") or None)
+    if not args.no_openai and not 0 <= args.openai_port <= 65535:
+        raise UsageError(f"--openai-port {args.openai_port} is not a port (0-65535)")
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_file=args.log_file,
                           startup_timeout=args.startup_timeout, world=world)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
+    front = None
     try:
         server.start()
         models = [m for m in server.models() if m.get("state") == "READY"]
         info = {"http": f"http://{server.http_url}", "grpc": server.grpc_url, "metrics": server.metrics_url,
                 "log": str(server.log_file), "world_size": world.world_size,
                 "models": [m["name"] for m in models]}
+        if not args.no_openai:
+            from ..serving.openai import OpenAIServer
+
+            front = OpenAIServer(args.repo, server.grpc_url, host=args.host, port=args.openai_port,
+                                 served_model_name=args.served_model_name, api_key=api_key).start()
+            info["openai"] = front.url
+            info["openai_models"] = front.catalog.ids()
         if args.json:
             emit_json(info)
         else:
@@ -88,6 +108,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"  HTTP     {info['http']}   (POST /v2/models/<model>/generate)")
             print(f"  gRPC     {info['grpc']}")
             print(f"  metrics  {info['metrics']}")
+            if front is not None:
+                ids = ", ".join(front.catalog.ids())
+                print(f"  OpenAI   {info['openai']}   (models: {ids})")
+                if api_key is None:
+                    exposed = args.host in ("127.0.0.1", "localhost", "::1")
+                    print("           no API key: " + ("only this machine can reach it" if exposed else
+                                                       f"anyone who reaches {args.host} can use it "
+                                                       "(--api-key or FORGE_API_KEY asks for one)"))
+                else:
+                    print("           API key required (Authorization: Bearer KEY)")
             print(f"  log      {info['log']}")
             print("press Ctrl-C to stop", flush=True)
         sys.stdout.flush()
@@ -97,5 +127,7 @@ def run(args: argparse.Namespace) -> int:
         print("stopping tritonserver", file=sys.stderr)
         return 0
     finally:
+        if front is not None:
+            front.stop()
         server.stop()
         signal.signal(signal.SIGTERM, previous)

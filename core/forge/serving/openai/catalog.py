@@ -1,0 +1,169 @@
+"""What a served repository offers the OpenAI API: its generator and embedder models, tokenizers, adapters.
+
+Read once at start-up from the repository's own ``config.pbtxt`` files (protobuf) and manifest, so it
+works for every target and for hand-written repositories whose models follow the same tensor names: a
+generator is a model taking ``text_input`` and ``max_tokens`` (an ensemble first), an embedder one taking
+``text_input`` and answering ``embedding``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import UsageError
+from ..client import ModelInputs
+from ..lora import ServedAdapter, repository_adapters
+
+LLAVA_TURN = "USER: {user}\nASSISTANT:"  # LLaVA-1.5's conversation format, for tokenizers without a template
+
+
+@dataclass
+class TextModel:
+    """A served model and the tokenizer its preprocessing uses."""
+
+    inputs: ModelInputs
+    tokenizer: Any = None
+    add_special_tokens: bool = True
+    parameters: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.inputs.name
+
+    def count(self, text: str, *, special: bool | None = None) -> int:
+        """Tokens of ``text`` as the served preprocessing counts them."""
+        from ...served import forge_text
+
+        add = self.add_special_tokens if special is None else special
+        return len(forge_text.token_ids(text, self.tokenizer, add))
+
+
+@dataclass
+class Catalog:
+    """The model ids of a served repository and the models that answer them."""
+
+    model_id: str
+    created: int
+    generator: TextModel | None = None
+    embedder: TextModel | None = None
+    embedding_dim: int | None = None
+    adapters: dict[str, ServedAdapter] = field(default_factory=dict)
+    max_input_len: int | None = None
+    max_seq_len: int | None = None
+    image_placeholder: str | None = None
+
+    def ids(self) -> list[str]:
+        return [self.model_id, *sorted(self.adapters)]
+
+    @property
+    def chat_template(self) -> bool:
+        return bool(self.generator and getattr(self.generator.tokenizer, "chat_template", None))
+
+
+def _configs(repo: Path) -> dict[str, tuple[ModelInputs, dict[str, str], Path, dict[str, list[int]]]]:
+    from google.protobuf import json_format
+
+    from ...tritonconfig import read
+
+    found = {}
+    for config_file in sorted(repo.glob("*/config.pbtxt")):
+        try:
+            config = read(config_file.parent)
+        except Exception:  # noqa: BLE001 - a model forge cannot parse is one the OpenAI API does not use
+            continue
+        as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True)
+        as_dict.setdefault("name", config_file.parent.name)
+        inputs = ModelInputs.from_config(as_dict)
+        inputs.parameters["__platform__"] = config.platform or config.backend
+        dims = {o["name"]: [int(d) for d in o.get("dims", [])] for o in as_dict.get("output", [])}
+        found[inputs.name] = (inputs, dict(inputs.parameters), config_file.parent, dims)
+    return found
+
+
+def _prefer(names: list[str], configs) -> str | None:
+    """Ensembles first, then the one named like tensorrtllm_backend's entry point."""
+    def rank(name: str) -> tuple:
+        platform = configs[name][0].parameters.get("__platform__")
+        return (platform != "ensemble", not name.endswith("ensemble"), name != "ensemble", len(name), name)
+
+    return min(names, key=rank) if names else None
+
+
+def _tokenizer_of(model: str, configs) -> tuple[Any, bool, dict[str, str]]:
+    """The tokenizer of the first step of ``model`` (or ``model`` itself) that names a ``tokenizer_dir``."""
+    from ...served import forge_text
+
+    inputs = configs[model][0]
+    for name in [model, *inputs.steps]:
+        if name not in configs:
+            continue
+        _, params, directory, _ = configs[name]
+        value = params.get("tokenizer_dir")
+        if not value or value.startswith("${"):
+            continue
+        path = forge_text.resolve_dir(value, str(directory), "1")
+        try:
+            tokenizer = forge_text.load_tokenizer(path, trust_remote_code=forge_text.parse_bool(
+                params.get("trust_remote_code"), False))
+        except Exception as exc:  # noqa: BLE001 - said once at start-up, the API still serves what it can
+            raise UsageError(f"the OpenAI API cannot load the tokenizer of model {name!r} ({path}): {exc}") from None
+        return tokenizer, forge_text.parse_bool(params.get("add_special_tokens"), True), params
+    return None, True, {}
+
+
+def _int(params: dict[str, str], key: str) -> int | None:
+    value = params.get(key, "")
+    return int(value) if value.strip().isdigit() else None
+
+
+def load(repo: Path, served_name: str | None = None) -> Catalog:
+    """The catalog of ``repo`` (a model repository being served)."""
+    repo = Path(repo).resolve()
+    configs = _configs(repo)
+    catalog = Catalog(served_name or repo.name, int(repo.stat().st_mtime))
+
+    generators = [n for n, (i, *_) in configs.items() if {"text_input", "max_tokens"} <= set(i.inputs)]
+    name = _prefer(generators, configs)
+    if name is not None:
+        tokenizer, special, params = _tokenizer_of(name, configs)
+        catalog.generator = TextModel(configs[name][0], tokenizer, special, params)
+        # an ensemble streams when one of its steps is decoupled (its own config cannot say so)
+        steps = [configs[s][0] for s in configs[name][0].steps if s in configs]
+        catalog.generator.inputs.decoupled = catalog.generator.inputs.decoupled or any(s.decoupled for s in steps)
+        catalog.max_input_len = _int(params, "max_input_len")
+        limits = [_int(p, "max_seq_len") for n, (_, p, *_) in configs.items() if n in configs[name][0].steps]
+        catalog.max_seq_len = next((v for v in limits if v), None)
+        if params.get("image_token_id"):
+            catalog.image_placeholder = params.get("image_placeholder") or "<image>"
+        try:
+            catalog.adapters = repository_adapters(repo)
+        except UsageError:
+            catalog.adapters = {}  # not a forge repository: no manifest, no adapters
+
+    embedders = [n for n, (i, *_) in configs.items() if "text_input" in i.inputs and "embedding" in i.outputs]
+    name = _prefer(embedders, configs)
+    if name is not None:
+        tokenizer, special, params = _tokenizer_of(name, configs)
+        catalog.embedder = TextModel(configs[name][0], tokenizer, special, params)
+        dims = configs[name][3].get("embedding") or []
+        catalog.embedding_dim = dims[-1] if dims and dims[-1] > 0 else None
+    if catalog.generator is None and catalog.embedder is None:
+        raise UsageError(f"{repo} has no model the OpenAI API can serve (none takes text_input)",
+                         hint="serve it with --no-openai")
+    return catalog
+
+
+def model_card(catalog: Catalog, model_id: str) -> dict[str, Any]:
+    """One entry of ``GET /v1/models``."""
+    card = {"id": model_id, "object": "model", "created": catalog.created, "owned_by": "forge"}
+    if model_id != catalog.model_id:
+        card["parent"] = catalog.model_id
+        card["root"] = catalog.model_id
+    return card
+
+
+def now() -> int:
+    return int(time.time())
