@@ -22,6 +22,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
 from forge_decoder import graphs as graphs_mod  # noqa: E402
+from forge_decoder import guided  # noqa: E402
 from forge_decoder import lora as lora_mod  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
@@ -154,6 +155,7 @@ class TritonPythonModel:
         self.limits = Limits(vocab_size=vocab, hidden_size=int(model.get_input_embeddings().embedding_dim),
                              max_input_len=int(_parameter(config, "max_input_len", "1024")),
                              max_seq_len=int(_parameter(config, "max_seq_len", "2048")))
+        self.guides = self._guides(config, here, weights, threads)
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
         rows = engine_mod.choose_rows(device, int(_parameter(config, "inflight_sequences", "0") or 0),
                                       int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
@@ -181,6 +183,22 @@ class TritonPythonModel:
             f"{torch.get_num_threads()} torch threads), "
             f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
             f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}, CUDA graphs {graphs}")
+
+    def _guides(self, config: dict, here: Path, weights: Path, threads: int) -> guided.Guides:
+        """Guided decoding with the model's tokenizer: ``tokenizer_dir`` (relative to ``1/``) when set, else the
+        weights' directory, else the preprocessing model's ``1/tokenizer`` in this repository."""
+        model_dir = here.parent
+        prefix = model_dir.name[: -len("tensorrt_llm")] if model_dir.name.endswith("tensorrt_llm") else ""
+        candidates = [here / d for d in (_parameter(config, "tokenizer_dir"),) if d]
+        candidates += [weights, model_dir.parent / f"{prefix}preprocessing" / "1" / "tokenizer"]
+        found = next((d for d in candidates if any((d / f).is_file() for f in forge_glue.TOKENIZER_CORE)), None)
+        guides = guided.Guides(found, self.limits.vocab_size, threads=threads)
+        reason = guides.unavailable()
+        pb_utils.Logger.log_info(
+            f"forge python target {self.name!r}: guided decoding " + (
+                f"available (xgrammar {guided.version()}, tokenizer {found})" if reason is None
+                else f"unavailable: {reason}; guided requests get an error"))
+        return guides
 
     def _metrics(self) -> None:
         """Gauges and counters on Triton's metrics endpoint (cancellations show up there)."""
@@ -241,6 +259,7 @@ class TritonPythonModel:
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
                              warn=pb_utils.Logger.log_warn)
                 self._resolve_loras(rows)
+                self.guides.prepare(rows)  # compile each row's guided_decoding_guide (a bad one: RequestError)
             except RequestError as exc:
                 forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import graphs, kvcache, sampling
+from . import graphs, guided, kvcache, sampling
 from .request import GenerationRequest, Limits
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -56,6 +56,7 @@ class Sequence:
     generator: torch.Generator | None = None
     top_p: float = 0.0
     bias: torch.Tensor | None = None
+    matcher: guided.Matcher | None = None  # where the request's guide has got to (guided decoding only)
     cancelled: bool = False
     finished: bool = False
     arrival_ns: int = field(default_factory=time.time_ns)
@@ -276,6 +277,8 @@ class Engine:
             seq.generator.manual_seed(req.sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
         if req.embedding_bias is not None:
             seq.bias = torch.as_tensor(req.embedding_bias, dtype=torch.float32, device=self.device)
+        if req.grammar is not None:
+            seq.matcher = guided.Matcher(req.grammar, req.end_id)
 
     def _check_cancelled(self) -> None:
         now = time.monotonic()
@@ -418,7 +421,10 @@ class Engine:
                  chosen: tuple[list[int], list[float]] | None = None) -> None:
         """Pick one token per row (unless ``chosen`` already holds them), report it, and drop the rows that
         finished."""
-        tokens, logprobs = chosen or sampling.choose(logits, rows)
+        if chosen is None and any(s.matcher is not None for s in rows):  # only what each row's grammar allows
+            tokens, logprobs = sampling.choose(guided.mask(logits, [s.matcher for s in rows]), rows)
+        else:
+            tokens, logprobs = chosen or sampling.choose(logits, rows)
         want_logits = any(s.request.return_generation_logits for s in rows)
         raw = logits.float().cpu().numpy() if want_logits else None
         now = time.time_ns()
@@ -432,6 +438,14 @@ class Engine:
                 # TensorRT-LLM stops at end_id and leaves it out of the output
                 self._finish(seq, Update([], [], [], True, "end_id"))
                 continue
+            if seq.matcher is not None:
+                if not seq.matcher.accept(token):  # every token was banned (the grammar vs bad_words/min_length)
+                    self._finish(seq, Update([], [], [], True, "error", "guided decoding: no token satisfies both "
+                                             "the guide and the request's bad_words/min_length here"))
+                    continue
+                if seq.matcher.ended:  # its stop token ended the guide: finish as at end_id, the token left out
+                    self._finish(seq, Update([], [], [], True, "end_id"))
+                    continue
             seq.tokens.append(token)
             seq.output.append(token)
             seq.logprobs.append(logprob)

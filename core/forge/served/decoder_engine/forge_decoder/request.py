@@ -36,12 +36,17 @@ HONOURED = frozenset({
     "stop", "beam_width", "num_return_sequences", "return_perf_metrics", "return_num_input_tokens",
     "return_num_output_tokens", "prompt_embedding_table", "prompt_vocab_size", "decoder_input_ids",
     "decoder_input_lengths", "prompt_table_extra_ids", "lora_task_id", "lora_weights", "lora_config",
+    "guided_decoding_guide_type", "guided_decoding_guide",
 }) | BEAM_ONLY
 
 # ``prompt_table_extra_ids`` only keys TensorRT-LLM's KV-cache reuse of prompt-table tokens: this runtime
 # reuses no KV cache across requests, so the value cannot change a result. ``decoder_input_ids`` is the
 # decoder prompt of encoder-decoder engines; for a decoder-only model tensorrtllm_backend's
 # preprocessing sends one pad token per row, which is accepted (and longer decoder prompts refused).
+
+# The guide types of TensorRT-LLM's GuidedDecodingParams (``guided_decoding_guide_type``); guided.py
+# compiles them with xgrammar. Only ``json`` (any JSON) needs no ``guided_decoding_guide``.
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 
 # Inputs renamed across backend versions: newer name → the name used here.
 ALIASES = {"min_tokens": "min_length", "seed": "random_seed"}
@@ -55,6 +60,14 @@ class Limits:
     max_input_len: int
     max_seq_len: int
     hidden_size: int = 0  # checks prompt-table rows when known
+
+
+@dataclass(frozen=True)
+class Guide:
+    """One row's guided-decoding guide, as sent: its type and text."""
+
+    kind: str
+    text: str = ""
 
 
 @dataclass
@@ -110,6 +123,9 @@ class GenerationRequest:
     lora_weights: np.ndarray | None = None
     lora_config: np.ndarray | None = None
     lora: object | None = None
+    # guided decoding: the row's guide and its compiled grammar (guided.Guides.prepare sets it)
+    guide: Guide | None = None
+    grammar: object | None = None
 
 
 def _rows(tensors: Mapping[str, np.ndarray], name: str, batch: int) -> np.ndarray | None:
@@ -200,6 +216,7 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
     tables, prompt_vocab = _prompt_tables(tensors, batch)
     lora_ids = _rows(tensors, "lora_task_id", batch)
     lora_weights, lora_config = _per_row(tensors, "lora_weights", batch), _per_row(tensors, "lora_config", batch)
+    guides = _guides(tensors, batch)
 
     def get(name: str, row: int, default):
         column = values[name]
@@ -297,8 +314,40 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
             exclude_input=bool(get("exclude_input_in_output", row, exclude_input)),
             streaming=streaming, batch_index=row, prompt_table=table,
             lora_task_id=None if lora_ids is None else int(np.asarray(lora_ids[row]).astype(np.uint64).item()),
-            lora_weights=lora_weights(row), lora_config=lora_config(row)))
+            lora_weights=lora_weights(row), lora_config=lora_config(row), guide=guides[row]))
     return requests
+
+
+def _text(value) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="strict")
+    return "" if value is None else str(value)
+
+
+def _guides(tensors: Mapping[str, np.ndarray], batch: int) -> list[Guide | None]:
+    """Each row's ``guided_decoding_guide_type`` / ``guided_decoding_guide`` (an empty type: no guide)."""
+    kinds, texts = _rows(tensors, "guided_decoding_guide_type", batch), _rows(tensors, "guided_decoding_guide", batch)
+    if kinds is None and texts is None:
+        return [None] * batch
+    try:
+        kinds = [""] * batch if kinds is None else [_text(k).strip().lower() for k in kinds]
+        texts = [""] * batch if texts is None else [_text(t) for t in texts]
+    except UnicodeDecodeError:
+        raise RequestError("guided_decoding_guide_type and guided_decoding_guide must be UTF-8 text") from None
+    guides: list[Guide | None] = []
+    for kind, text in zip(kinds, texts):
+        if not kind:
+            if text.strip():
+                raise RequestError("input 'guided_decoding_guide' is not supported without "
+                                   f"'guided_decoding_guide_type' (one of {', '.join(GUIDE_TYPES)})")
+            guides.append(None)
+        elif kind not in GUIDE_TYPES:
+            raise RequestError(f"guided_decoding_guide_type {kind!r} is not one of {', '.join(GUIDE_TYPES)}")
+        elif not text.strip() and kind != "json":
+            raise RequestError(f"guided_decoding_guide_type {kind!r} needs a guided_decoding_guide")
+        else:
+            guides.append(Guide(kind, text))
+    return guides
 
 
 def _per_row(tensors: Mapping[str, np.ndarray], name: str, batch: int) -> Callable[[int], np.ndarray | None]:

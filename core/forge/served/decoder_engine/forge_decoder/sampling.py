@@ -23,6 +23,7 @@ class Row(Protocol):
     generator: torch.Generator | None
     top_p: float  # current top-p (runtime_top_p_decay changes it)
     bias: torch.Tensor | None  # embedding bias on the logits' device
+    matcher: "object | None"  # guided.Matcher: the engine masks the row's logits before ``choose``
 
 
 def _banned(words: list[list[int]], tokens: list[int]) -> list[int]:
@@ -46,9 +47,11 @@ def _untouched(row: Row) -> bool:
 
 
 def plain_greedy(row: Row) -> bool:
-    """Whether the row's next token is the argmax of its raw logits (and ``choose`` would change nothing else)."""
+    """Whether the row's next token is the argmax of its raw logits (and ``choose`` would change nothing else);
+    never for a guided row, whose grammar masks its logits first."""
     s = row.request.sampling
-    return s.greedy and _untouched(row) and s.top_p_decay == 1.0 and s.top_p_reset_id is None
+    return (s.greedy and _untouched(row) and s.top_p_decay == 1.0 and s.top_p_reset_id is None
+            and getattr(row, "matcher", None) is None)
 
 
 def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
