@@ -121,6 +121,19 @@ def test_the_json_type_needs_no_guide_and_gives_json(model, tokenizer, guides):
         json.loads(text)
 
 
+def test_structural_tags_in_tensorrt_llm_form_constrain_what_follows_a_trigger(model, tokenizer, guides):
+    """TensorRT-LLM's structural_tag guide: free text, but after ``<n>`` a JSON integer, then ``</n>``."""
+    tag = json.dumps({"structures": [{"begin": "<n>", "schema": {"type": "integer", "minimum": 0, "maximum": 99},
+                                      "end": "</n>"}], "triggers": ["<n>"]})
+    grammar = guides.compile(Guide("structural_tag", tag))
+    matcher = guided.Matcher(guided.Grammar(grammar, []))
+    for token in tokenizer("hello <n>")["input_ids"]:
+        assert matcher.accept(token)
+    allowed = guided.allowed([matcher], guides.vocab_size, torch.device("cpu"))[0]
+    texts = {tokenizer.decode([t]) for t in allowed.nonzero().view(-1).tolist()}
+    assert texts and all(re.fullmatch(r"\s*[0-9]*", t) for t in texts), texts
+
+
 def tensors(**extra):
     t = {"input_ids": np.array([[1, 2, 3]], np.int32), "input_lengths": np.array([[3]], np.int32),
          "request_output_len": np.array([[5]], np.int32)}
