@@ -14,6 +14,10 @@ keeping the tensors referenced until ``send`` returns, avoids the crash on every
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
+import time
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -148,3 +152,70 @@ def run_each(requests, handle: Callable[[Any], Any], where: str = "") -> list:
         except Exception as exc:  # noqa: BLE001 - one bad request must not fail the batch
             responses.append(error_response(exc, where))
     return responses
+
+
+#: How often the parent-death watch looks (seconds): a stub outlives its server by about this much.
+WATCH_INTERVAL = 0.25
+
+
+def _stub_shm_region() -> str | None:
+    """The shared-memory region tritonserver made for this stub (the stub's 2nd argument), if this is a stub."""
+    try:
+        args = open("/proc/self/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    if len(args) > 2 and os.path.basename(args[0]) == b"triton_python_backend_stub":
+        return args[2].decode(errors="replace")
+    return None
+
+
+def exit_with_parent(also: Iterable[int] = (), interval: float = WATCH_INTERVAL, what: str = "") -> threading.Thread | None:
+    """End this process (``os._exit``) within ``interval`` once its parent (or a pid in ``also``) is gone.
+
+    A daemon thread polls ``os.getppid()`` against the parent seen now: the stub's own check of its
+    parent runs Python teardown (``finalize``, interpreter exit), which can wait forever on a thread
+    blocked in a send to the dead server, leaving a re-parented stub holding its memory (issue 35).
+    ``os._exit`` runs no teardown. The stub's shared-memory region, which the dead server can no longer
+    remove, is unlinked first. A parent that is pid 1 (tritonserver as a container's init) is not watched.
+    Returns the thread (None when there is nothing to watch).
+    """
+    parent = os.getppid()
+    others = [int(pid) for pid in also if int(pid) > 0]
+    if parent <= 1 and not others:
+        return None
+    region = _stub_shm_region()
+
+    def gone() -> str | None:
+        if parent > 1 and os.getppid() != parent:
+            return f"its parent (pid {parent}) exited"
+        for pid in others:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return f"process {pid} exited"
+            except PermissionError:
+                pass
+        return None
+
+    def watch() -> None:
+        while True:
+            reason = gone()
+            if reason is not None:
+                try:
+                    sys.stderr.write(f"forge: {what or 'model process'} {os.getpid()} exits: {reason}\n")
+                    sys.stderr.flush()
+                    if region and "/" not in region:
+                        os.unlink(f"/dev/shm/{region}")
+                except OSError:
+                    pass
+                finally:
+                    os._exit(1)
+            time.sleep(interval)
+
+    thread = threading.Thread(target=watch, name="forge-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+if pb_utils is not None:  # inside tritonserver's python stub
+    exit_with_parent(what="python model process")

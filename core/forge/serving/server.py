@@ -8,6 +8,7 @@ interpreter's libpython first on ``LD_LIBRARY_PATH`` (the stub links it).
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -152,6 +153,101 @@ def kill_session(sid: int) -> None:
             pass
 
 
+_PR_SET_PDEATHSIG = 1
+_spawner = None  # the one thread that starts servers for other threads (see _spawn)
+_spawner_lock = threading.Lock()
+
+
+def _die_with_parent(sig: int, parent: int):
+    """A ``preexec_fn``: the child gets ``sig`` when forge dies (Linux ``PR_SET_PDEATHSIG``).
+
+    The kernel sends it when the *thread* that forked the child exits, not the process; ``_spawn``
+    therefore forks only on the main thread or on a thread that lives as long as forge.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    except (OSError, AttributeError):  # not Linux: no parent-death signal (stop() still ends the server)
+        return None
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # forge died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
+def _spawn(argv: list[str], sig: int, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` whose child dies with forge: forked on the main thread or on a lasting spawner thread."""
+    global _spawner
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid()), **kwargs)
+    with _spawner_lock:
+        if _spawner is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _spawner = ThreadPoolExecutor(1, thread_name_prefix="forge-spawn")  # its thread stays until forge exits
+    return _spawner.submit(
+        lambda: subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid()), **kwargs)).result()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(comm, ppid, session) of ``pid``."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    return text[text.find("(") + 1:text.rfind(")")], int(fields[1]), int(fields[3])
+
+
+def _refers_to(pid: int, repo: str) -> bool:
+    """Whether process ``pid`` serves from ``repo``: its command line, working directory or PYTHONPATH name it."""
+    inside = (repo, repo + os.sep)
+    args = _cmdline(pid)
+    if any(arg == repo or arg.startswith(repo + os.sep) or arg.endswith("=" + repo) for arg in args):
+        return True
+    try:
+        if os.readlink(f"/proc/{pid}/cwd").startswith(inside):
+            return True
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    paths = next((e[len(b"PYTHONPATH="):].decode(errors="replace") for e in environ if e.startswith(b"PYTHONPATH=")), "")
+    return any(p == repo or p.startswith(repo + os.sep) for p in paths.split(os.pathsep))
+
+
+def leftover_processes(repo: Path) -> list[int]:
+    """Processes left by an earlier server of ``repo`` whose owner is gone (Linux /proc).
+
+    A python stub whose tritonserver is gone (re-parented), or a tritonserver, mpirun or follower
+    re-parented to init (the forge that started it was killed). Servers whose parent still runs
+    (another ``forge serve`` of the same repository) are not leftovers.
+    """
+    root = str(Path(repo).resolve())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        pid = int(entry.name)
+        stat = _stat(pid)
+        if stat is None or not _refers_to(pid, root):
+            continue
+        args = _cmdline(pid)
+        stub = bool(args) and os.path.basename(args[0]) == "triton_python_backend_stub"
+        parent = _stat(stat[1]) if stat[1] > 1 else None
+        if (stub and (parent is None or parent[0] != "tritonserver")) or (not stub and stat[1] == 1):
+            found.append(pid)
+    return sorted(found)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -178,6 +274,9 @@ class TritonServer:
     world: launch.Layout | None = None  # several ranks: one tritonserver (or follower) per rank under mpirun
     rendezvous_port: int = 0  # where the followers of a tensor-parallel python model meet rank 0 (0: a free port)
     process: subprocess.Popen | None = None
+    _stopping: bool = field(default=False, init=False, repr=False)
+    _shm_used: str = field(default="", init=False, repr=False)  # the shm-region prefix of the running server
+    _restart_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def http_url(self) -> str:
@@ -198,6 +297,7 @@ class TritonServer:
     def command(self) -> list[str]:
         repo = Path(self.repo).resolve()
         prefix = self.shm_prefix or f"forge{os.getpid()}_{self.http_port}_"
+        self._shm_used = prefix
         if self.world is not None and self.world.world_size > 1:
             # Every rank on this machine: no core binding (the ranks share the cores with tritonserver's
             # stubs), more ranks than cores allowed, PATH/LD_LIBRARY_PATH as set here (an absolute mpirun path
@@ -229,6 +329,11 @@ class TritonServer:
         binary = tritonserver_binary()
         if not binary.is_file():
             raise ToolMissingError(f"tritonserver binary not found at {binary}")
+        left = leftover_processes(Path(self.repo))
+        if left:
+            pids = " ".join(str(pid) for pid in left)
+            raise ForgeError(f"processes of an earlier server of {self.repo} still run (pids {pids}) and hold its "
+                             "memory", hint=f"end them first: kill -9 {pids}")
         if self.world is not None and self.world.world_size > 1 and launch.find_mpirun() is None:
             import shlex
 
@@ -259,8 +364,12 @@ class TritonServer:
         self.log_file = Path(self.log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_file, "w")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env=server_environment(), start_new_session=True)
+        # tritonserver dies with forge (SIGKILL: its stubs then exit on their own, see forge_glue); mpirun
+        # gets SIGTERM, which it passes on to every rank before it exits.
+        several = self.world is not None and self.world.world_size > 1
+        self._stopping = False
+        self.process = _spawn(self.command(), signal.SIGTERM if several else signal.SIGKILL, stdout=log,
+                              stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True)
         log.close()
         try:
             self._wait_ready()
@@ -324,8 +433,31 @@ class TritonServer:
         return f"{launcher} exited with status {status}: {reason}"
 
     def wait(self) -> int:
-        """Block until the server exits; its exit status."""
-        return self.process.wait() if self.process is not None else 0
+        """Block until the server exits (not counting a ``restart``); its exit status."""
+        while True:
+            process = self.process
+            status = process.wait() if process is not None else 0
+            with self._restart_lock:  # a restart in progress holds it until the new process runs
+                if self.process is process:
+                    return status
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop`` was called on the running server (its stubs then end on purpose)."""
+        return self._stopping
+
+    def restart(self, timeout: float = 10.0) -> "TritonServer":
+        """Stop the server (SIGINT, then SIGKILL after ``timeout``) and start it again on the same ports.
+
+        Clients with requests in flight see their connections close, which is how they learn of a
+        model process that died (Triton 2.51 never answers them, see supervisor.py). ``wait`` keeps
+        waiting across it.
+        """
+        with self._restart_lock:
+            if self._stopping:  # stopped meanwhile (forge serve is exiting): stay stopped
+                return self
+            self.stop(timeout)
+            return self._launch()
 
     def rank_failure(self) -> str | None:
         """Which rank ended a multi-rank server, as mpirun reported it (None: no rank failed)."""
@@ -371,6 +503,7 @@ class TritonServer:
         try:
             if self.process is None:
                 return
+            self._stopping = True
             if self.process.poll() is None:
                 # Signal the server alone: it unloads models and stops its stubs itself; signalling
                 # the whole group first kills the stubs under it and leaves the server waiting.
@@ -386,10 +519,22 @@ class TritonServer:
                 pass
             # MPI ranks have process groups of their own and outlive a killed mpirun; they stay in its session.
             kill_session(self.process.pid)
+            self._remove_shm()
         finally:
             if getattr(self, "_restore_sigterm", False) and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 self._restore_sigterm = False
+
+    def _remove_shm(self) -> None:
+        """Remove the stubs' shared-memory regions a server killed outright leaves in /dev/shm."""
+        prefix = self._shm_used
+        if not prefix or "/" in prefix:
+            return
+        for region in Path("/dev/shm").glob(f"{prefix}*"):
+            try:
+                region.unlink()
+            except OSError:
+                pass
 
     def _trap_sigterm(self) -> None:
         """Turn SIGTERM into KeyboardInterrupt while the server runs, so ``stop`` still runs.

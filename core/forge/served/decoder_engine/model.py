@@ -283,4 +283,37 @@ class TritonPythonModel:
             raise RequestError("this model was built without LoRA modules; leave out lora_task_id / lora_weights")
 
     def finalize(self):
-        self.engine.stop()
+        """Stop before the stub tears down (issue 36): the engine thread ends (bounded wait) failing what it held,
+        whatever is still pending gets its error now, and every response sender and metric is released while the
+        stub's channels still work (one destroyed during interpreter teardown crashes the stub). A request's
+        sender is then a closed one: an engine thread still inside a step sends nothing after this returns."""
+        ended = self.engine.stop(timeout=5.0)
+        with self.lock:
+            left = list(self.requests.values())
+            self.requests.clear()
+        for request in left:
+            if not request.lock.acquire(timeout=1.0):  # the engine thread is stuck sending to it
+                continue
+            try:
+                if not request.done:
+                    request._send(None, True, "the model is being unloaded")
+                request.done = True
+                request.sender = _CLOSED
+            finally:
+                request.lock.release()
+        if ended:  # nothing left that counts: release the metrics while their channel is open
+            self.busy_gauge = self.token_counter = self.finished = None
+            self.metric_sequences = self.metric_finished = self.metric_tokens = None
+
+
+class _ClosedSender:
+    """A response sender after ``finalize``: sends nothing, and every request reads as cancelled."""
+
+    def send(self, *args, **kwargs) -> None:
+        pass
+
+    def is_cancelled(self) -> bool:
+        return True
+
+
+_CLOSED = _ClosedSender()

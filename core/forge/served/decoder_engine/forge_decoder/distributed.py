@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,13 +336,16 @@ class LeaderEngine(engine_mod.Engine):
             self.group.send(Command("reset"))
         super()._fail_all(message, pending)
 
-    def stop(self) -> None:
-        super().stop()
+    def stop(self, timeout: float = 30.0) -> bool:
+        ended = super().stop(timeout)
+        if not ended:  # the engine thread, still in a step, owns the group; the followers end with this process
+            return False
         try:
             self.group.send(Command("stop"))
         except Exception:  # a follower already gone (the launcher is stopping every rank)
             pass
         self.group.close()
+        return True
 
 
 class Follower:
@@ -395,6 +399,18 @@ class Follower:
                 self.steps += 1
 
 
+def watch_leader(settings: dict[str, Any]) -> None:
+    """A follower exits (``os._exit``) within a fraction of a second when its launcher or, on the same
+    host, rank 0's process is gone: a follower waiting on an idle group would otherwise wait a year."""
+    try:
+        import forge_glue  # beside forge_decoder in the model's version directory (the follower's PYTHONPATH)
+    except ImportError:  # forge_decoder used on its own (tests): nothing to watch with
+        return
+    same_host = settings.get("host") == socket.gethostname()
+    leader = [int(settings["pid"])] if same_host and settings.get("pid") else []
+    forge_glue.exit_with_parent(also=leader, what="follower")
+
+
 def lead(tp: int, weights, device: torch.device, dtype: torch.dtype, threads: int):
     """Rank 0: form the group, tell the followers what to load, load this rank's shard.
 
@@ -407,6 +423,6 @@ def lead(tp: int, weights, device: torch.device, dtype: torch.dtype, threads: in
         device = rank_device(device.type)
     group.broadcast(Command("settings", settings={
         "weights": str(weights), "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-        "threads": threads}))
+        "threads": threads, "pid": os.getpid(), "host": socket.gethostname()}))  # pid/host: see watch_leader
     return load_shard(weights, device, dtype, group), functools.partial(LeaderEngine, group=group)
 

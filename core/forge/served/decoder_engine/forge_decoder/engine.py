@@ -213,12 +213,18 @@ class Engine:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Ask the engine thread to stop (it fails what is left) and wait up to ``timeout`` s; whether it ended.
+
+        The thread is a daemon: one still inside a long step never keeps the process alive.
+        """
         with self._cond:
             self._running = False
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
+            return not self._thread.is_alive()
+        return True
 
     def submit(self, sequences: list[Sequence]) -> None:
         """Queue sequences; their callbacks run on the engine thread."""

@@ -19,12 +19,14 @@ from . import engine as engine_mod
 def main() -> int:
     rank, size = distributed.world_from_env()
     prefix = f"forge follower rank {rank}/{size}"
+    distributed.watch_leader({})  # until rank 0 is known: exit with the launcher
     try:
         if size < 2 or rank == 0:
             raise distributed.DistributedError(
                 "started outside a multi-rank launch (rank 0 is tritonserver); use forge serve or forge deploy")
         group = distributed.join(size)  # rank 0 knows the model's settings: device, dtype, weights
         settings = group.broadcast().settings
+        distributed.watch_leader(settings)  # exit with rank 0 or the launcher, whatever this rank is doing
         device = distributed.rank_device(settings["device"])
         torch.set_num_threads(int(settings["threads"]))
         dtype = engine_mod.DTYPES[settings["dtype"]]

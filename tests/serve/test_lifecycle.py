@@ -1,0 +1,229 @@
+"""No process outlives its server (issue 35), and a dead model process never leaves requests hanging (issue 36).
+
+Real tritonserver on CPU, started through ``forge serve`` as a user would. Each way a server can end is
+tried while requests are in flight (long generations: max_tokens far above max_seq_len, clamped); then
+no process of that server may remain within 15 s, and a new server on the same repository must start
+and answer. The servers hand over: the new server of one test is the one the next test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from forge.serving.server import session_processes
+
+GONE_WITHIN = 15.0
+PROMPT = "hello world"
+
+
+def _post(url: str, body: dict, timeout: float = 60.0) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _generate(http: str, max_tokens: int, timeout: float = 60.0) -> dict:
+    return _post(f"{http}/v2/models/ensemble/generate",
+                 {"text_input": PROMPT, "max_tokens": max_tokens, "bad_words": "", "stop_words": ""}, timeout)
+
+
+class Load:
+    """``n`` clients each sending long generations back to back until stopped or a request fails."""
+
+    def __init__(self, http: str, n: int = 4):
+        self.http = http
+        self.halt = threading.Event()
+        self.ended: list[tuple[float, float, str]] = []  # (sent, ended, error) of each failed request
+        self.answered = 0
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(n)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self) -> None:
+        while not self.halt.is_set():
+            sent = time.monotonic()
+            try:
+                _generate(self.http, 100000, timeout=60)
+                self.answered += 1
+            except Exception as exc:  # noqa: BLE001 - any failure is how a client learns of the end
+                self.ended.append((sent, time.monotonic(), f"{type(exc).__name__}: {exc}"))
+                return
+
+    def wait_busy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.answered < len(self.threads) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.answered >= len(self.threads), f"the server answered {self.answered} requests: {self.ended}"
+
+    def wait_ended(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ended) < len(self.threads) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self.halt.set()
+        for thread in self.threads:
+            thread.join(timeout)
+
+
+class Serve:
+    """``forge serve REPO`` as a subprocess of its own session, its endpoints and its tritonserver's pid."""
+
+    def __init__(self, repo: Path):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo), "--http-port", "0",
+             "--grpc-port", "0", "--metrics-port", "0", "--no-openai", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        text = ""
+        for line in self.proc.stdout:  # --json: one indented object, when every model is READY
+            text += line
+            if line.startswith("}"):
+                break
+        assert text, f"forge serve printed nothing: {self.proc.stderr.read()}"
+        self.info = json.loads(text)
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        self.triton = next(int(pid) for pid in children if "tritonserver" in Path(f"/proc/{pid}/comm").read_text())
+        self.http = self.info["http"]
+
+    def processes(self) -> list[int]:
+        """What is left of the server: tritonserver and its stubs (all in tritonserver's session)."""
+        return session_processes(self.triton)
+
+    def stubs(self) -> dict[str, int]:
+        found = {}
+        for pid in self.processes():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if Path(args[0]).name == "triton_python_backend_stub":
+                found[Path(args[1]).parent.parent.name] = pid
+        return found
+
+    def end(self) -> None:
+        for pid in self.processes():
+            os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def handover():
+    """The running server one test leaves to the next."""
+    box: dict[str, Serve] = {}
+    yield box
+    if "server" in box:
+        box.pop("server").end()
+
+
+def _gone(server: Serve, since: float) -> float:
+    """Seconds from ``since`` until no process of ``server`` remains (fails after GONE_WITHIN)."""
+    while time.monotonic() - since < GONE_WITHIN:
+        if not server.processes():
+            return time.monotonic() - since
+        time.sleep(0.1)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")[:160]
+            for pid in server.processes()}
+    pytest.fail(f"{len(left)} process(es) of the server outlived it by {GONE_WITHIN:.0f}s: {left}")
+
+
+def _sigterm(server: Serve) -> None:
+    server.proc.send_signal(signal.SIGTERM)
+
+
+def _sigterm_then_sigkill(server: Serve) -> None:  # a supervisor's stop with a short grace period
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    time.sleep(2)
+    os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+def _sigkill_forge(server: Serve) -> None:
+    server.proc.kill()
+
+
+def _sigkill_tritonserver(server: Serve) -> None:
+    os.kill(server.triton, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("end", [_sigterm, _sigterm_then_sigkill, _sigkill_forge, _sigkill_tritonserver],
+                         ids=["sigterm", "sigterm-then-sigkill-2s", "sigkill-forge", "sigkill-tritonserver"])
+def test_no_process_outlives_its_server(repos, handover, end):
+    server = handover.pop("server", None) or Serve(repos[""])
+    load = Load(server.http)
+    try:
+        load.wait_busy()  # every client has had an answer and has its next long generation in flight
+        assert len(server.stubs()) == 3, server.stubs()
+        started = time.monotonic()
+        end(server)
+        took = _gone(server, started)
+        print(f"{end.__name__}: no process of the server left after {took:.1f}s")
+        assert server.proc.wait(GONE_WITHIN) is not None
+        load.wait_ended(10)
+        assert len(load.ended) == len(load.threads), "a client still waits after its server ended"
+    finally:
+        load.stop()
+        server.end()
+    again = Serve(repos[""])  # the same repository: no leftover holds it
+    handover["server"] = again
+    assert _generate(again.http, 4)["text_output"].startswith(PROMPT)
+
+
+def test_serve_refuses_a_repository_with_leftover_processes(repos, handover, tmp_path):
+    """A stub whose tritonserver is gone (as issue 35 left one) is named, and the server does not start."""
+    repo = repos[""].resolve()
+    fake = subprocess.Popen([str(tmp_path / "triton_python_backend_stub"), "-c", "import time; time.sleep(120)",
+                             str(repo / "tensorrt_llm" / "1" / "model.py")], executable=sys.executable)
+    try:
+        done = subprocess.run([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo),
+                               "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--no-openai"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        fake.kill()
+        fake.wait()
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("forge: error")]
+    assert len(errors) == 1 and str(fake.pid) in errors[0], done.stderr
+
+
+def test_requests_on_a_dead_model_process_get_an_error(repos):
+    """kill -9 of the tensorrt_llm stub with 8 requests in flight: each gets an error within 10 s (the
+    supervisor restarts tritonserver, which closes their connections), and requests succeed again after."""
+    from forge.serving.server import TritonServer
+    from forge.serving.supervisor import Supervisor, stub_processes
+
+    with TritonServer(repos[""]) as server, Supervisor(server, interval=0.25) as supervisor:
+        http = f"http://{server.http_url}"
+        load = Load(http, n=8)
+        try:
+            load.wait_busy()
+            stub = next(pid for pid, model in stub_processes(server).items() if model == "tensorrt_llm")
+            killed = time.monotonic()
+            os.kill(stub, signal.SIGKILL)
+            load.wait_ended(10)
+            late = [e for e in load.ended if e[1] - killed > 10]
+            assert len(load.ended) == 8 and not late, f"{8 - len(load.ended)} requests hung: {load.ended}"
+            print(f"every in-flight request failed within {max(e[1] for e in load.ended) - killed:.1f}s")
+        finally:
+            load.stop()
+        assert supervisor.deaths and supervisor.deaths[0] == (stub, "tensorrt_llm")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # back once the restarted server's models are READY
+            try:
+                assert _generate(http, 4, timeout=30)["text_output"].startswith(PROMPT)
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        else:
+            pytest.fail("the restarted server did not answer within 120 s")
