@@ -172,6 +172,8 @@ def test_no_process_outlives_its_server(repos, handover, end):
         assert server.proc.wait(GONE_WITHIN) is not None
         load.wait_ended(10)
         assert len(load.ended) == len(load.threads), "a client still waits after its server ended"
+        # the python backend prints a stub's crash into the server's log (issue 36: a stop under load crashed it)
+        assert "Segfault encountered" not in Path(server.info["log"]).read_text(errors="replace")
     finally:
         load.stop()
         server.end()
@@ -227,3 +229,5 @@ def test_requests_on_a_dead_model_process_get_an_error(repos):
                 time.sleep(0.5)
         else:
             pytest.fail("the restarted server did not answer within 120 s")
+    # stopped idle, after the restart: no model process crashed on the way out
+    assert "Segfault encountered" not in Path(server.log_file).read_text(errors="replace")

@@ -304,6 +304,13 @@ class TritonPythonModel:
         if ended:  # nothing left that counts: release the metrics while their channel is open
             self.busy_gauge = self.token_counter = self.finished = None
             self.metric_sequences = self.metric_finished = self.metric_tokens = None
+        # Finished requests are cycles (request → sequence → its callback → request) that only the cyclic
+        # collector frees; left to the interpreter's teardown, their senders' destructors use the stub's
+        # shared memory after it is gone (the segfault of issue 36, ResponseSender::~ResponseSender in
+        # Py_FinalizeEx). Collect them now.
+        import gc
+
+        gc.collect()
 
 
 class _ClosedSender:
