@@ -11,6 +11,7 @@ import base64
 import json
 import secrets
 import time
+from contextlib import aclosing
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -95,20 +96,22 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
         first = adapter is not None and attempt == 1
         extra = await front.lora_tensors(adapter, first)
         try:
-            async for outputs in front.triton.generate(model.inputs, {**tensors, **extra}, request_id):
-                piece = "".join(strings(outputs.get("text_output")))
-                texts.append(piece)
-                outcome.prompt_tokens = first_int(outputs.get("num_input_tokens")) or outcome.prompt_tokens
-                count = first_int(outputs.get("num_output_tokens"))
-                if count is not None:
-                    outcome.completion_tokens = count
-                if echoes:
-                    continue
-                out = stop.feed(piece)
-                if out:
-                    yield out
-                if stop.stopped:
-                    break  # leaving the loop cancels the rest of the generation
+            async with aclosing(front.triton.generate(model.inputs, {**tensors, **extra}, request_id,
+                                                      stopper=front.catalog.stopper)) as responses:
+                async for outputs in responses:
+                    piece = "".join(strings(outputs.get("text_output")))
+                    texts.append(piece)
+                    outcome.prompt_tokens = first_int(outputs.get("num_input_tokens")) or outcome.prompt_tokens
+                    count = first_int(outputs.get("num_output_tokens"))
+                    if count is not None:
+                        outcome.completion_tokens = count
+                    if echoes:
+                        continue
+                    out = stop.feed(piece)
+                    if out:
+                        yield out
+                    if stop.stopped:
+                        break  # closing the responses stops the rest of the generation on the server
             break
         except APIError as exc:
             if adapter is None or attempt or UNKNOWN_TASK not in exc.message or adapter.weights is None:

@@ -48,6 +48,7 @@ class Catalog:
     model_id: str
     created: int
     generator: TextModel | None = None
+    stopper: ModelInputs | None = None  # the generator's step that takes TensorRT-LLM's ``stop`` request
     embedder: TextModel | None = None
     embedding_dim: int | None = None
     adapters: dict[str, ServedAdapter] = field(default_factory=dict)
@@ -133,6 +134,7 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
         # an ensemble streams when one of its steps is decoupled (its own config cannot say so)
         steps = [configs[s][0] for s in configs[name][0].steps if s in configs]
         catalog.generator.inputs.decoupled = catalog.generator.inputs.decoupled or any(s.decoupled for s in steps)
+        catalog.stopper = next((s for s in steps if "stop" in s.inputs and "input_ids" in s.inputs), None)
         catalog.max_input_len = _int(params, "max_input_len")
         limits = [_int(p, "max_seq_len") for n, (_, p, *_) in configs.items() if n in configs[name][0].steps]
         catalog.max_seq_len = next((v for v in limits if v), None)

@@ -184,7 +184,7 @@ def _response_guide(request: ChatRequest) -> tuple[str, str] | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return ("json", "")
+        return ("json_schema", json.dumps({"type": "object"}))
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
     check_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")

@@ -6,6 +6,7 @@ Triton passes the cancellation to the model, which stops generating.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Mapping
 
 import numpy as np
@@ -19,9 +20,11 @@ _STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503, "S
 
 def api_error(exc: Exception, model: str) -> APIError:
     """A Triton error as the OpenAI API answers it: its own message, the status its gRPC code maps to."""
-    status_of = getattr(exc, "status", None)
+    status_of = getattr(exc, "status", None) or getattr(exc, "code", None)  # Triton's or grpc's own error
     code = status_of() if callable(status_of) else None
-    message = _grpc_message(exc) or f"model {model!r} failed without a message"
+    details = getattr(exc, "details", None)
+    message = (details() if callable(details) and not hasattr(exc, "message") else _grpc_message(exc)) \
+        or f"model {model!r} failed without a message"
     status = _STATUS.get(str(code), 500)
     if "failed to connect" in message.lower() or "connection refused" in message.lower():
         status, message = 503, f"the tritonserver behind this API is not reachable ({message})"
@@ -39,7 +42,11 @@ class Triton:
     def __init__(self, url: str):
         import tritonclient.grpc.aio as aio
 
+        import grpc
+
         self._aio = aio
+        self._stopping: set = set()
+        self._grpc_error = grpc.RpcError
         self.client = aio.InferenceServerClient(url)
 
     async def close(self) -> None:
@@ -77,13 +84,46 @@ class Triton:
         try:
             result = await self.client.infer(model.name, self._inputs(tensors), request_id=request_id,
                                              outputs=requested)
-        except self._aio.InferenceServerException as exc:
+        except (self._aio.InferenceServerException, self._grpc_error) as exc:
             raise api_error(exc, model.name) from None
         return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
     async def generate(self, model: ModelInputs, tensors: Mapping[str, np.ndarray], request_id: str,
-                       outputs: list[str] | None = None) -> AsyncIterator[dict[str, np.ndarray]]:
-        """The responses of one request as they arrive; a non-decoupled model answers once."""
+                       outputs: list[str] | None = None,
+                       stopper: ModelInputs | None = None) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The responses of one request as they arrive; a non-decoupled model answers once.
+
+        A request left before its end (the client went away, a stop string was found) is stopped on the
+        server by TensorRT-LLM's ``stop`` request to ``stopper`` under the same request id: Triton 2.51
+        does not pass the cancellation of an ensemble request on to the model generating inside it.
+        """
+        finished = False
+        try:
+            async for response in self._generate(model, tensors, request_id, outputs):
+                yield response
+            finished = True
+        except APIError:
+            finished = True  # the server ended it
+            raise
+        finally:
+            if not finished and stopper is not None and request_id:
+                task = asyncio.ensure_future(self._stop(stopper, request_id))
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+
+    async def _stop(self, stopper: ModelInputs, request_id: str) -> None:
+        tensors = {"stop": stopper.array("stop", True)}
+        for name in ("input_ids", "input_lengths", "request_output_len"):
+            if name in stopper.inputs:
+                tensors[name] = stopper.array(name, 1)
+        try:
+            async for _ in self._generate(stopper, tensors, request_id, None):
+                pass
+        except Exception:  # noqa: BLE001 - the request may have ended meanwhile; nothing is left to stop
+            pass
+
+    async def _generate(self, model: ModelInputs, tensors: Mapping[str, np.ndarray], request_id: str,
+                        outputs: list[str] | None) -> AsyncIterator[dict[str, np.ndarray]]:
         if not model.decoupled:
             yield await self.infer(model, tensors, request_id, outputs)
             return
@@ -98,7 +138,7 @@ class Triton:
 
         responses = self.client.stream_infer(one_request())
         try:
-            async for result, error in responses:
+            async for result, error in _mapped(responses, model.name, self._grpc_error):
                 if error is not None:
                     raise api_error(error, model.name)
                 response = result.get_response()
@@ -111,6 +151,15 @@ class Triton:
                     return
         finally:
             responses.cancel()
+
+
+async def _mapped(responses, model: str, grpc_error):
+    """The stream's (result, error) pairs; a failed call (no server, connection lost) as an APIError."""
+    try:
+        async for pair in responses:
+            yield pair
+    except grpc_error as exc:
+        raise api_error(exc, model) from None
 
 
 def strings(value: Any) -> list[str]:

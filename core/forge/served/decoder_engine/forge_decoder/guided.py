@@ -154,7 +154,8 @@ def _compile(compiler, guide: Guide):
             raise RequestError(f"guided_decoding_guide is not valid JSON, so not a json_schema: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError("guided_decoding_guide is not a JSON schema (a schema is a JSON object)")
-        return compiler.compile_json_schema(guide.text)
+        # compact JSON: a model free to add whitespace between tokens can fill max_tokens with it
+        return compiler.compile_json_schema(guide.text, any_whitespace=False)
     if guide.kind == "regex":
         return compiler.compile_regex(guide.text)
     if guide.kind == "ebnf_grammar":

