@@ -238,3 +238,36 @@ def forge_cli(*argv: str) -> int:
     from forge.cli import main
 
     return main(list(argv))
+
+
+def test_openai_chat_answers_an_image_url_as_the_generate_endpoint_does(llava_server, served_repo):
+    """A data: URL image part: the placeholder goes where the part is, the answer equals generate's; an http URL
+    and bytes that are not an image are refused with 400 naming why."""
+    openai = pytest.importorskip("openai")
+    from forge.serving.openai import OpenAIServer
+
+    front = OpenAIServer(served_repo, llava_server.grpc_url, port=0).start()
+    try:
+        api = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0, timeout=300)
+        image = png(1)
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "What is this?"}]}]
+        answer = api.chat.completions.create(model=served_repo.name, messages=messages, max_tokens=NEW_TOKENS,
+                                             temperature=0)
+        expected = _text(_client(llava_server).infer("ensemble", _inputs(PROMPT, image)))
+        assert answer.choices[0].message.content == expected.removeprefix(PROMPT)
+        assert answer.usage.prompt_tokens > _visual_prompt_floor()
+        for bad, words in (("https://example.com/cat.png", "fetches nothing"),
+                           ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not a decodable")):
+            broken = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad}},
+                                                   {"type": "text", "text": "What is this?"}]}]
+            with pytest.raises(openai.BadRequestError, match=words):
+                api.chat.completions.create(model=served_repo.name, messages=broken, max_tokens=2)
+    finally:
+        front.stop()
+
+
+def _visual_prompt_floor() -> int:
+    """More prompt tokens than the text alone: the image's rows of the prompt table count too."""
+    return len(PROMPT.split())

@@ -132,3 +132,35 @@ def test_bad_inputs_get_errors_and_the_server_keeps_serving(minilm_server, refer
         client.infer("minilm_encoder", [out_of_vocab, mask])
     assert client.is_server_live() and client.is_model_ready("ensemble")
     assert cosine(infer(client, "ensemble", "text_input", ["still here"]), reference(["still here"]))[0] >= 0.999
+
+
+def test_openai_embeddings_equal_sentence_transformers(minilm_server, reference):
+    """POST /v1/embeddings through the real openai client: float and base64, one text and a list; dimensions
+    other than the model's refused with 400; token-id input refused."""
+    openai = pytest.importorskip("openai")
+    from forge.serving.openai import OpenAIServer
+
+    repo, server, _ = minilm_server
+    front = OpenAIServer(repo, server.grpc_url, port=0).start()
+    try:
+        api = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0)
+        assert [m.id for m in api.models.list().data] == [repo.name]
+        texts = [t for t in TEXTS if t]
+        answer = api.embeddings.create(model=repo.name, input=texts, encoding_format="float")
+        vectors = np.array([d.embedding for d in answer.data], dtype=np.float32)
+        assert [d.index for d in answer.data] == list(range(len(texts))) and vectors.shape == (len(texts), 384)
+        assert cosine(vectors, reference(texts)).min() >= 0.999
+        assert answer.usage.prompt_tokens > len(texts) and answer.usage.total_tokens == answer.usage.prompt_tokens
+        # the openai client asks for base64 by default and decodes it itself
+        (one,) = api.embeddings.create(model=repo.name, input=texts[0]).data
+        assert cosine(np.array([one.embedding]), reference(texts[:1])).min() >= 0.999
+        raw = api.embeddings.with_raw_response.create(model=repo.name, input="x", encoding_format="base64").parse()
+        assert isinstance(raw.data[0].embedding, (str, list))
+        with pytest.raises(openai.BadRequestError, match="384-dimensional"):
+            api.embeddings.create(model=repo.name, input="x", dimensions=128)
+        with pytest.raises(openai.BadRequestError, match="token ids"):
+            api.embeddings.create(model=repo.name, input=[[1, 2, 3]])
+        with pytest.raises(openai.BadRequestError, match="embedding model"):
+            api.chat.completions.create(model=repo.name, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        front.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -268,11 +269,39 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served, cli
     assert answer.choices[0].message.content and time.monotonic() - started < 60
 
 
-def test_forge_serve_starts_the_openai_api_by_default(served, tmp_path):
-    """The CLI: --json names the API and its model ids; --served-model-name renames the model."""
+def _stub_of(repo: Path, model: str) -> int | None:
+    """The pid of the python stub serving ``repo``/``model`` (found through /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(args) > 1 and args[0].endswith(b"triton_python_backend_stub") and \
+                args[1].decode(errors="replace").startswith(f"{repo}/{model}/"):
+            return int(entry.name)
+    return None
+
+
+def _ready(base: str) -> int:
+    try:
+        return urllib.request.urlopen(f"{base}/health/ready", timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tmp_path):
+    """The CLI: --json names the API and its model ids (--served-model-name renames the model); kill -9 of the
+    decoder's process → /health/ready answers 503, then 200 once tritonserver is back, and chat answers again."""
+    import shutil
+    import signal
+
     import openai
 
-    repo = served[0]
+    repo = shutil.copytree(served[0], tmp_path / "smol")
     serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo),
                               "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
                               "--served-model-name", "smol", "--json"],
@@ -283,10 +312,24 @@ def test_forge_serve_starts_the_openai_api_by_default(served, tmp_path):
             lines.append(serve.stdout.readline())
         info = json.loads("".join(lines))
         assert info["openai_models"] == ["smol"] and info["openai"].endswith("/v1")
+        base = info["openai"].removesuffix("/v1")
         api = openai.OpenAI(base_url=info["openai"], api_key="unused", max_retries=0, timeout=300)
         assert [m.id for m in api.models.list().data] == ["smol"]
         answer = api.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=6)
-        assert "Paris" in answer.choices[0].message.content
+        assert "Paris" in answer.choices[0].message.content and _ready(base) == 200
+
+        os.kill(_stub_of(repo.resolve(), "tensorrt_llm"), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _ready(base) == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ready(base) == 503
+        deadline = time.monotonic() + 300
+        while _ready(base) != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _ready(base) == 200
+        again = api.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=6)
+        assert again.choices[0].message.content == answer.choices[0].message.content
     finally:
         serve.terminate()
         assert serve.wait(60) == 0
+    assert "died; restarting tritonserver" in serve.stderr.read()

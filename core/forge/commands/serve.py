@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import ForgeError, ToolMissingError, UsageError
 
+RESTARTS, RESTART_WINDOW_S = 5, 600
 HELP = "serve a Triton model repository with a real tritonserver (local, or the NGC container with --docker)"
 
 
@@ -33,6 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm-size", default="2g", help="with --docker: shared memory size (default 2g)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for READY")
     p.add_argument("--json", action="store_true", help="print the endpoints as json when ready")
+    p.add_argument("--restart", choices=("on-failure", "never"), default="on-failure",
+                   help="when a model process dies: restart tritonserver (on-failure, the default: at most "
+                        f"{RESTARTS} times in {RESTART_WINDOW_S // 60} minutes, then exit non-zero) or exit "
+                        "non-zero at once (never)")
     p.add_argument("--openai-port", type=int, default=9000,
                    help="port of the OpenAI API (/v1; default 9000; 0: a free port, printed)")
     p.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI API")
@@ -69,6 +74,39 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop()
 
 
+def _supervise(server, policy: str, gave_up: list[str]):
+    """A supervisor of ``server``'s model processes: restart it when one dies (a bounded number of times)."""
+    import time
+
+    from ..serving.supervisor import Supervisor
+
+    restarts: list[float] = []
+
+    def on_dead(models: list[str]) -> None:
+        now = time.monotonic()
+        restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
+        names = ", ".join(repr(m) for m in models)
+        if policy == "never" or len(restarts) >= RESTARTS:
+            why = "--restart never" if policy == "never" else (
+                f"{RESTARTS} restarts within {RESTART_WINDOW_S // 60} minutes already")
+            gave_up.append(f"the process of model {names} died; not restarting ({why})")
+            print(f"forge: {gave_up[0]}", file=sys.stderr, flush=True)
+            server.stop(timeout=5)
+            return
+        restarts.append(now)
+        print(f"forge: the process of model {names} died; restarting tritonserver (requests in flight fail, "
+              "new ones are served once its models are READY)", file=sys.stderr, flush=True)
+        try:
+            server.restart(1.0)
+        except Exception as exc:  # noqa: BLE001 - reported; server.wait() then returns the failure
+            gave_up.append(f"tritonserver did not start again after model {names} died: {exc}")
+            print(f"forge: {gave_up[-1]}", file=sys.stderr, flush=True)
+            return
+        print(f"forge: model {names} back after {time.monotonic() - now:.1f} s", file=sys.stderr, flush=True)
+
+    return Supervisor(server, on_dead=on_dead)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..serving import launch
     from ..serving.server import TritonServer
@@ -87,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, log_file=args.log_file,
                           startup_timeout=args.startup_timeout, world=world)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
-    front = None
+    front = supervisor = None
+    gave_up: list[str] = []
     try:
         server.start()
+        supervisor = _supervise(server, args.restart, gave_up).start()
         models = [m for m in server.models() if m.get("state") == "READY"]
         info = {"http": f"http://{server.http_url}", "grpc": server.grpc_url, "metrics": server.metrics_url,
                 "log": str(server.log_file), "world_size": world.world_size,
@@ -122,11 +162,15 @@ def run(args: argparse.Namespace) -> int:
             print("press Ctrl-C to stop", flush=True)
         sys.stdout.flush()
         server.wait()
+        if gave_up:
+            raise ForgeError(gave_up[0], hint=f"full log: {server.log_file}")
         raise ForgeError(server.exit_message(), hint=f"full log: {server.log_file}")
     except (_Stop, KeyboardInterrupt):
         print("stopping tritonserver", file=sys.stderr)
         return 0
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         if front is not None:
             front.stop()
         server.stop()

@@ -17,7 +17,7 @@ from ...errors import UsageError
 from ..client import ModelInputs
 from ..lora import ServedAdapter, repository_adapters
 
-LLAVA_TURN = "USER: {user}\nASSISTANT:"  # LLaVA-1.5's conversation format, for tokenizers without a template
+LLAVA_TURN = "USER: {user} ASSISTANT:"  # LLaVA-1.5's conversation format, for tokenizers without a template
 
 
 @dataclass
@@ -37,6 +37,9 @@ class TextModel:
         """Tokens of ``text`` as the served preprocessing counts them."""
         from ...served import forge_text
 
+        if hasattr(self.tokenizer, "max_length"):  # an encoder's own tokenizer model (truncates as it does)
+            return int(self.tokenizer([text])["attention_mask"].sum()) if "attention_mask" in \
+                self.tokenizer.outputs else int(self.tokenizer([text])["input_ids"].shape[1])
         add = self.add_special_tokens if special is None else special
         return len(forge_text.token_ids(text, self.tokenizer, add))
 
@@ -103,6 +106,10 @@ def _tokenizer_of(model: str, configs) -> tuple[Any, bool, dict[str, str]]:
             continue
         _, params, directory, _ = configs[name]
         value = params.get("tokenizer_dir")
+        if params.get("max_length") and (directory / "1" / params.get("tokenizer_file", "tokenizer.json")).is_file():
+            from ...served.encoder import tokenizer as encoder_tokenizer  # an encoder tower's tokenizer model
+
+            return encoder_tokenizer.from_parameters(params, str(directory / "1")), True, params
         if not value or value.startswith("${"):
             continue
         path = forge_text.resolve_dir(value, str(directory), "1")
