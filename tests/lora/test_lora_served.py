@@ -176,3 +176,36 @@ def test_ensemble_and_bls_pass_the_lora_inputs(grpc):
     for task_id in (None, 1, 2):
         assert text("g_ensemble", task_id) == text("g_tensorrt_llm_bls", task_id)
     assert len({text("g_ensemble", t) for t in (None, 1, 2)}) == 3
+
+
+def test_each_adapter_is_an_openai_model_id(server, repos, models):
+    """The OpenAI API lists the repository and one id per adapter; each id answers as `forge infer --lora` (the
+    weights go along when the server does not hold the adapter: the cache here holds one at a time)."""
+    openai = pytest.importorskip("openai")
+    from transformers import AutoTokenizer
+
+    from forge.serving.openai import OpenAIServer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["llama"])
+    prompt = "abc"
+    ids = tokenizer(prompt)["input_ids"]
+    front = OpenAIServer(repos["llama"], server.grpc_url, port=0).start()
+    try:
+        api = openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in api.models.list().data] == [repos["llama"].name, "A", "B"]
+        assert api.models.retrieve("A").owned_by == "forge"
+        answers = {}
+        for name in ("A", "B", "A", None):
+            answer = api.completions.create(model=name or repos["llama"].name, prompt=prompt, temperature=0,
+                                            max_tokens=NEW_TOKENS)
+            model = peft_model(models["llama"], None if name is None else models[f"llama_{name}"])
+            expected = greedy(model, ids, NEW_TOKENS, eos=2)
+            whole = tokenizer.decode(ids + expected, skip_special_tokens=True)
+            shown = tokenizer.decode(ids, skip_special_tokens=True)  # v0.15.0 echoes the prompt: the API strips it
+            assert answer.choices[0].text.strip() == whole.removeprefix(shown).strip(), name
+            answers[name] = answer.choices[0].text
+        assert answers["A"] != answers["B"]
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            api.completions.create(model="C", prompt=prompt, max_tokens=2)
+    finally:
+        front.stop()

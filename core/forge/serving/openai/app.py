@@ -120,7 +120,7 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
         front.adapters_sent.add(adapter.task_id)
     if echoes:
         whole = "".join(texts)
-        texts = [whole[len(generation.prompt):] if whole.startswith(generation.prompt) else whole]
+        texts = [_without_prompt(whole, generation.prompt, model)]
         out = stop.feed(texts[0])
         if out:
             yield out
@@ -135,6 +135,20 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
         outcome.finish_reason = "stop"
     elif outcome.completion_tokens is not None and outcome.completion_tokens >= generation.max_tokens:
         outcome.finish_reason = "length"
+
+
+def _without_prompt(whole: str, prompt: str, model: TextModel) -> str:
+    """An echoing profile's answer without its prompt (as the postprocessing decoded it, or as sent)."""
+    shown = [prompt]
+    if model.tokenizer is not None and not hasattr(model.tokenizer, "max_length"):
+        from ...served import forge_text
+
+        ids = forge_text.token_ids(prompt, model.tokenizer, model.add_special_tokens)
+        shown.insert(0, forge_text.decode(model.tokenizer, ids, True))
+    for text in shown:
+        if whole.startswith(text):
+            return whole[len(text):]
+    return whole
 
 
 def usage(outcome: Outcome) -> dict[str, int] | None:
