@@ -7,7 +7,8 @@ Steps (each printed as the command a user would type):
   2. forge build --family llama --target python,
   3. forge serve (a real tritonserver, in the background of this script),
   4. forge infer with the model's chat template,
-  5. stop the server.
+  5. the same question through the OpenAI API that forge serve runs beside Triton's endpoints,
+  6. stop the server.
 Exit status 0 when the answer came back (and, for the default question, names Paris).
 """
 
@@ -44,18 +45,38 @@ def run(argv: list[str]) -> None:
         sys.exit(f"demo: the command above failed with status {status}")
 
 
-def wait_ready(server: subprocess.Popen, timeout: float) -> None:
-    """Echo forge serve's output until it prints its endpoints (or fails)."""
+def wait_ready(server: subprocess.Popen, timeout: float) -> list[str]:
+    """Echo forge serve's output until it prints its endpoints (or fails); the lines printed."""
     deadline = time.monotonic() + timeout
+    lines = []
     while time.monotonic() < deadline:
         line = server.stdout.readline()
         if not line:
             break
         print(f"  {line.rstrip()}", flush=True)
+        lines.append(line)
         if "Ctrl-C" in line:
-            return
+            return lines
     server.wait(5)
     sys.exit(f"demo: forge serve stopped before the model was ready:\n{server.stderr.read()}")
+
+
+def ask_openai(base_url: str, model: str, question: str, max_tokens: int) -> str:
+    """POST /v1/chat/completions, as any OpenAI client would (shown as the equivalent curl)."""
+    import json
+    import urllib.request
+
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0}
+    print(f"$ curl {base_url}/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'",
+          flush=True)
+    request = urllib.request.Request(f"{base_url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"].strip()
+    except OSError as exc:
+        sys.exit(f"demo: the OpenAI API did not answer: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
              "--dtype", "float32", "-o", "exclude_input_in_output=true", "--out", str(repo)])
 
         print("3. serve it with a real tritonserver", flush=True)
-        http, grpc, metrics = (free_port() for _ in range(3))
+        http, grpc, metrics, openai = (free_port() for _ in range(4))
         serve = [*forge, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
-                 "--metrics-port", str(metrics), "--startup-timeout", str(args.startup_timeout)]
+                 "--metrics-port", str(metrics), "--openai-port", str(openai),
+                 "--startup-timeout", str(args.startup_timeout)]
         show(serve)
         server = subprocess.Popen(serve, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   start_new_session=True)
@@ -102,15 +124,18 @@ def main(argv: list[str] | None = None) -> int:
                 sys.exit(f"demo: forge infer failed: {answer.stderr.strip()}")
             text = answer.stdout.strip()
             print(f"\nQ: {args.question}\nA: {text}\n", flush=True)
+            print("5. ask it through the OpenAI API (chat template applied on the server)", flush=True)
+            chat = ask_openai(f"http://127.0.0.1:{openai}/v1", repo.name, args.question, args.max_tokens)
+            print(f"\nQ: {args.question}\nA: {chat}\n", flush=True)
         finally:
-            print("5. stop the server", flush=True)
+            print("6. stop the server", flush=True)
             if server.poll() is None:
                 server.send_signal(signal.SIGTERM)
                 try:
                     server.wait(60)
                 except subprocess.TimeoutExpired:
                     os.killpg(server.pid, signal.SIGKILL)
-    if args.question == DEFAULT_QUESTION and "Paris" not in text:
+    if args.question == DEFAULT_QUESTION and not ("Paris" in text and "Paris" in chat):
         print("demo: the answer does not mention Paris", file=sys.stderr)
         return 1
     return 0

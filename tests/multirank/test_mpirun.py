@@ -28,7 +28,7 @@ class Serve:
         self.repo = repo
         self.process = subprocess.Popen(  # ports of 0: forge picks them (and picks again if one is taken first)
             [sys.executable, "-m", "forge", "serve", str(repo), "--json", "--log-file", str(log),
-             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             text = ""

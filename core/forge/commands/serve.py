@@ -137,10 +137,14 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_openai:
             from ..serving.openai import OpenAIServer
 
-            front = OpenAIServer(args.repo, server.grpc_url, host=args.host, port=args.openai_port,
-                                 served_model_name=args.served_model_name, api_key=api_key).start()
-            info["openai"] = front.url
-            info["openai_models"] = front.catalog.ids()
+            try:
+                front = OpenAIServer(args.repo, server.grpc_url, host=args.host, port=args.openai_port,
+                                     served_model_name=args.served_model_name, api_key=api_key).start()
+            except UsageError as exc:  # nothing it can serve here: Triton's endpoints still are
+                print(f"forge: the OpenAI API is off: {exc}", file=sys.stderr, flush=True)
+            else:
+                info["openai"] = front.url
+                info["openai_models"] = front.catalog.ids()
         if args.json:
             emit_json(info)
         else:
