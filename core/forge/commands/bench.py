@@ -1,7 +1,8 @@
 """forge bench: load served decoders and report req/s, generated tokens/s and latency percentiles.
 
 One target (a repository, served for the run, or a running server) gives one summary, as
-``benchmark_core_model.py`` does. ``--compare`` runs the same workload against several targets, one
+``benchmark_core_model.py`` does; ``--api openai --url …/v1`` loads any OpenAI-compatible server instead
+(forge serve's front or another server), with the same workloads, loads and summary. ``--compare`` runs the same workload against several targets, one
 server at a time, and prints them side by side with ratios to a baseline; ``--sweep`` repeats it over
 concurrency levels or request rates and plots throughput against latency (PNG, one line per target).
 
@@ -26,6 +27,7 @@ HELP = ("benchmark repositories (served for the run) or running servers: req/s, 
         "percentiles; --compare several side by side, --sweep loads into a plot")
 
 WORKLOADS = ("token-norm-dist", "dataset", "prompts")  # = serving.bench.WORKLOADS (kept import-free here)
+ENDPOINTS = ("chat", "completions")  # = serving.openai_load.ENDPOINTS
 _SWEEP_VALUE = re.compile(r"^(?:(?:concurrency|rate|request-rate)[=:])?[0-9.]+(?:,[0-9.]+)*$")
 _URL = re.compile(r"^(?:(?:grpc|http|https)://)?[A-Za-z0-9_.\-\[\]:]+:[0-9]+/?$")
 
@@ -42,7 +44,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the first)")
     p.add_argument("--model", default=None,
                    help="model to load (default: the ensemble, or the repository's only text model; "
-                        "tensorrt_llm for token-norm-dist against a single target)")
+                        "tensorrt_llm for token-norm-dist against a single target; with --api openai: the "
+                        "server's only model id)")
+    p.add_argument("--api", choices=("triton", "openai"), default="triton",
+                   help="a Triton server or repository (default), or any OpenAI-compatible server at --url")
+    p.add_argument("--url", default=None, metavar="URL",
+                   help="--api openai: the server's base URL, ending /v1 (e.g. http://127.0.0.1:9000/v1)")
+    p.add_argument("--endpoint", choices=ENDPOINTS, default=None,
+                   help="--api openai: /v1/chat/completions (default; the prompt as one user message) or "
+                        "/v1/completions (the prompt as is)")
+    p.add_argument("--api-key", default=None,
+                   help="--api openai: sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", default=None, metavar="N[,N…]",
                       help="closed loop: N requests in flight (a list sweeps)")
@@ -186,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     if workload == "token-norm-dist" and args.workload is None:
         args.num_requests, args.input_mean, args.input_stdev = 32, 128, 0
         args.output_mean, args.output_stdev, args.seed = 20, 0, 0
+    if args.api == "openai":
+        return _run_openai(args, workload)
+    for flag, value in (("--url", args.url), ("--endpoint", args.endpoint), ("--api-key", args.api_key)):
+        if value is not None:
+            raise UsageError(f"{flag} is for --api openai; a Triton target is a REPO-or-URL",
+                             hint=f"add --api openai, or drop {flag}")
     if len(args.target) > 1:
         raise UsageError(f"one REPO-or-URL, not {len(args.target)}; to measure several use --compare "
                          f"{' '.join(args.target)}")
@@ -297,6 +315,82 @@ def run(args: argparse.Namespace) -> int:
                 print(f"first error ({row['target']}, {row['load']}): {row['first_error']}")
         if plot_path is not None:
             print(f"plot: {plot_path}")
+    return 0 if failed == 0 else 1
+
+
+def _run_openai(args: argparse.Namespace, workload: str) -> int:
+    """``--api openai``: the same workloads, loads and summary against an OpenAI-compatible server."""
+    from ..serving import bench, openai_load
+    from ..ui import Progress, emit_json
+
+    if args.target or args.compare:
+        given = " ".join(args.target + args.compare)
+        raise UsageError(f"--api openai loads the server at --url, not {given}",
+                         hint="pass --url http://HOST:PORT/v1 (and --model ID) instead")
+    for flag, value in (("--protocol", args.protocol), ("--lora", args.lora), ("--image", args.image),
+                        ("--lora-repo", args.lora_repo), ("--vocab-size", args.vocab_size)):
+        if value:
+            raise UsageError(f"{flag} is for Triton targets; drop it with --api openai")
+    if args.warmup < 0 or args.timeout <= 0:
+        raise UsageError("--warmup must be 0 or more and --timeout positive")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot {args.plot} must name a .png file")
+    openai_load.check_url(args.url)
+    load_points = loads(args)
+    sweeping = len(load_points) > 1 or args.sweep is not None
+    endpoint_name = args.endpoint or "chat"
+    templated = getattr(args, "chat_template", False)
+    if templated and endpoint_name == "chat":
+        raise UsageError("the chat endpoint applies the server's chat template; drop --chat-template",
+                         hint="or template on this side with --endpoint completions --chat-template")
+    where = args.tokenizer or getattr(args, "tokenizer_dir", None)
+    tokenizer = Tokenizers().get(where) if where else None
+    if workload == "token-norm-dist" and tokenizer is None:
+        raise UsageError("token-norm-dist over --api openai needs --tokenizer DIR to write prompts of the drawn "
+                         "token lengths", hint="pass the model's tokenizer directory, or use the prompts or "
+                                               "dataset workload")
+    target = openai_load.resolve(args.url, args.model, endpoint=args.endpoint, key=args.api_key, stream=args.stream)
+    if tokenizer is not None:
+        target.count_text = lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+    items = workload_items(args, workload, [Source("", target.url, None, target.url, target.model)], tokenizer)
+    if templated:
+        chat(items, tokenizer, where)
+    progress = Progress() if sweeping else None
+    rows = openai_load.measure(target, items, load_points, warmup=args.warmup, timeout_s=args.timeout,
+                               progress=progress)
+    notes = openai_load.notes(target, rows)
+    failed = sum(row["errors"] for row in rows)
+    path = "/chat/completions" if target.endpoint == "chat" else "/completions"
+    facts = {"api": "openai", "url": target.url, "endpoint": target.endpoint, "model": target.model,
+             "stream": args.stream}
+    if not sweeping and args.plot is None:
+        summary = {k: v for k, v in rows[0].items() if k not in ("target", "load", "concurrency", "request_rate",
+                                                                 "arrivals")}
+        summary.update({**facts, "workload": workload, "mode": load_points[0].legacy_mode, "notes": notes})
+        if args.json:
+            emit_json(summary)
+            return 0 if failed == 0 else 1
+        print(bench.format_table([summary], label="mode"))
+        counted = "uncounted" if summary["output_tokens"] is None else summary["output_tokens"]
+        print(f"{summary['succeeded']}/{summary['requests']} requests in {summary['wall_s']:.2f}s, {counted} output "
+              f"tokens ({target.model} at {target.url}{path}, {workload})")
+    else:
+        title = (f"forge bench: {workload}, {len(items)} requests per load, OpenAI {target.url}{path}"
+                 f"{', streaming' if args.stream else ''}")
+        plot_path = args.plot or Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
+        plot_path = bench.plot(rows, plot_path.absolute(), title=title, targets=[target.label])
+        if args.json:
+            emit_json({**facts, "workload": _workload_facts(args, workload, len(items)),
+                       "arrivals": load_points[0].arrivals, "runs": rows, "notes": notes, "plot": str(plot_path)})
+            return 0 if failed == 0 else 1
+        print(title)
+        print(bench.compare_table(rows, streaming=args.stream))
+        print(f"plot: {plot_path}")
+    for note in notes:
+        print(f"note: {note}")
+    for row in rows:
+        if row["first_error"]:
+            print(f"first error ({row['load']}): {row['first_error']}")
     return 0 if failed == 0 else 1
 
 

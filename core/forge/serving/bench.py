@@ -57,7 +57,7 @@ class Sample:
     done: float = 0.0
     first: float | None = None  # first response carrying output (streaming)
     last: float | None = None  # last response carrying output (streaming)
-    output_tokens: int = 0
+    output_tokens: int | None = 0  # None: not counted (an OpenAI server without usage, no tokenizer)
     output_text: str | None = None  # text models: counted with the tokenizer after the run
     error: str | None = None
 
@@ -395,9 +395,10 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     ok = [s for s in samples if s.error is None]
     errors = [s.error for s in samples if s.error is not None]
     wall_s = max(wall_s, 1e-9)
-    tokens = sum(s.output_tokens for s in ok)
+    counted = [s.output_tokens for s in ok]
+    tokens = None if None in counted else sum(counted)  # an uncounted request leaves the total unmeasured, not 0
     gaps = [(s.last - s.first) / (s.output_tokens - 1) for s in ok
-            if s.first is not None and s.last is not None and s.output_tokens > 1]
+            if s.first is not None and s.last is not None and (s.output_tokens or 0) > 1]
     return {
         "requests": len(samples),
         "succeeded": len(ok),
@@ -405,7 +406,7 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
         "first_error": errors[0] if errors else None,
         "wall_s": round(wall_s, 3),
         "req_per_s": round(len(ok) / wall_s, 3),
-        "tokens_per_s": round(tokens / wall_s, 2),
+        "tokens_per_s": None if tokens is None else round(tokens / wall_s, 2),
         "output_tokens": tokens,
         "latency_ms": _percentiles([s.done - s.sent for s in ok]),
         "first_token_ms": _percentiles([s.first - s.sent for s in ok if s.first is not None]),
@@ -419,7 +420,8 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
     for row in rows:
         ref = base.get(row["load"])
         for key in ("req_per_s", "tokens_per_s"):
-            row[f"{key}_ratio"] = round(row[key] / ref[key], 3) if ref and ref[key] > 0 else None
+            row[f"{key}_ratio"] = (round(row[key] / ref[key], 3) if ref and ref[key] and row[key] is not None
+                                   else None)
 
 
 # -- reports ---------------------------------------------------------------------------------------
@@ -436,7 +438,7 @@ def format_table(rows: list[dict[str, Any]], label: str = "run") -> str:
     lines = []
     for row in rows:
         lat, first = row.get("latency_ms") or {}, row.get("first_token_ms") or {}
-        lines.append([str(row.get(label, "")), f"{row['req_per_s']:.2f}", f"{row['tokens_per_s']:.1f}",
+        lines.append([str(row.get(label, "")), f"{row['req_per_s']:.2f}", _rate(row["tokens_per_s"]),
                       _ms(lat.get("p50")), _ms(lat.get("p90")), _ms(lat.get("p99")), _ms(first.get("p50")),
                       _ms(first.get("p99")), str(row["errors"])])
     return _render(head, lines)
@@ -450,7 +452,7 @@ def compare_table(rows: list[dict[str, Any]], *, streaming: bool) -> str:
     head += ["errors", "× req/s", "× tok/s"]
     lines = []
     for row in rows:
-        line = [row["target"], row["load"], f"{row['req_per_s']:.2f}", f"{row['tokens_per_s']:.1f}",
+        line = [row["target"], row["load"], f"{row['req_per_s']:.2f}", _rate(row["tokens_per_s"]),
                 *_triple(row.get("latency_ms"))]
         if streaming:
             line += [*_triple(row.get("first_token_ms")), *_triple(row.get("inter_token_ms"))]
@@ -463,6 +465,10 @@ def compare_table(rows: list[dict[str, Any]], *, streaming: bool) -> str:
 def _triple(stats: dict[str, float] | None) -> list[str]:
     stats = stats or {}
     return [_ms(stats.get("p50")), _ms(stats.get("p90")), _ms(stats.get("p99"))]
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _ratio(value: float | None) -> str:
@@ -490,7 +496,7 @@ def plot(rows: list[dict[str, Any]], path: Path, *, title: str, targets: Sequenc
     figure, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False)
     for ax, (key, ylabel) in zip(axes[0], panels):
         for index, name in enumerate(targets):
-            points = [r for r in rows if r["target"] == name and r.get(key)]
+            points = [r for r in rows if r["target"] == name and r.get(key) and r["tokens_per_s"] is not None]
             if not points:
                 continue
             color = f"C{index % 10}"
