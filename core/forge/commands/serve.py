@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="when a model process dies: restart tritonserver (on-failure, the default: at most "
                         f"{RESTARTS} times in {RESTART_WINDOW_S // 60} minutes, then exit non-zero) or exit "
                         "non-zero at once (never)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C: take no new requests and let those in flight finish for up to S "
+                        "seconds, then stop (default 30; a second signal stops at once)")
     p.add_argument("--openai-port", type=int, default=9000,
                    help="port of the OpenAI API (/v1; default 9000; 0: a free port, printed)")
     p.add_argument("--no-openai", action="store_true", help="do not serve the OpenAI API")
@@ -107,6 +110,50 @@ def _supervise(server, policy: str, gave_up: list[str]):
     return Supervisor(server, on_dead=on_dead)
 
 
+def _drain(server, front, supervisor, timeout: float) -> int:
+    """Stop gracefully: no new requests, those in flight finish (up to ``timeout`` s), then every process stops.
+
+    The OpenAI API answers new requests 503 (Retry-After) and /health/ready 503 at once; tritonserver
+    refuses new HTTP connections (see ``TritonServer.stop_accepting``). When the API's requests (streams
+    to their last event) are done and the server's queues empty, or at the deadline, the API stops and
+    tritonserver goes on to finish its HTTP requests and unload. 0 after a clean drain, 1 when requests
+    were cut.
+    """
+    import time
+
+    started = time.monotonic()
+    deadline = started + timeout
+    print(f"forge: draining: no new requests; those in flight have up to {timeout:g} s to finish "
+          "(a second signal stops at once)", file=sys.stderr, flush=True)
+    if supervisor is not None:
+        supervisor.stop()
+    if front is not None:
+        front.front.draining = True  # the API refuses at once, before tritonserver does
+    server.stop_accepting()
+    left = front.drain(deadline - time.monotonic()) if front is not None else 0
+    quiet = 0  # consecutive polls that found the queues empty
+    while not left and quiet < 2:
+        count = server.in_flight()
+        quiet = quiet + 1 if not count else 0
+        if time.monotonic() >= deadline:
+            left = count or 0
+            break
+        time.sleep(0.2)
+    if front is not None:
+        front.stop()
+    server.stop(timeout=max(deadline - time.monotonic(), 0.0) + 15)
+    status = server.process.returncode if server.process is not None else 0
+    took = time.monotonic() - started
+    if left or status:
+        why = f"{left} request(s) still in flight after --drain-timeout {timeout:g} s" if left else (
+            f"tritonserver exited with status {status}")
+        print(f"forge: error: the drain was not clean: {why}; stopped after {took:.1f} s", file=sys.stderr,
+              flush=True)
+        return 1
+    print(f"forge: drained and stopped in {took:.1f} s", file=sys.stderr, flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from ..serving import launch
     from ..serving.server import TritonServer
@@ -121,9 +168,13 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else (os.environ.get("FORGE_API_KEY") or None)
     if not args.no_openai and not 0 <= args.openai_port <= 65535:
         raise UsageError(f"--openai-port {args.openai_port} is not a port (0-65535)")
+    if not args.drain_timeout >= 0:
+        raise UsageError(f"--drain-timeout {args.drain_timeout:g} is negative")
+    # tritonserver's own wait covers the drain and then its unloading (python models take seconds)
     server = TritonServer(args.repo, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, log_file=args.log_file,
-                          startup_timeout=args.startup_timeout, world=world)
+                          startup_timeout=args.startup_timeout, world=world,
+                          exit_timeout=int(args.drain_timeout) + 10)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     front = supervisor = None
     gave_up: list[str] = []
@@ -170,8 +221,15 @@ def run(args: argparse.Namespace) -> int:
             raise ForgeError(gave_up[0], hint=f"full log: {server.log_file}")
         raise ForgeError(server.exit_message(), hint=f"full log: {server.log_file}")
     except (_Stop, KeyboardInterrupt):
-        print("stopping tritonserver", file=sys.stderr)
-        return 0
+        if server.process is None or server.process.poll() is not None:
+            print("stopping tritonserver", file=sys.stderr)
+            return 0
+        try:
+            return _drain(server, front, supervisor, args.drain_timeout)
+        except (_Stop, KeyboardInterrupt):
+            print("forge: error: stopped at once (a second signal during the drain)", file=sys.stderr, flush=True)
+            server.stop(timeout=5)
+            return 1
     finally:
         if supervisor is not None:
             supervisor.stop()

@@ -273,10 +273,12 @@ class TritonServer:
     shm_prefix: str = ""
     world: launch.Layout | None = None  # several ranks: one tritonserver (or follower) per rank under mpirun
     rendezvous_port: int = 0  # where the followers of a tensor-parallel python model meet rank 0 (0: a free port)
+    exit_timeout: int = 10  # --exit-timeout-secs: how long a stopped tritonserver waits for requests in flight
     process: subprocess.Popen | None = None
     _stopping: bool = field(default=False, init=False, repr=False)
     _shm_used: str = field(default="", init=False, repr=False)  # the shm-region prefix of the running server
     _restart_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _guard: socket.socket | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def http_url(self) -> str:
@@ -309,7 +311,7 @@ class TritonServer:
                 str(tritonserver_binary()), repo, self.world, host=self.host, http_port=self.http_port,
                 grpc_port=self.grpc_port, metrics_port=self.metrics_port, shm_prefix=prefix,
                 extra=[f"--backend-directory={backend_directory()}", "--exit-on-error=true",
-                       "--strict-readiness=true", "--exit-timeout-secs=10", *self.extra_args],
+                       "--strict-readiness=true", f"--exit-timeout-secs={self.exit_timeout}", *self.extra_args],
                 mpirun=launch.find_mpirun() or "mpirun", python=sys.executable,
                 options=["--oversubscribe", "--bind-to", "none", "--noprefix"],
                 rendezvous=(self._client_host, self.rendezvous_port))
@@ -319,7 +321,7 @@ class TritonServer:
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 "--allow-metrics=true", "--exit-on-error=true", "--strict-readiness=true",
-                "--exit-timeout-secs=10",
+                f"--exit-timeout-secs={self.exit_timeout}",
                 f"--backend-config=python,shm-region-prefix-name={prefix}",
                 *self.extra_args]
 
@@ -498,16 +500,68 @@ class TritonServer:
         lines = [l for l in text.splitlines() if l.strip()]
         return lines[-1][:500] if lines else "no output"
 
+    def stop_accepting(self) -> bool:
+        """Begin a graceful stop: new HTTP connections are refused, requests in flight go on (one rank only).
+
+        tritonserver 2.51 on SIGINT first closes its HTTP listener and waits (up to --exit-timeout-secs)
+        for its open HTTP connections to end while serving everything (gRPC keeps taking new requests);
+        then it stops every model's scheduler, which refuses the next step of an ensemble in flight ("Server
+        is stopping, scheduler for model has stopped accepting new inference requests": a decoupled
+        stream stalls until the exit timeout). One HTTP connection held open here keeps it in the first
+        phase until ``stop`` closes it (after the OpenAI API's requests finished): HTTP requests in flight
+        finish, gRPC requests sent straight to Triton may not. Several ranks: mpirun ends the ranks on a
+        signal, so nothing is done here (``stop`` still signals it).
+        """
+        if self.process is None or self.process.poll() is not None or self._guard is not None or (
+                self.world is not None and self.world.world_size > 1):
+            return False
+        self._stopping = True
+        try:  # a request answered on it: tritonserver has accepted (and counts) the connection
+            guard = socket.create_connection((self._client_host, self.http_port), timeout=5)
+            guard.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: forge\r\n\r\n")
+            guard.recv(4096)
+        except OSError:
+            return False
+        self._guard = guard
+        self.process.send_signal(signal.SIGINT)
+        return True
+
+    def in_flight(self) -> int | None:
+        """Requests waiting in the server's queues (None: unknown).
+
+        Not the generations running: forge decoders' ``forge_decoder_sequences`` gauge would say, but it
+        stays above 0 after several sequences finish in one engine step (it is set to ``busy - 1`` on
+        each), so a drain that waited for it would run to its timeout.
+        """
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
+                text = response.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return None
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("nv_inference_pending_request_count{"):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError):
+                    pass
+        return int(total)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the server and every process it started (python stubs, MPI ranks)."""
         try:
             if self.process is None:
                 return
             self._stopping = True
+            signalled = self._guard is not None  # by stop_accepting: closing the guard lets it go on to unload
+            if signalled:
+                self._guard.close()
+                self._guard = None
             if self.process.poll() is None:
                 # Signal the server alone: it unloads models and stops its stubs itself; signalling
                 # the whole group first kills the stubs under it and leaves the server waiting.
-                self.process.send_signal(signal.SIGINT)
+                if not signalled:
+                    self.process.send_signal(signal.SIGINT)
                 try:
                     self.process.wait(timeout)
                 except subprocess.TimeoutExpired:

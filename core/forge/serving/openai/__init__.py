@@ -28,6 +28,7 @@ class OpenAIServer:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.catalog = None
+        self.front = None
         self._server = None
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None
@@ -60,7 +61,8 @@ class OpenAIServer:
 
         self.catalog = catalog_mod.load(self.repo, self.served_model_name)
         self._socket = self._bind()
-        app = create_app(Front(self.catalog, self.grpc_url, self.api_key))
+        self.front = Front(self.catalog, self.grpc_url, self.api_key)
+        app = create_app(self.front)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
@@ -74,6 +76,16 @@ class OpenAIServer:
                 raise ForgeError(f"the OpenAI API did not start on {self.host}:{self.port}")
             time.sleep(0.02)
         return self
+
+    def drain(self, timeout: float) -> int:
+        """Take no new requests (503 with Retry-After, /health/ready 503) and wait up to ``timeout`` s for
+        those in flight (streams to their end); how many are still in flight (0: drained)."""
+        if self.front is None:
+            return 0
+        self.front.draining = True
+        time.sleep(0.05)  # a request that passed the check just before counts itself in by now
+        self.front.idle.wait(max(timeout, 0.0))
+        return self.front.in_flight
 
     def stop(self) -> None:
         if self._server is not None:

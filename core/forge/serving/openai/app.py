@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import secrets
+import threading
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -36,6 +37,10 @@ class Front:
         self.api_key = api_key
         self.triton: Triton | None = None
         self.adapters_sent: set[int] = set()
+        self.draining = False  # forge serve is stopping: new API requests get 503, those in flight go on
+        self.in_flight = 0  # API requests whose response (a stream: its last event) is not sent yet
+        self.idle = threading.Event()
+        self.idle.set()
 
     def models_behind(self) -> list[str]:
         names = []
@@ -195,6 +200,32 @@ def sse(events: AsyncIterator[dict[str, Any]]):
 
 # -- the application ---------------------------------------------------------------------------------
 
+class Draining:
+    """ASGI middleware: counts the API requests in flight on ``front`` until their response is sent whole
+    (a stream to its ``[DONE]``); once ``front.draining``, new ones get 503 with ``Retry-After``."""
+
+    def __init__(self, app, front: Front):
+        self.app = app
+        self.front = front
+
+    async def __call__(self, scope, receive, send):
+        front = self.front
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if front.draining:
+            error = APIError(503, "the server is shutting down: it finishes the requests in flight and takes no "
+                                  "new ones", code="server_shutting_down", headers={"Retry-After": "5"})
+            return await JSONResponse(error.body(), 503, headers=error.headers)(scope, receive, send)
+        front.in_flight += 1  # on the event loop's thread only; forge serve's thread reads ``idle``
+        front.idle.clear()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            front.in_flight -= 1
+            if not front.in_flight:
+                front.idle.set()
+
+
 def create_app(front: Front) -> FastAPI:
     """The FastAPI application of ``front``."""
     from contextlib import asynccontextmanager
@@ -206,6 +237,7 @@ def create_app(front: Front) -> FastAPI:
         await front.triton.close()
 
     app = FastAPI(title="forge OpenAI API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Draining, front=front)
     catalog = front.catalog
 
     @app.exception_handler(APIError)
@@ -247,11 +279,15 @@ def create_app(front: Front) -> FastAPI:
 
     @app.get("/health/live")
     async def live():
+        if front.draining:
+            return JSONResponse({"status": "draining"}, 200)
         ok, reason = await front.triton.ready([])
         return JSONResponse({"status": "live" if ok else reason}, 200 if ok else 503)
 
     @app.get("/health/ready")
     async def ready():
+        if front.draining:
+            return JSONResponse({"status": "draining: the server is shutting down"}, 503, headers={"Retry-After": "5"})
         ok, reason = await front.triton.ready(front.models_behind())
         return JSONResponse({"status": "ready" if ok else reason}, 200 if ok else 503)
 

@@ -1,0 +1,143 @@
+"""SIGTERM drains forge serve (issue 33): requests in flight finish, new ones are refused, exit status 0.
+
+A real tritonserver on CPU serving a tiny random GPT-2 built with ``--decoupled`` (streaming) and a long
+sequence limit, so that a greedy stream of ~900 tokens lasts seconds. ``forge serve`` gets SIGTERM while an
+OpenAI chat stream and a stream straight to Triton's HTTP ``generate_stream`` are in flight.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from serve_models import make_gpt2
+
+MAX_TOKENS = 900
+
+
+@pytest.fixture(scope="module")
+def long_repo(tmp_path_factory) -> Path:
+    """A decoupled build whose streams may run to 1000 tokens (a chat template added to the tokenizer)."""
+    from forge.cli import main
+
+    root = tmp_path_factory.mktemp("drain")
+    model = make_gpt2(root / "gpt2", n_positions=1024)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out = root / "repo"
+    argv = ["build", "--family", "gpt", "--model", str(model), "--dtype", "float32", "--out", str(out),
+            "-o", "compute_dtype=float32", "--target", "python", "--decoupled", "--max-input-len", "64",
+            "--max-seq-len", "1024", "--max-batch-size", "4"]
+    assert main(argv) == 0
+    return out
+
+
+class Stream:
+    """One streamed POST read line by line on a thread: the ``data:`` events and when the last one came."""
+
+    def __init__(self, url: str, body: dict):
+        self.url, self.body = url, body
+        self.events: list[str] = []
+        self.ended: float | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        request = urllib.request.Request(self.url, data=json.dumps(self.body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                for line in response:
+                    line = line.decode().strip()
+                    if line.startswith("data:"):
+                        self.events.append(line[5:].strip())
+        except Exception as exc:  # noqa: BLE001 - reported by the assertions
+            self.error = f"{type(exc).__name__}: {exc}"
+        self.ended = time.monotonic()
+
+    def wait_started(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < 3 and self.ended is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(self.events) >= 3 and self.ended is None, (self.events[:3], self.error)
+
+
+def _status(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(long_repo):
+    serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(long_repo),
+                              "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
+                              "--drain-timeout", "20", "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        text = ""
+        for line in serve.stdout:
+            text += line
+            if line.rstrip() == "}":
+                break
+        assert text, serve.stderr.read()
+        info = json.loads(text)
+        base = info["openai"].removesuffix("/v1")
+        model = info["openai_models"][0]
+        chat_body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "temperature": 0,
+                     "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
+        chat = Stream(f"{base}/v1/chat/completions", chat_body)
+        triton = Stream(f"{info['http']}/v2/models/ensemble/generate_stream",
+                        {"text_input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True})
+        chat.wait_started()
+        triton.wait_started()
+
+        serve.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        status, headers, error = _status(f"{base}/v1/chat/completions", {**chat_body, "stream": False})
+        refused = time.monotonic()
+        assert status == 503 and headers.get("retry-after") == "5", (status, error)
+        assert error["error"]["code"] == "server_shutting_down"
+        assert _status(f"{base}/health/ready")[0] == 503
+        # tritonserver's HTTP port takes no new request either (it closes new connections unanswered)
+        host, port = info["http"].removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=10)
+        with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
+            connection.request("GET", "/v2/health/ready")
+            connection.getresponse()
+        connection.close()
+
+        chat.thread.join(60)
+        triton.thread.join(60)
+        assert chat.error is None and triton.error is None, (chat.error, triton.error)
+        assert chat.ended > refused, "the chat stream ended before the drain was tested"
+        assert chat.events[-1] == "[DONE]"
+        last_chunk, usage = json.loads(chat.events[-3]), json.loads(chat.events[-2])
+        assert last_chunk["choices"][0]["finish_reason"] == "length"
+        assert usage["usage"]["completion_tokens"] == MAX_TOKENS
+        assert json.loads(triton.events[-1])["num_output_tokens"] == MAX_TOKENS
+        status = serve.wait(60)
+        stderr = serve.stderr.read()
+        assert status == 0 and "drained and stopped" in stderr, stderr
+        print(f"the chat stream ended {chat.ended - refused:.1f} s after a new request was refused; {stderr}")
+    finally:
+        if serve.poll() is None:
+            import os
+
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
