@@ -43,12 +43,12 @@ def endpoint_file(path: str) -> str:
     return os.path.abspath(path).rstrip("/") + ".endpoint.json"
 
 
-def _client(uri: str, token: str | None = None):
+def _client(uri: str, token: str | None = None, dedicated: bool = False):
     from pymilvus import MilvusClient
     from pymilvus.exceptions import MilvusException
 
     try:
-        return MilvusClient(uri=uri, token=token or "", timeout=CONNECT_TIMEOUT_S)
+        return MilvusClient(uri=uri, token=token or "", timeout=CONNECT_TIMEOUT_S, dedicated=dedicated)
     except MilvusException as exc:
         refused = _refused_credentials(exc)
         if refused:
@@ -89,11 +89,11 @@ def _shared_port(path: str) -> int | None:
     return int(data["port"]) if _pid_alive(int(data.get("pid", 0))) else None
 
 
-def _open_lite(path: str):
+def _open_lite(path: str, dedicated: bool = False):
     path = os.path.abspath(path).rstrip("/")
     with _lock:
         if path in _owned:
-            return _client(f"http://127.0.0.1:{_owned[path][2]}")
+            return _client(f"http://127.0.0.1:{_owned[path][2]}", dedicated=dedicated)
         try:
             from milvus_lite.adapter.grpc.server import start_server_in_thread
             from milvus_lite.exceptions import DataDirLockedError
@@ -112,7 +112,7 @@ def _open_lite(path: str):
                     f"the Milvus Lite store {path} is open in another process that shares no endpoint "
                     "(a program other than forge); stop it, or serve the store with "
                     f"'milvus-lite server --data-dir {path}' and use --store http://127.0.0.1:19530") from None
-            return _client(f"http://127.0.0.1:{port}")
+            return _client(f"http://127.0.0.1:{port}", dedicated=dedicated)
         except OSError as exc:
             raise StoreUnavailable(f"cannot open the Milvus Lite store {path}: {exc}") from None
         _owned[path] = (server, engine, port)
@@ -120,14 +120,28 @@ def _open_lite(path: str):
         with open(tmp, "w") as handle:
             json.dump({"pid": os.getpid(), "port": port}, handle)
         os.replace(tmp, endpoint_file(path))
-    return _client(f"http://127.0.0.1:{port}")
+    return _client(f"http://127.0.0.1:{port}", dedicated=dedicated)
 
 
-def connect(uri: str):
-    """A ``MilvusClient`` for ``uri`` (the token from ``MILVUS_TOKEN``); StoreUnavailable names the URI."""
+def connect(uri: str, dedicated: bool = False):
+    """A ``MilvusClient`` for ``uri`` (the token from ``MILVUS_TOKEN``); StoreUnavailable names the URI.
+
+    ``dedicated``: a connection of its own. pymilvus shares one gRPC channel per address between its
+    clients and, once that channel failed to reconnect (the server was down), hands the broken one to
+    every new client of the address; a dedicated one is closed with its client, so a new one really
+    connects again (the retriever does this after a failure).
+    """
     if is_lite(uri):
-        return _open_lite(uri)
-    return _client(uri, os.environ.get(TOKEN_ENV))
+        return _open_lite(uri, dedicated)
+    return _client(uri, os.environ.get(TOKEN_ENV), dedicated)
+
+
+def close(client) -> None:
+    """Close ``client`` (and its connection, when dedicated); errors of a dead connection are ignored."""
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing what already failed
+        pass
 
 
 def release(uri: str) -> None:
@@ -220,19 +234,19 @@ def _settle_server(client, collection: str, timeout: float) -> bool:
         time.sleep(0.5)
 
 
-def collection_dim(client, collection: str) -> int | None:
+def collection_dim(client, collection: str, timeout: float | None = None) -> int | None:
     """The vector dimension of ``collection`` (None when it does not exist)."""
-    if not client.has_collection(collection):
+    if not client.has_collection(collection, timeout=timeout):
         return None
-    for field in client.describe_collection(collection)["fields"]:
+    for field in client.describe_collection(collection, timeout=timeout)["fields"]:
         if field["name"] == VECTOR:
             return int(field["params"]["dim"])
     return None
 
 
-def vector_index(client, collection: str) -> dict:
+def vector_index(client, collection: str, timeout: float | None = None) -> dict:
     """The index of the collection's vector field as ``describe_index`` gives it ({} when none)."""
-    return client.describe_index(collection, VECTOR) or {}
+    return client.describe_index(collection, VECTOR, timeout=timeout) or {}
 
 
 def search_params(index: dict, k: int) -> dict:
@@ -243,8 +257,9 @@ def search_params(index: dict, k: int) -> dict:
     return params
 
 
-def search(client, collection: str, vectors, k: int, params: dict) -> list[list[tuple[str, float, str]]]:
-    """Top-``k`` (id, score, document json) per query vector, best first."""
+def search(client, collection: str, vectors, k: int, params: dict,
+           timeout: float | None = None) -> list[list[tuple[str, float, str]]]:
+    """Top-``k`` (id, score, document json) per query vector, best first (``timeout``: seconds, then an error)."""
     hits = client.search(collection, data=[list(map(float, v)) for v in vectors], limit=k,
-                         output_fields=[DOCUMENT], search_params=params, anns_field=VECTOR)
+                         output_fields=[DOCUMENT], search_params=params, anns_field=VECTOR, timeout=timeout)
     return [[(str(h["id"]), float(h["distance"]), h["entity"].get(DOCUMENT, "null")) for h in row] for row in hits]

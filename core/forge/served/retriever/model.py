@@ -5,8 +5,9 @@ query and k columns, best first: ``ids`` (STRING), ``scores`` (FP32, cosine simi
 ``documents`` (STRING, each a JSON object: text or image, and metadata).
 
 The store is opened on the first request, not at load: an unreachable store answers each request
-with an error naming its URI while every other model of the server keeps serving, and the next
-request tries again.
+with an error naming its URI (within ``REQUEST_TIMEOUT_S`` when the server hangs) while every other
+model of the server keeps serving, and the next request connects again: searches succeed once the
+store is back, with nothing restarted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ MAX_K = 1024
 #: How long a looked-up index type is trusted: asking for it costs a round trip per request (~1.6 ms
 #: on a Milvus server, more than half of an HNSW search), and ``forge index`` may switch FLAT to HNSW.
 INDEX_TTL_S = 10.0
+#: Longest wait for one call to the store (a server that stops answering without closing connections).
+REQUEST_TIMEOUT_S = 10.0
 
 
 class Retriever:
@@ -39,18 +42,35 @@ class Retriever:
         self.index_at = 0.0
 
     def _open(self) -> None:
-        client = forge_store.connect(self.uri)
+        client = forge_store.connect(self.uri, dedicated=True)  # its own channel: closed after a failure
         try:
-            dim = forge_store.collection_dim(client, self.collection)
+            dim = forge_store.collection_dim(client, self.collection, timeout=REQUEST_TIMEOUT_S)
             if dim is None:
                 raise forge_store.StoreUnavailable(
                     f"collection {self.collection!r} does not exist in {self.uri}; run 'forge index' first")
-            client.load_collection(self.collection)
-        except forge_store.StoreUnavailable:
-            raise
+            state = str(client.get_load_state(self.collection, timeout=REQUEST_TIMEOUT_S).get("state", ""))
+            if "Loading" in state:  # a server that just started loads its collections again: seconds
+                raise forge_store.StoreUnavailable(
+                    f"collection {self.collection!r} of the Milvus store at {self.uri} is loading (the server "
+                    "started a moment ago); try again in a few seconds")
+            if "Loaded" not in state:
+                client.load_collection(self.collection, timeout=REQUEST_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - pymilvus raises several kinds
-            raise forge_store.StoreUnavailable(f"store {self.uri}: {getattr(exc, 'message', exc)}") from None
+            forge_store.close(client)
+            if isinstance(exc, forge_store.StoreUnavailable):
+                raise
+            raise forge_store.StoreUnavailable(self._unreachable(exc)) from None
         self.client, self.dim = client, dim
+
+    def _unreachable(self, exc: Exception) -> str:
+        code = exc.code() if callable(getattr(exc, "code", None)) else None  # a grpc error
+        if getattr(code, "name", "") == "DEADLINE_EXCEEDED":
+            why = f"no answer within {REQUEST_TIMEOUT_S:g} s"
+        elif code is not None and callable(getattr(exc, "details", None)):
+            why = f"{code.name}: {exc.details()}"
+        else:
+            why = str(getattr(exc, "message", exc)).splitlines()[0]
+        return f"the Milvus store at {self.uri} failed this search: {why}; the next search connects again"
 
     def search(self, embedding: np.ndarray, k: int) -> list[list[tuple[str, float, str]]]:
         if embedding.ndim != 2 or embedding.shape[0] == 0:
@@ -58,21 +78,24 @@ class Retriever:
         if not 1 <= k <= MAX_K:
             raise ValueError(f"top_k must be between 1 and {MAX_K}, got {k}")
         for attempt in (0, 1):
-            if self.client is None:
+            fresh = self.client is None
+            if fresh:
                 self._open()
             if embedding.shape[1] != self.dim:
                 raise ValueError(f"the embedding has {embedding.shape[1]} values but collection "
                                  f"{self.collection!r} holds vectors of {self.dim}")
             try:
                 if self.index is None or time.monotonic() - self.index_at > INDEX_TTL_S:
-                    self.index, self.index_at = forge_store.vector_index(self.client, self.collection), time.monotonic()
+                    self.index = forge_store.vector_index(self.client, self.collection, timeout=REQUEST_TIMEOUT_S)
+                    self.index_at = time.monotonic()
                 params = forge_store.search_params(self.index, k)
-                return forge_store.search(self.client, self.collection, embedding, k, params)
-            except Exception as exc:  # noqa: BLE001 - a dropped connection: reopen once
+                return forge_store.search(self.client, self.collection, embedding, k, params,
+                                          timeout=REQUEST_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a dropped connection: a new one, tried once
+                forge_store.close(self.client)
                 self.client, self.index = None, None
-                if attempt:
-                    raise forge_store.StoreUnavailable(
-                        f"store {self.uri}: {getattr(exc, 'message', exc)}") from None
+                if attempt or fresh:  # a connection made just now failed: the store is down, not the channel
+                    raise forge_store.StoreUnavailable(self._unreachable(exc)) from None
         raise AssertionError("unreachable")
 
 
