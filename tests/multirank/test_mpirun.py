@@ -24,11 +24,11 @@ from conftest import PROMPTS, ask, leftovers, need_mpirun
 class Serve:
     """``forge serve REPO --json`` in the background, until it prints its endpoints."""
 
-    def __init__(self, repo: Path, log: Path):
+    def __init__(self, repo: Path, log: Path, *extra: str):
         self.repo = repo
         self.process = subprocess.Popen(  # ports of 0: forge picks them (and picks again if one is taken first)
             [sys.executable, "-m", "forge", "serve", str(repo), "--json", "--log-file", str(log),
-             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0"],
+             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             text = ""
@@ -191,3 +191,37 @@ def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks):
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "EQUAL" in result.stdout.splitlines(), result.stdout[-3000:]
+
+
+def rank0_pid(repo: Path) -> int:
+    """Rank 0's tritonserver of ``repo``."""
+    for line in leftovers(repo):
+        pid, command = line.split(": ", 1)
+        if Path(command.split(" ", 1)[0]).name == "tritonserver":
+            return int(pid)
+    raise AssertionError(f"no tritonserver rank of {repo} among {leftovers(repo)}")
+
+
+@pytest.mark.heavy
+def test_a_killed_rank_0_leaves_nothing_and_the_repository_serves_again(repos, reference, tmp_path):
+    """kill -9 of rank 0's tritonserver under --restart never: forge serve exits non-zero, no process of the world
+    is left within 15 s (mpirun, the follower, stubs), and a new server on the same repository starts and answers.
+    (With the default --restart on-failure the world is restarted instead.)"""
+    need_mpirun()
+    repo = repos["gpt-tp2"]
+    server = Serve(repo, tmp_path / "server.log", "--restart", "never")
+    try:
+        http = server.info["http"].removeprefix("http://")
+        assert ask(http, "ensemble", PROMPTS[0]) == reference["gpt"][PROMPTS[0]]
+        os.kill(rank0_pid(repo), signal.SIGKILL)
+        status, stderr = server.finish()
+    finally:
+        server.stop()
+    assert status == 1 and "Traceback" not in stderr, stderr
+    assert wait_gone(repo, timeout=15) == []
+    again = Serve(repo, tmp_path / "again.log")
+    try:
+        assert ask(again.info["http"].removeprefix("http://"), "ensemble", PROMPTS[0]) == reference["gpt"][PROMPTS[0]]
+    finally:
+        again.stop()
+    assert wait_gone(repo) == []
