@@ -143,6 +143,8 @@ def _drain(server, front, supervisor, timeout: float) -> int:
         front.stop()
     server.stop(timeout=max(deadline - time.monotonic(), 0.0) + 15)
     status = server.process.returncode if server.process is not None else 0
+    if server.world is not None and server.world.world_size > 1:
+        status = 0  # mpirun reports the signal that stopped its ranks as status 1: only cut requests count
     took = time.monotonic() - started
     if left or status:
         why = f"{left} request(s) still in flight after --drain-timeout {timeout:g} s" if left else (
