@@ -35,16 +35,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a rainbow forms, step by step.",
-    "Give me three tips for learning a new language.",
-    "Describe the city of Paris to someone who has never been there.",
-    "What are the main causes of the seasons on Earth?",
-    "Write a poem about the ocean at night.",
-    "How does a bicycle stay upright while moving?",
-    "List some healthy breakfast ideas and explain why they are healthy.",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_decoder import PROMPTS  # noqa: E402  (the same prompts as the serving benchmark)
 
 
 def build(model_dir: Path, out: Path, *extra: str) -> Path:

@@ -21,7 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..lora import UNKNOWN_TASK, ServedAdapter
+from ...errors import UsageError
+from ..lora import UNKNOWN_TASK, LoraRequests, ServedAdapter
 from . import requests as rq
 from .catalog import Catalog, TextModel, model_card
 from .protocol import (APIError, ChatRequest, CompletionRequest, EmbeddingRequest, unsupported)
@@ -36,7 +37,6 @@ class Front:
         self.grpc_url = grpc_url
         self.api_key = api_key
         self.triton: Triton | None = None
-        self.adapters_sent: set[int] = set()
         self.draining = False  # forge serve is stopping: new API requests get 503, those in flight go on
         self.in_flight = 0  # API requests whose response (a stream: its last event) is not sent yet
         self.idle = threading.Event()
@@ -63,19 +63,14 @@ class Front:
                                 "use /v1/embeddings", param="model", code="wrong_endpoint")
         return self.catalog.generator
 
-    async def lora_tensors(self, adapter: ServedAdapter | None, with_weights: bool) -> dict[str, np.ndarray]:
+    def lora_tensors(self, adapter: ServedAdapter | None, with_weights: bool) -> dict[str, np.ndarray]:
+        """The adapter's tensors, as tensorrtllm_backend's cache protocol sends them (serving.lora)."""
         if adapter is None:
             return {}
-        inputs = self.generator().inputs
-        if "lora_task_id" not in inputs.inputs:
-            raise APIError(400, f"model {inputs.name!r} takes no LoRA adapter", param="model")
-        extra = {"lora_task_id": inputs.array("lora_task_id", adapter.task_id)}
-        if with_weights:
-            weights, config = adapter.arrays()
-            dtype = {"FP16": np.float16}.get(inputs.inputs["lora_weights"][0], np.float32)
-            extra["lora_weights"] = weights.astype(dtype).reshape(1, *weights.shape[-2:])
-            extra["lora_config"] = config.astype(np.int32).reshape(1, *config.shape[-2:])
-        return extra
+        try:
+            return LoraRequests(self.generator().inputs).tensors(adapter, with_weights)
+        except UsageError as exc:
+            raise APIError(400, str(exc), param="model") from None
 
 
 # -- one generation, streamed as text pieces ---------------------------------------------------------
@@ -99,7 +94,7 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
     texts: list[str] = []
     for attempt in (0, 1):
         first = adapter is not None and attempt == 1
-        extra = await front.lora_tensors(adapter, first)
+        extra = front.lora_tensors(adapter, first)
         try:
             async with aclosing(front.triton.generate(model.inputs, {**tensors, **extra}, request_id,
                                                       stopper=front.catalog.stopper)) as responses:
@@ -121,8 +116,6 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
         except APIError as exc:
             if adapter is None or attempt or UNKNOWN_TASK not in exc.message or adapter.weights is None:
                 raise
-    if adapter is not None:
-        front.adapters_sent.add(adapter.task_id)
     if echoes:
         whole = "".join(texts)
         texts = [_without_prompt(whole, generation.prompt, model)]

@@ -8,7 +8,6 @@ generator is a model taking ``text_input`` and ``max_tokens`` (an ensemble first
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,10 +60,6 @@ class Catalog:
 
     def ids(self) -> list[str]:
         return [self.model_id, *sorted(self.adapters)]
-
-    @property
-    def chat_template(self) -> bool:
-        return bool(self.generator and getattr(self.generator.tokenizer, "chat_template", None))
 
 
 def _configs(repo: Path) -> dict[str, tuple[ModelInputs, dict[str, str], Path, dict[str, list[int]]]]:
@@ -173,6 +168,3 @@ def model_card(catalog: Catalog, model_id: str) -> dict[str, Any]:
         card["root"] = catalog.model_id
     return card
 
-
-def now() -> int:
-    return int(time.time())
