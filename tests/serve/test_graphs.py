@@ -33,6 +33,10 @@ def _random(model, seed):
 def _model(kind: str):
     import transformers
 
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=VOCAB)
+        torch.manual_seed(0)
+        return _random(transformers.GPT2LMHeadModel(config), 4)
     config_cls, model_cls = {
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
@@ -61,11 +65,14 @@ def outputs(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]
     return [s.output for s in seqs]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_static_cache_step_equals_transformers_generate(kind, monkeypatch):
+def test_static_cache_step_equals_transformers_generate(kind, attention, monkeypatch):
     """Five prompts of different lengths through 3 slots (rows join late and leave early), column buckets
-    of 8 so caches cross buckets: every row's greedy ids equal its own ``generate``."""
+    of 8 so caches cross buckets: every row's greedy ids equal its own ``generate``, with either form of the
+    step's attention."""
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
+    monkeypatch.setattr(graphs, "ATTENTION", attention)
     model = _model(kind)
     reference = _model(kind)  # the decoder fuses the projections of the model it serves; compare with a twin
     prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
@@ -82,6 +89,35 @@ def test_static_cache_step_equals_transformers_generate(kind, monkeypatch):
     engine.run_until_idle()
     for seq, prompt, n in zip(seqs, prompts, lengths):
         assert outputs[id(seq)] == _generate(reference, prompt, n), prompt
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gpt2"])
+def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind):
+    """Three prompts of different lengths in one prefill, right-padded, into slots 1-3 (slot 0 is taken):
+    every position's logits equal transformers' forward of that prompt alone in float32, each slot's keys
+    and values equal that forward's cache, and the argmax picks equal the last position's argmax."""
+    from forge.served.decoder_engine.forge_decoder import kvcache
+
+    model, reference = _model(kind), _model(kind)
+    decoder = graphs.decoder_for(model, 4, 64, capture=False)
+    decoder.used = 1
+    prompts = [[5, 17, 30, 4], list(range(40, 63)), [9]]
+    ids = torch.zeros((3, 23), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, :len(prompt)] = torch.tensor(prompt)
+    with torch.no_grad():
+        logits = decoder.prefill(ids, [len(p) for p in prompts], all_logits=True)
+        picks, _ = decoder.greedy(3)
+        for i, prompt in enumerate(prompts):
+            out = reference(torch.tensor([prompt]), use_cache=True)
+            torch.testing.assert_close(logits[i, :len(prompt)], out.logits[0], atol=1e-4, rtol=1e-4)
+            assert picks[i] == int(out.logits[0, -1].argmax())
+            for layer, (k, v) in enumerate(kvcache.layers(out.past_key_values)):
+                torch.testing.assert_close(decoder.keys[layer][1 + i, :, :len(prompt)], k[0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(decoder.values[layer][1 + i, :, :len(prompt)], v[0], atol=1e-5, rtol=1e-5)
+    assert decoder.used == 4
+    with pytest.raises(RuntimeError, match="5 rows do not fit the 4 slots"):
+        decoder.prefill(ids[:1], [4])
 
 
 def test_sampled_and_processed_rows_share_the_static_step():

@@ -372,6 +372,9 @@ class Engine:
         scheduled = time.time_ns()
         for seq in admitted:
             seq.scheduled_ns = scheduled
+        if self.graphs is not None:
+            self._prefill_static(admitted)
+            return
         lengths = [len(s.tokens) for s in admitted]
         width = max(lengths)
         ids = torch.zeros((len(admitted), width), dtype=torch.long)
@@ -387,23 +390,51 @@ class Engine:
             logits = self._forward(ids, mask, positions, cache, keep_all=keep_all,
                                    embeds=self._embed(ids, admitted), rows=admitted)
         except Exception as exc:
-            self.log(f"forge decoder prefill failed: {traceback.format_exc()}")
-            for seq in admitted:
-                self._finish(seq, Update([], [], [], True, "error", f"generation failed: {exc}"))
+            self._prefill_failed(admitted, exc)
             return
         for i, seq in enumerate(admitted):
             if seq.request.return_context_logits:
                 seq.context_logits = logits[i, width - lengths[i]:].float().cpu().numpy()
-        if self.graphs is not None:
-            self.graphs.admit(cache, lengths, width)
+        batch = kvcache.BatchCache(cache, mask)
+        if self._batch is None or not self._active:
+            self._batch = batch
         else:
-            batch = kvcache.BatchCache(cache, mask)
-            if self._batch is None or not self._active:
-                self._batch = batch
-            else:
-                self._batch.merge(batch)
+            self._batch.merge(batch)
         self._active.extend(admitted)
         self._advance(logits[:, -1, :], admitted)
+
+    def _prefill_static(self, admitted: list[Sequence]) -> None:
+        """The admitted prompts through the static decoder's own prefill (right-padded, keys and values straight
+        into their slots); plain greedy rows take the argmax it computed."""
+        lengths = [len(s.tokens) for s in admitted]
+        ids = torch.zeros((len(admitted), max(lengths)), dtype=torch.long)
+        for i, seq in enumerate(admitted):
+            ids[i, :lengths[i]] = torch.tensor(seq.tokens)
+        ids = ids.to(self.device)
+        keep_all = any(s.request.return_context_logits for s in admitted)
+        adapters = self.lora is not None and any(s.request.lora is not None for s in admitted)
+        if self.lora is not None:
+            self.lora.select([s.request.lora for s in admitted] if adapters else None)
+        try:
+            logits = self.graphs.prefill(ids, lengths, embeds=self._embed(ids, admitted), all_logits=keep_all,
+                                         modules=adapters)
+        except Exception as exc:
+            self._prefill_failed(admitted, exc)
+            return
+        if keep_all:
+            for i, seq in enumerate(admitted):
+                if seq.request.return_context_logits:
+                    seq.context_logits = logits[i, :lengths[i]].float().cpu().numpy()
+            logits = logits[torch.arange(len(admitted), device=self.device),
+                            torch.tensor(lengths, device=self.device) - 1]
+        self._active.extend(admitted)
+        plain = all(sampling.plain_greedy(s) for s in admitted)
+        self._advance(logits, admitted, self.graphs.greedy(len(admitted)) if plain else None)
+
+    def _prefill_failed(self, admitted: list[Sequence], exc: Exception) -> None:
+        self.log(f"forge decoder prefill failed: {traceback.format_exc()}")
+        for seq in admitted:
+            self._finish(seq, Update([], [], [], True, "error", f"generation failed: {exc}"))
 
     def _decode(self) -> None:
         if self.graphs is not None:

@@ -7,14 +7,17 @@ per layer one key and one value cache of ``[rows, kv heads, columns, head dim]``
 sequence in a slot, its new token written at its own position — so it is captured once per (row
 bucket, column bucket) and replayed with one launch.
 
-* Prefill stays on the Hugging Face forward; ``admit`` copies each new row's keys and values into
-  its slot (without the batch's left padding, so a row's column is its position).
+* Prefill (``prefill``) is the same arithmetic over the admitted prompts at once, right-padded to the
+  longest: the fused GEMMs over every prompt token, one causal attention call per layer
+  (``scaled_dot_product_attention``: flash attention on a GPU), keys and values written straight
+  into the new rows' slots at their positions. Columns past a prompt's end hold padding that no
+  row attends to (a row at position p attends to columns [0, p]) until its own tokens overwrite them.
 * Slots follow the engine's row order: ``keep`` packs the rows that stay to the front.
 * Rows past the running ones in a bucket, and the warm-up before a capture, write into one spare
   column at the end of every slot, which no row ever attends to.
 
-A step with a LoRA adapter in the batch runs eagerly through the projection modules, whose hooks add
-the adapters; steps without one replay the graphs. Tensor-parallel followers repeat the Hugging Face
+A step (or prefill) with a LoRA adapter in the batch runs eagerly through the projection modules, whose
+hooks add the adapters; steps without one replay the graphs. Tensor-parallel followers repeat the Hugging Face
 forward, so those builds decode the plain way; prompt tables only touch prefill.
 """
 
@@ -23,12 +26,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import kvcache
+
+#: scaled_dot_product_attention takes fewer query heads than key/value heads itself (torch >= 2.5)
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 #: Model classes whose layers are Llama's: pre-norm, q/k/v/o projections (Qwen3 adds q/k norms), RoPE, gated MLP.
 LLAMA_STYLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 #: GPT-2's layers: pre-LayerNorm, one q/k/v projection (Conv1D), learned positions, GELU MLP.
 GPT2_STYLE = ("GPT2LMHeadModel",)
+#: the decoding step's attention: "sdpa" (one fused kernel) or "matmul" (scores, softmax, weighted sum)
+ATTENTION = "sdpa"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
 MODES = ("auto", "true", "false")  # -o cuda_graphs
@@ -72,10 +79,23 @@ def _norm(module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _add_linear(residual: torch.Tensor, x: torch.Tensor, linear) -> torch.Tensor:
-    """``residual + linear(x)``, one GEMM with the addition folded in where the layer has no bias."""
+    """``residual + linear(x)``, one GEMM with the addition folded in where the layer has no bias
+    (any leading dimensions: the GEMM sees them flattened)."""
     if linear.bias is None:
-        return torch.addmm(residual, x, linear.weight.t())
+        flat = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
+        return flat.view(residual.shape)
     return F.linear(x, linear.weight, linear.bias) + residual
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [n, heads, w, dim] over k, v [n, kv heads, w, dim] (kv heads divide heads)."""
+    heads, kv = q.shape[1], k.shape[1]
+    if heads == kv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if _SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,6 +149,7 @@ class GraphDecoder:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.rows, self.max_len = rows, max_len
+        self.attention = ATTENTION
         self.spare = max_len  # the column no row attends to
         shape = (rows, self.kv_heads, max_len + 1, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -159,30 +180,16 @@ class GraphDecoder:
         modules (hooks apply) instead of fused weights."""
         raise NotImplementedError
 
+    def _prefill(self, h: torch.Tensor, first: int, modules: bool) -> torch.Tensor:
+        """The layers over prompts ``h`` [n, width, hidden] (token embeddings, right-padded), writing their
+        keys and values into slots [first, first + n) at columns [0, width); the final hidden states."""
+        raise NotImplementedError
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     # -- the slots ----------------------------------------------------------------------------------
-    def admit(self, cache, lengths: list[int], width: int) -> None:
-        """Copy a prefill's keys and values (left-padded to ``width``) into the next free slots."""
-        first = self.used
-        if first + len(lengths) > self.rows:
-            raise RuntimeError(f"{first + len(lengths)} rows do not fit the {self.rows} slots")
-        if max(lengths) >= self.max_len:
-            raise RuntimeError(f"a prompt of {max(lengths)} tokens does not fit {self.max_len} columns")
-        same = all(n == width for n in lengths)
-        for (k, v), keys, values in zip(kvcache.layers(cache), self.keys, self.values):
-            if same:
-                keys[first:first + len(lengths), :, :width] = k
-                values[first:first + len(lengths), :, :width] = v
-                continue
-            for i, n in enumerate(lengths):
-                keys[first + i, :, :n] = k[i, :, width - n:]
-                values[first + i, :, :n] = v[i, :, width - n:]
-        self.used += len(lengths)
-        self.filled = max(self.filled, width)
-
     def keep(self, rows: list[int]) -> None:
         """Keep only the slots ``rows`` (in that order), packed to the front.
 
@@ -199,6 +206,34 @@ class GraphDecoder:
 
     def reset(self) -> None:
         self.used = self.filled = 0
+
+    # -- the prefill --------------------------------------------------------------------------------
+    def prefill(self, ids: torch.Tensor, lengths: list[int], *, embeds: torch.Tensor | None = None,
+                all_logits: bool = False, modules: bool = False) -> torch.Tensor:
+        """Prompts ``ids`` [n, width] (right-padded; row i holds ``lengths[i]`` tokens) into the next free
+        slots: logits of each prompt's last token [n, vocab] (``greedy`` has their argmax), or with
+        ``all_logits`` every position's [n, width, vocab]. ``embeds`` [n, width, hidden] replaces the
+        token embeddings (prompt tables); ``modules`` as in ``step``."""
+        n, width = ids.shape
+        first = self.used
+        if first + n > self.rows:
+            raise RuntimeError(f"{first + n} rows do not fit the {self.rows} slots")
+        if width >= self.max_len:
+            raise RuntimeError(f"a prompt of {width} tokens does not fit {self.max_len} columns")
+        h = self._prefill(self.embed(ids) if embeds is None else embeds, first, modules)
+        last = torch.tensor([length - 1 for length in lengths], device=self.device)
+        picked = torch.arange(n, device=self.device)
+        if all_logits:
+            logits = self.head(self._final_norm(h))
+            _, self.picks = self._picks(logits[picked, last])
+        else:
+            logits, self.picks = self._picks(self.head(self._final_norm(h[picked, last])))
+        self.used += n
+        self.filled = max(self.filled, width)
+        return logits
+
+    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
 
     # -- the step -----------------------------------------------------------------------------------
     def step(self, tokens: list[int], positions: list[int], *, modules: bool = False) -> torch.Tensor:
@@ -267,7 +302,11 @@ class GraphDecoder:
         keys, values = self.keys[layer], self.values[layer]
         keys.view(-1, dim).index_copy_(0, at, k.reshape(b * kv, dim))
         values.view(-1, dim).index_copy_(0, at, v.reshape(b * kv, dim))
-        q = q.reshape(b, kv, self.heads // kv, dim)
+        q = q.reshape(b, kv, self.heads // kv, dim)  # a key/value head's query group: SDPA's "query length"
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, keys[:b, :, :columns], values[:b, :, :columns], attn_mask=bias,
+                                                 scale=1.0)
+            return out.reshape(b, self.heads * dim)
         scores = torch.matmul(q, keys[:b, :, :columns].transpose(-1, -2)) + bias  # [b, kv, group, columns]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
         return torch.matmul(probs, values[:b, :, :columns]).view(b, self.heads * dim)
@@ -330,6 +369,41 @@ class LlamaDecoder(GraphDecoder):
             h = _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
         return self._picks(self.head(_norm(self.norm, h)))
 
+    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return _norm(self.norm, h)
+
+    def _prefill(self, h: torch.Tensor, first: int, modules: bool) -> torch.Tensor:
+        n, width = h.shape[:2]
+        heads, kv, dim = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.cos[:width], self.sin[:width]  # [width, heads + kv, dim]: position = column
+        slots = slice(first, first + n)
+        for i, (layer, (wqkv, bqkv), (wgu, bgu)) in enumerate(zip(self.layers, self.qkv, self.gate_up)):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _norm(layer.input_layernorm, h)
+            if modules:
+                qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+            else:
+                qkv = F.linear(x, wqkv, bqkv)
+            qkv = qkv.view(n, width, heads + 2 * kv, dim)
+            qk, v = qkv[:, :, : heads + kv], qkv[:, :, heads + kv:]
+            if hasattr(attn, "q_norm"):
+                qk = torch.cat([_norm(attn.q_norm, qk[:, :, :heads]), _norm(attn.k_norm, qk[:, :, heads:])], dim=2)
+            swapped = qk.reshape(n, width, heads + kv, 2, dim // 2).flip(3).view(n, width, heads + kv, dim)
+            qk = torch.addcmul(qk * cos, swapped, sin)
+            q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
+            self.keys[i][slots, :, :width] = k
+            self.values[i][slots, :, :width] = v
+            out = _causal(q, k, v, 1.0).transpose(1, 2).reshape(n, width, heads * dim)  # q carries the scale
+            if modules:
+                h = h + attn.o_proj(out)
+                x = _norm(layer.post_attention_layernorm, h)
+                h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+                continue
+            h = _add_linear(h, out, attn.o_proj)
+            gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
+            h = _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
+        return h
+
 
 class GPT2Decoder(GraphDecoder):
     """GPT-2 layers: LayerNorm, one Conv1D for q/k/v, learned position embeddings, GELU MLP. The
@@ -362,3 +436,17 @@ class GPT2Decoder(GraphDecoder):
             h = h + layer.attn.c_proj(out)
             h = h + layer.mlp(layer.ln_2(h))
         return self._picks(self.head(self.norm(h)))
+
+    def _prefill(self, h: torch.Tensor, first: int, modules: bool) -> torch.Tensor:
+        n, width = h.shape[:2]
+        heads, dim = self.heads, self.head_dim
+        h = h + self.positions(torch.arange(width, device=self.device))
+        slots = slice(first, first + n)
+        for i, layer in enumerate(self.layers):
+            q, k, v = (t.transpose(1, 2) for t in
+                       layer.attn.c_attn(layer.ln_1(h)).view(n, width, 3, heads, dim).unbind(2))
+            self.keys[i][slots, :, :width] = k
+            self.values[i][slots, :, :width] = v
+            h = h + layer.attn.c_proj(_causal(q, k, v, self.scales[i]).transpose(1, 2).reshape(n, width, heads * dim))
+            h = h + layer.mlp(layer.ln_2(h))
+        return h
