@@ -33,7 +33,16 @@ def test_slurm_script_for_a_tp2_python_repository_in_the_profile_container(repos
     assert "--mpi=pmix" in srun and "--ntasks=2" in srun and "--kill-on-bad-exit=1" in srun
     assert f"--container-image={image}" in srun
     assert f"--container-mounts={repo.resolve()}:{repo.resolve()}:ro" in srun
-    assert srun.endswith('--multi-prog "$RANKS"')
+    assert srun.endswith('--multi-prog "$RANKS" &')
+    # ready when the script's probe says so (Triton's own ready stays 200 with a dead model process), on the node
+    # of rank 0, with the host's python3 (the probe needs no forge)
+    wait = next(l for l in text.splitlines() if l.startswith("until "))
+    assert wait.startswith('until python3 "$PROBE" "http://$MASTER_ADDR:8000" ')
+    assert wait.split('"$PROBE" ')[1].split()[2:5] == ["postprocessing=1", "preprocessing=1", "tensorrt_llm=1"]
+    assert "forge: ready: gpt-tp2 on http://$MASTER_ADDR:8000" in text
+    probe = text.split("<<'FORGE_PROBE'\n", 1)[1].split("\nFORGE_PROBE\n", 1)[0]
+    compile(probe, "probe", "exec")
+    assert "import forge" not in probe and "from forge" not in probe
     ranks = text.split("<<'FORGE_RANKS'\n", 1)[1].split("\nFORGE_RANKS\n", 1)[0].splitlines()
     assert ranks[0].startswith("0 /opt/tritonserver/bin/tritonserver ")
     assert "--http-port=8000" in ranks[0] and "--grpc-port=8001" in ranks[0] and "--metrics-port=8002" in ranks[0]
@@ -70,6 +79,11 @@ def test_compose_file_runs_the_profile_container_with_mpirun(repos, tmp_path):
     assert service["volumes"] == [f"{repo.resolve()}:{repo.resolve()}:ro"]
     assert service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0", "1"]
     assert doc["x-forge"]["world_size"] == 2
+    # healthy means tritonserver ready and each python model's processes alive, not Triton's own ready
+    check = service["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python3", "-c"] and "/v2/health/ready" in check[3]
+    assert f"'http://127.0.0.1:9000', '{repo.resolve()}', 'postprocessing=1', 'preprocessing=1', " \
+           "'tensorrt_llm=1'" in check[3]
 
 
 def test_shell_script_without_container_uses_this_installation(repos, tmp_path):

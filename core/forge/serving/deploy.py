@@ -7,10 +7,17 @@ script follows tensorrtllm_backend's multi-node recipe: ``srun --mpi=pmix`` with
 pyxis ``--container-image``/``--container-mounts``, a per-rank python-backend shm prefix, fixed ports.
 ``container="none"`` runs this machine's forge installation instead of a container (a cluster whose
 nodes share this environment, or the test's one-node Slurm).
+
+Readiness: tritonserver's ``/v2/health/ready`` answers 200 while a python model's process is dead
+(tritonserver 2.51 keeps the model READY), so the compose healthcheck and the Slurm script's wait run
+:func:`probe` instead: ready only when tritonserver is and every python model has its processes, the
+rule ``forge serve``'s supervisor acts on. The artifacts run tritonserver itself, not ``forge serve``
+(the NGC container has no forge), so there is no OpenAI API and no ``/health/ready`` to ask.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import shlex
@@ -59,6 +66,69 @@ def runtime(repo: Path, container: str | None, backend_version: str | None = Non
                        (("PATH", env["PATH"]), ("LD_LIBRARY_PATH", env["LD_LIBRARY_PATH"])))
     image, version = launch.container_image(repo, backend_version)
     return Runtime(container or image, version, "/opt/tritonserver/bin/tritonserver", "python3")
+
+
+def probe(argv: "list[str]") -> int:  # a string: the copy may run on an older python3
+    """0: tritonserver at ``argv[0]`` is ready and each ``MODEL=N`` of repository ``argv[1]`` has N processes.
+
+    1: tritonserver does not answer ready; 2: a python model has fewer live processes than it needs (it
+    died, or has not started yet). The reason goes to stdout. It runs where forge is not installed (the
+    container, a Slurm node): the standard library only, its source copied into the artifact.
+    """
+    import os
+    import urllib.request
+
+    url, repo, wanted = argv[0], argv[1].rstrip("/") + "/", dict(a.rsplit("=", 1) for a in argv[2:])
+    try:
+        with urllib.request.urlopen(url + "/v2/health/ready", timeout=5) as response:
+            if response.status != 200:
+                print(f"tritonserver at {url} is not ready ({response.status})")
+                return 1
+    except OSError as exc:
+        print(f"tritonserver at {url} is not ready: {getattr(exc, 'reason', exc)}")
+        return 1
+    alive = dict.fromkeys(wanted, 0)
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except (OSError, ValueError):
+            continue
+        if stat[stat.rfind(")") + 2:].startswith("Z") or len(args) < 2:
+            continue  # a zombie serves nothing
+        # a python model's process: triton_python_backend_stub <repo>/<model>/<version>/model.py …
+        if os.path.basename(args[0]) == "triton_python_backend_stub" and args[1].startswith(repo):
+            model = args[1][len(repo):].split("/")[0]
+            if model in alive:
+                alive[model] += 1
+    short = [f"{m} ({alive[m]} of {n})" for m, n in wanted.items() if alive[m] < int(n)]
+    if short:
+        print(f"tritonserver answers ready, but these python models lack their processes: {', '.join(short)}")
+        return 2
+    print("ready")
+    return 0
+
+
+def python_processes(repo: Path) -> dict[str, int]:
+    """Python-backend model → how many processes (instances) tritonserver starts for it on rank 0."""
+    from ..validate import load_configs
+
+    configs, _, _ = load_configs(repo)
+    wanted = {}
+    for name, config in sorted(configs.items()):
+        if config.backend == "python":
+            counts = [max(g.count, 1) * max(len(g.gpus), 1) for g in config.instance_group]
+            wanted[name] = max(sum(counts), 1)
+    return wanted
+
+
+def probe_argv(python: str, url: str, repo: Path) -> list[str]:
+    """A command running :func:`probe` (its source inlined) for ``repo``'s tritonserver at ``url``."""
+    args = [url, str(repo.resolve()), *(f"{m}={n}" for m, n in python_processes(repo).items())]
+    code = inspect.getsource(probe) + f"\nraise SystemExit(probe({args!r}))\n"
+    return [python, "-c", code]
 
 
 def _check_paths(*paths: Path) -> None:
@@ -138,18 +208,39 @@ def slurm_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints,
              'export MASTER_ADDR="${MASTER_ADDR:-$FIRST_NODE}"',
              f"export MASTER_PORT={ends.rendezvous_port}",
              'RANKS="$(mktemp "${TMPDIR:-/tmp}/forge-ranks.XXXXXX")"',
-             "trap 'rm -f \"$RANKS\"' EXIT",
+             'PROBE="$(mktemp "${TMPDIR:-/tmp}/forge-probe.XXXXXX")"',
+             "trap 'rm -f \"$RANKS\" \"$PROBE\" \"$PROBE.out\"' EXIT",
              "# srun --multi-prog: task ids, then the program of those ranks",
              "cat > \"$RANKS\" <<'FORGE_RANKS'"]
     body += [f"{ids} {shlex.join(argv)}" for ids, argv in rank_programs(repo, world, rt, ends)]
     body += ["FORGE_RANKS",
-             f'echo "forge: {repo.name} on http://$MASTER_ADDR:{ends.http_port} '
-             f'(gRPC $MASTER_ADDR:{ends.grpc_port}), {world.world_size} rank(s)"']
+             "# the readiness probe (forge.serving.deploy.probe): tritonserver's /v2/health/ready stays 200 when a",
+             "# python model's process died; this also asks that every python model has its processes",
+             "cat > \"$PROBE\" <<'FORGE_PROBE'", "import sys", "", inspect.getsource(probe).rstrip(), "",
+             "raise SystemExit(probe(sys.argv[1:]))", "FORGE_PROBE"]
     srun = ["srun", f"--mpi={mpi}", f"--ntasks={world.world_size}", f"--ntasks-per-node={per_node}",
             "--kill-on-bad-exit=1", "--label"]
     if rt.image:
         srun += [f"--container-image={rt.image}", f"--container-mounts={repo}:{repo}:ro"]
-    body.append(shlex.join(srun) + ' --multi-prog "$RANKS"')
+    body += [shlex.join(srun) + ' --multi-prog "$RANKS" &', 'SRUN=$!']
+    # this script runs on the first node, rank 0's: the probe sees its processes in /proc
+    address = "$MASTER_ADDR" if ends.host in ("0.0.0.0", "::", "") else ends.host
+    models = " ".join(shlex.quote(f"{m}={n}") for m, n in python_processes(repo).items())
+    check = f'{shlex.quote(rt.python)} "$PROBE" "http://{address}:{ends.http_port}" {shlex.quote(str(repo))} {models}'
+    body += [f"until {check.rstrip()} > \"$PROBE.out\"; do",
+             '  kill -0 "$SRUN" 2>/dev/null || { echo "forge: error: the ranks ended before the server was ready: '
+             '$(cat "$PROBE.out")"; wait "$SRUN"; exit 1; }',
+             "  sleep 2", "done",
+             f'echo "forge: ready: {repo.name} on http://{address}:{ends.http_port} '
+             f'(gRPC {address}:{ends.grpc_port}), {world.world_size} rank(s)"',
+             "# tritonserver keeps a dead python model's process dead: end the job (requeue or resubmit it)",
+             'while kill -0 "$SRUN" 2>/dev/null; do',
+             f"  status=0; {check.rstrip()} > \"$PROBE.out\" || status=$?",
+             '  if [ "$status" = 2 ]; then',
+             '    echo "forge: error: $(cat "$PROBE.out"); ending the job"',
+             '    kill -TERM "$SRUN"; wait "$SRUN" || true; exit 1',
+             "  fi", "  sleep 5", "done",
+             'wait "$SRUN"']
     return "\n".join(header + body) + "\n"
 
 
@@ -195,8 +286,9 @@ def compose_file(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints,
         "ulimits": {"memlock": -1, "stack": 67108864},
         "ports": [f"{p}:{p}" for p in (ends.http_port, ends.grpc_port, ends.metrics_port)],
         "volumes": [f"{repo}:{repo}:ro"],
-        "healthcheck": {"test": ["CMD", "curl", "-sf", f"http://127.0.0.1:{ends.http_port}/v2/health/ready"],
-                        "interval": "10s", "retries": 60},
+        # healthy: tritonserver ready and every python model's processes alive (probe); runs in the container
+        "healthcheck": {"test": ["CMD", *probe_argv("python3", f"http://127.0.0.1:{ends.http_port}", repo)],
+                        "interval": "10s", "timeout": "10s", "retries": 60},
     }
     if gpus and gpus != "none":
         device = {"driver": "nvidia", "capabilities": ["gpu"]}
