@@ -7,11 +7,18 @@ For each model shape (random weights, seeded; the tokenizer of SmolLM2):
      same GPU in the served dtype (first divergence reported);
   3. closed-loop load through each ensemble: ~32-token prompts, 64 new tokens, concurrency 1 / 16 / 64
      (the pipeline at 1 and 16), generated tokens counted with the tokenizer in the returned text;
-  4. the engine alone (no Triton): decode ms/step at 1 / 16 / 64 rows, and the distance to the
-     memory-bandwidth limit (weight bytes per step / the GPU's bandwidth).
+     and streamed through a ``--decoupled`` build of the same model at 16 and 64 (time to first token,
+     inter-token latency);
+  4. the engine alone (no Triton): decode ms/step at 1 / 16 / 64 rows, per step form (Hugging Face forward;
+     CUDA graphs with each attention form), the distance to the memory-bandwidth limit (weight bytes per
+     step / the GPU's bandwidth), kernels per decoding step, and prefill ms (16 and 64 prompts of 32 tokens,
+     the static decoder's own prefill vs the Hugging Face forward); served tok/s as a share of the engine's.
 
     python benchmarks/serve_gpu.py --tokenizer DIR [--shapes smollm2,tinyllama] [--bandwidth-tbs 3.35]
     python benchmarks/serve_gpu.py --engine-only [--shapes smollm2,tinyllama,gpt2]  # 4. alone: no tritonserver
+    python benchmarks/serve_gpu.py --tokenizer DIR --soak 600   # every shape's default build in one server under
+                                                                # c=64 for 600 s each, then a stop: hung requests,
+                                                                # errors, exit status, segfaults in the kernel log
 """
 
 from __future__ import annotations
@@ -117,13 +124,14 @@ def check_greedy(server, model_dir: Path, tokenizer, dtype: str, n: int = 32) ->
     return {"dtype": dtype, "tokens": n, "equal_prefix": same, "served": served[:8], "transformers": reference[:8]}
 
 
-def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int) -> dict:
+def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int,
+         stream: bool = False) -> dict:
     from forge.serving import bench
     from forge.serving.client import GrpcSession
 
     with GrpcSession(server.grpc_url) as session:
         inputs = session.config(model)
-    target = bench.Target(inputs, stream=False, extra={"exclude_input_in_output": True},
+    target = bench.Target(inputs, stream=stream, extra={"exclude_input_in_output": True},
                           count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
     bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
@@ -132,18 +140,22 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
 
 
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
-                 modes=("false", "true")) -> list[dict]:
-    """Decode ms/step of forge's engine alone at each row count (prompts of 32 tokens), per ``-o cuda_graphs``
-    mode: ``false`` the Hugging Face forward, ``true`` the CUDA graphs over the static KV cache."""
+                 forms=(("false", None), ("true", "matmul"), ("true", "sdpa"))) -> list[dict]:
+    """Decode ms/step of forge's engine alone at each row count (prompts of 32 tokens), per step form:
+    ``-o cuda_graphs=false`` (the Hugging Face forward) and ``true`` (CUDA graphs over the static KV cache)
+    with each attention form of graphs.ATTENTION."""
     import torch
 
+    from forge.served.decoder_engine.forge_decoder import graphs
     from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model
     from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    default = graphs.ATTENTION
     results = []
-    for mode in modes:
+    for mode, attention in forms:
+        graphs.ATTENTION = attention or default
         for rows in rows_list:
             engine = Engine(model, Limits(model.config.vocab_size, 512, 1024), max_rows=rows)
             engine.use_graphs(mode)
@@ -159,13 +171,88 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
                     engine.step()
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - start) / steps * 1000
-            results.append({"cuda_graphs": mode, "rows": rows, "ms_per_step": round(ms, 3),
+            results.append({"cuda_graphs": mode, "attention": attention, "rows": rows, "ms_per_step": round(ms, 3),
                             "tokens_per_s": round(rows / ms * 1000, 1)})
-            print(f"  engine alone, cuda_graphs={mode}, {rows} rows: {ms:.3f} ms/step", flush=True)
+            print(f"  engine alone, cuda_graphs={mode} attention={attention}, {rows} rows: {ms:.3f} ms/step", flush=True)
             del engine
+    graphs.ATTENTION = default
     del model
     torch.cuda.empty_cache()
     return [dict(r, weight_bytes=weights) for r in results]
+
+
+def kernels_per_step(model_dir: Path, dtype: str) -> dict:
+    """CUDA kernels one decoding step launches (the static decoder run eagerly at 1 row: what a graph replays),
+    per attention form, from the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from forge.served.decoder_engine.forge_decoder import graphs
+    from forge.served.decoder_engine.forge_decoder.engine import load_model
+
+    model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
+    default, counts = graphs.ATTENTION, {}
+    for attention in ("matmul", "sdpa"):
+        graphs.ATTENTION = attention
+        decoder = graphs.decoder_for(model, 1, 1024, capture=False)
+        with torch.inference_mode():
+            decoder.prefill(torch.arange(100, 132, device="cuda")[None], [32])
+            decoder.step([5], [32])
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                decoder.step([6], [33])
+                torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.lower().startswith(("memcpy", "memset"))]
+        counts[attention] = len(kernels)
+        del decoder
+    graphs.ATTENTION = default
+    layers = int(model.config.num_hidden_layers)
+    del model
+    torch.cuda.empty_cache()
+    print(f"  kernels per decoding step (1 row): {counts} over {layers} layers", flush=True)
+    return {"layers": layers, "kernels": counts}
+
+
+def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32, repeats: int = 5) -> list[dict]:
+    """ms to prefill ``count`` prompts of ``length`` tokens at once: the static decoder's own prefill (fused,
+    keys/values into the slots), captured as a CUDA graph and eager, vs the Hugging Face forward the engine
+    used before (and still uses without the static cache)."""
+    import torch
+
+    from forge.served.decoder_engine.forge_decoder import graphs, kvcache
+    from forge.served.decoder_engine.forge_decoder.engine import load_model
+
+    model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
+    eager = graphs.decoder_for(model, max(counts), 1024, capture=False)
+    captured = graphs.decoder_for(model, max(counts), 1024)
+    out = []
+    with torch.inference_mode():
+        for n in counts:
+            ids = (torch.arange(length, device="cuda")[None] + 100 + torch.arange(n, device="cuda")[:, None])
+            timings = {}
+            for form in ("graph", "static", "hf"):
+                for i in range(repeats + 1):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    if form != "hf":
+                        decoder = captured if form == "graph" else eager
+                        decoder.reset()
+                        decoder.prefill(ids, [length] * n)
+                    else:
+                        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kvcache.new_cache(),
+                              use_cache=True, logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    if i:  # the first is a warm-up
+                        timings.setdefault(form, []).append((time.perf_counter() - start) * 1000)
+            row = {"prompts": n, "tokens": length, "graph_ms": round(min(timings["graph"]), 3),
+                   "static_ms": round(min(timings["static"]), 3), "hf_forward_ms": round(min(timings["hf"]), 3)}
+            out.append(row)
+            print(f"  prefill of {n} × {length} tokens: static, captured {row['graph_ms']} ms; static, eager "
+                  f"{row['static_ms']} ms; Hugging Face forward {row['hf_forward_ms']} ms", flush=True)
+    del eager, captured, decoder, model
+    torch.cuda.empty_cache()
+    return out
 
 
 def engine_parity(model_dir: Path, dtype: str, rows: int = 8, n: int = 64) -> dict:
@@ -227,6 +314,8 @@ def engine_report(shape: str, model_dir: Path, dtype: str, bandwidth_tbs: float)
         print(f"{shape}: greedy ids, engine with CUDA graphs vs transformers generate: {json.dumps(p)}", flush=True)
     rate = hf_generate_rate(model_dir, dtype)
     print(f"{shape}: transformers generate alone, 1 row, {dtype}: {rate:.1f} tok/s", flush=True)
+    kernels = kernels_per_step(model_dir, dtype)
+    prefill = prefill_ms(model_dir, dtype)
     steps = engine_steps(model_dir, dtype)
     for s in steps:
         s["bandwidth_floor_ms"] = round(s["weight_bytes"] / (bandwidth_tbs * 1e12) * 1000, 3)
@@ -234,7 +323,8 @@ def engine_report(shape: str, model_dir: Path, dtype: str, bandwidth_tbs: float)
         print(f"  engine alone, cuda_graphs={s['cuda_graphs']}, {s['rows']} rows: {s['ms_per_step']} ms/step, "
               f"{s['tokens_per_s']} tok/s; weights {s['weight_bytes'] / 1e6:.0f} MB → bandwidth floor "
               f"{s['bandwidth_floor_ms']} ms ({s['x_above_floor']}× above it)", flush=True)
-    return {"parity": parity, "generate_tokens_per_s": round(rate, 1), "engine": steps}
+    return {"parity": parity, "generate_tokens_per_s": round(rate, 1), "engine": steps, "kernels_per_step": kernels,
+            "prefill": prefill}
 
 
 def main() -> int:
@@ -248,6 +338,9 @@ def main() -> int:
     parser.add_argument("--forge-args", default="", help="extra forge build arguments (default: none, the default build)")
     parser.add_argument("--no-seed", action="store_true", help="skip the hf-pipeline model (measured before)")
     parser.add_argument("--engine-only", action="store_true", help="only the engine alone (no tritonserver)")
+    parser.add_argument("--soak", type=float, default=0, help="seconds of load for the soak (0: no soak)")
+    parser.add_argument("--soak-concurrency", type=int, default=64)
+    parser.add_argument("--soak-timeout", type=float, default=120, help="seconds after which a request counts as hung")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if not args.engine_only and args.tokenizer is None:
@@ -257,15 +350,21 @@ def main() -> int:
 
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": {}}
     print(json.dumps({k: report[k] for k in ("gpu", "torch")}), flush=True)
+    if args.soak:
+        report["soak"] = soak(args)
+        if args.json_out:
+            args.json_out.write_text(json.dumps(report, indent=2, default=str))
+        return 0
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory(prefix=f"forge-gpu-{shape}-") as scratch:
             root = Path(scratch)
             model_dir = make_model(shape, args.tokenizer, root / "model", args.dtype)
             entry = {} if args.engine_only else serve(shape, model_dir, root, args)
             entry.update(engine_report(shape, model_dir, args.dtype, args.bandwidth_tbs))
+            entry["served_share"] = served_share(entry)
             report["shapes"][shape] = entry
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2, default=str))
+            if args.json_out:  # after every shape: a run cut short keeps what it measured
+                args.json_out.write_text(json.dumps(report, indent=2, default=str))
     return 0
 
 
@@ -281,6 +380,11 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                      *args.forge_args.split())
     repo = root / "repo"
     shutil.copytree(root / "default", repo, ignore=shutil.ignore_patterns("forge-manifest.json"))
+    build(model_dir, root / "stream", "--target", "python", "--dtype", args.dtype, "--decoupled", "--name-prefix", "d_",
+          *args.forge_args.split())
+    for part in (root / "stream").iterdir():
+        if part.is_dir():
+            shutil.copytree(part, repo / part.name)
     if not args.no_seed:
         build(model_dir, root / "seed", "--target", "hf-pipeline", "--dtype", args.dtype, "--name-prefix", "seed_")
         shutil.copytree(root / "seed" / "seed_ensemble", repo / "seed_ensemble")
@@ -289,11 +393,13 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
     with TritonServer(repo, startup_timeout=900) as server:
         greedy = check_greedy(server, model_dir, tokenizer, served_dtype)
         print(f"{shape}: served greedy ids vs transformers ({served_dtype}): {json.dumps(greedy)}", flush=True)
-        for name, model, levels in (("forge default build", "ensemble", (1, 16, 64)),
-                                    ("seed-000 hf-pipeline", "seed_ensemble", () if args.no_seed else (1, 16))):
+        for name, model, levels, stream in (("forge default build", "ensemble", (1, 16, 64), False),
+                                            ("forge --decoupled build, streamed", "d_ensemble", (16, 64), True),
+                                            ("seed-000 hf-pipeline", "seed_ensemble", () if args.no_seed else (1, 16),
+                                             False)):
             for c in levels:
                 count = max(2 * c, 8) if name.startswith("seed") else max(args.requests, c)
-                summary = load(server, model, tokenizer, c, count, args.max_tokens)
+                summary = load(server, model, tokenizer, c, count, args.max_tokens, stream=stream)
                 summary.update({"run": f"{shape} {name}, c={c}", "concurrency": c, "server": name})
                 rows.append(summary)
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s", flush=True)
@@ -305,6 +411,106 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
     if ratio is not None:
         print(f"{shape}: forge default / seed-000 model generated tok/s at concurrency 16: {ratio:.1f}x")
     return {"greedy": greedy, "rows": rows, "ratio_c16": ratio, "runtime": runtime}
+
+
+def served_share(entry: dict) -> list[dict]:
+    """Served tok/s (non-streamed, default build) as a share of the engine alone's decode tok/s at the same
+    concurrency (the engine's default step form)."""
+    from forge.served.decoder_engine.forge_decoder import graphs
+
+    engine = {r["rows"]: r["tokens_per_s"] for r in entry.get("engine", [])
+              if r["cuda_graphs"] == "true" and r["attention"] == graphs.ATTENTION}
+    shares = []
+    for row in entry.get("rows", []):
+        if row["server"] == "forge default build" and row["concurrency"] in engine and row["tokens_per_s"]:
+            share = row["tokens_per_s"] / engine[row["concurrency"]]
+            shares.append({"concurrency": row["concurrency"], "served_tokens_per_s": row["tokens_per_s"],
+                           "engine_tokens_per_s": engine[row["concurrency"]], "share": round(share, 3)})
+            print(f"  served / engine alone at c={row['concurrency']}: {share:.0%}", flush=True)
+    return shares
+
+
+def kernel_log() -> list[str]:
+    """Kernel log lines about crashed processes (segfaults, traps), where this machine lets us read them."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ["(kernel log not readable here)"]
+    return [line for line in text.splitlines() if "segfault" in line or "traps:" in line or "general protection" in line]
+
+
+def soak(args) -> dict:
+    """Every shape's default build in one tritonserver; closed-loop load at ``--soak-concurrency`` on each
+    model's ensemble at once for ``--soak`` seconds (each request bounded by ``--soak-timeout``: one that
+    runs past it counts as hung), then a stop. Reports per model sent / succeeded / errors / hung, the
+    server's exit status, crash lines in its log and new segfault lines in the kernel log."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from forge.serving import bench
+    from forge.serving.client import GrpcSession
+    from forge.serving.server import TritonServer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+    before = kernel_log()
+    report = {"seconds": args.soak, "concurrency": args.soak_concurrency, "timeout_s": args.soak_timeout, "models": {}}
+    with tempfile.TemporaryDirectory(prefix="forge-gpu-soak-") as scratch:
+        root = Path(scratch)
+        repo = root / "repo"
+        repo.mkdir()
+        for shape in args.shapes.split(","):
+            model_dir = make_model(shape, args.tokenizer, root / f"model-{shape}", args.dtype)
+            build(model_dir, root / shape, "--target", "python", "--dtype", args.dtype, "--name-prefix", f"{shape}_",
+                  *args.forge_args.split())
+            for part in (root / shape).iterdir():
+                if part.is_dir():
+                    shutil.copytree(part, repo / part.name)
+        log = root / "tritonserver.log"
+        server = TritonServer(repo, startup_timeout=900, log_file=log)
+        server.start()
+        end = time.monotonic() + args.soak
+
+        def drive(shape: str) -> None:
+            with GrpcSession(server.grpc_url) as session:
+                inputs = session.config(f"{shape}_ensemble")
+            target = bench.Target(inputs, stream=False, extra={"exclude_input_in_output": True},
+                                  count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+            samples, rounds, started = [], 0, time.perf_counter()
+            while time.monotonic() < end:
+                items = bench.prompts(prompts(tokenizer, 16), 4 * args.soak_concurrency, args.max_tokens)
+                got, _ = bench.run(server.grpc_url, target, items, concurrency=args.soak_concurrency,
+                                   timeout_s=args.soak_timeout)
+                samples += got
+                rounds += 1
+            wall = time.perf_counter() - started
+            summary = bench.summarize(samples, wall)
+            summary["hung"] = sum(1 for x in samples if x.error and ("timed out" in x.error.lower()
+                                                                      or "deadline" in x.error.lower()))
+            summary["rounds"] = rounds
+            report["models"][shape] = summary
+            print(f"  soak {shape}: {json.dumps({k: summary[k] for k in ('requests', 'succeeded', 'errors', 'hung', 'tokens_per_s', 'first_error')})}",
+                  flush=True)
+
+        drivers = [threading.Thread(target=drive, args=(shape,)) for shape in args.shapes.split(",")]
+        for t in drivers:
+            t.start()
+        for t in drivers:
+            t.join()
+        stopped = time.monotonic()
+        server.stop()
+        report["stop_s"] = round(time.monotonic() - stopped, 2)
+        report["exit_status"] = server.process.returncode
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        report["log_crash_lines"] = [line for line in text.splitlines()
+                                     if any(w in line for w in ("Segmentation fault", "segfault", "signal 11",
+                                                                "is not healthy", "core dumped"))][:20]
+    report["kernel_log_new"] = [line for line in kernel_log() if line not in before]
+    print(f"soak: stop {report['stop_s']} s, exit status {report['exit_status']}, crash lines in the server log "
+          f"{len(report['log_crash_lines'])}, new kernel-log crash lines {report['kernel_log_new']}", flush=True)
+    return report
 
 
 if __name__ == "__main__":

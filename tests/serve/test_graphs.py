@@ -120,6 +120,52 @@ def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind):
         decoder.prefill(ids[:1], [4])
 
 
+def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch):
+    """The replay path of a captured prefill on the CPU, the CUDA graph stood in for by the captured function
+    run on its static inputs: two prompts (widths 5 and 11) go in the (2, 16) bucket, a third alone in (1, 16);
+    logits, picks and slots equal the eager prefill's, and slots past the admitted ones stay untouched."""
+    model = _model("llama")
+
+    class Replayed:
+        def __init__(self, run):
+            self.replay = run
+
+    def capture(self, rows, columns):
+        ids = torch.zeros((rows, columns), dtype=torch.long)
+        slots = torch.full((rows,), self.spare_slot, dtype=torch.long)
+        last = torch.zeros(rows, dtype=torch.long)
+        logits, picks = (t.clone() for t in self._prefill_logits(ids, slots, last))
+
+        def run():
+            for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last)):
+                out.copy_(value)
+
+        self.prefill_graphs[(rows, columns)] = (Replayed(run), (ids, slots, last), logits, picks)
+
+    eager = graphs.decoder_for(model, 4, 64, capture=False)
+    captured = graphs.decoder_for(model, 4, 64, capture=False)
+    captured.prefill_capture = True
+    monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill", capture)
+    prompts = [[5, 17, 30, 4, 8], list(range(40, 51))], [[9, 9, 2]]
+    with torch.no_grad():
+        for batch in prompts:
+            ids = torch.zeros((len(batch), max(map(len, batch))), dtype=torch.long)
+            for i, prompt in enumerate(batch):
+                ids[i, :len(prompt)] = torch.tensor(prompt)
+            lengths = [len(p) for p in batch]
+            want, got = eager.prefill(ids, lengths), captured.prefill(ids, lengths)
+            torch.testing.assert_close(got, want)
+            (tokens, logprobs), (want_tokens, want_logprobs) = captured.greedy(len(batch)), eager.greedy(len(batch))
+            assert tokens == want_tokens and logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    assert sorted(captured.prefill_graphs) == [(1, 16), (2, 16)]
+    for layer in range(len(captured.keys)):
+        for slot, length in enumerate((5, 11, 3)):  # past a prompt's length: padding nobody attends to
+            torch.testing.assert_close(captured.keys[layer][slot, :, :length], eager.keys[layer][slot, :, :length])
+            torch.testing.assert_close(captured.values[layer][slot, :, :length], eager.values[layer][slot, :, :length])
+        assert not captured.keys[layer][3].any()  # the fourth slot: nobody's
+    assert captured.used == 3
+
+
 def test_sampled_and_processed_rows_share_the_static_step():
     """A row with a repetition penalty and a sampled row beside a greedy one: the graph's argmax is used
     only when every row is plain greedy; the others go through the sampler (seeded: reproducible)."""

@@ -207,6 +207,11 @@ def test_concurrent_requests_of_mixed_lengths(server, tokenizer, hf_model):
         t.join(120)
     for i, (ids, n) in enumerate(jobs):
         assert results[i] == ids + hf_greedy(hf_model, ids, n), f"request {i}"
+    # sequences finishing in the same step all leave the gauge (it once stayed above 0 when idle)
+    deadline = time.monotonic() + 10
+    while metric(server, "forge_decoder_sequences", model="tensorrt_llm") != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "forge_decoder_sequences", model="tensorrt_llm") == 0
 
 
 def seed_input(merged_repo, model="tensorrt_llm") -> str:

@@ -2,17 +2,20 @@
 
 forge copies this file to ``<repository>/tensorrt_llm/1/model.py``, the runtime package beside it
 (``forge_decoder/``) and the Hugging Face weights to ``1/hf/``. ``execute`` only checks and queues
-requests; a continuous-batching engine thread generates and answers through each request's response
-sender, so requests of different lengths share decoding steps and new ones join at any step. In
-decoupled mode streaming requests get one response per generated token.
+requests; a continuous-batching engine thread generates, so requests of different lengths share
+decoding steps and new ones join at any step, and hands every update to a sender thread, which builds
+the responses and sends them while the engine runs its next step (on a GPU the engine waits for the
+device without the GIL). In decoupled mode streaming requests get one response per generated token.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +85,13 @@ class _Request:
             self.model.forget(self)
 
     def on_update(self, seq: engine_mod.Sequence, update: engine_mod.Update) -> None:
-        """Engine callback (engine thread): send what the update completes."""
+        """Engine callback (engine thread): queue the update for the sender thread with what it reads of the
+        sequence as of now (the engine goes on appending to it)."""
+        self.model.outbox.put((self, seq, update, _Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns,
+                                                            len(seq.output))))
+
+    def deliver(self, seq: engine_mod.Sequence, update: engine_mod.Update, progress: "_Progress") -> None:
+        """Sender thread: send what the update completes."""
         self.model.count(update)
         with self.lock:
             if self.done:
@@ -98,7 +107,7 @@ class _Request:
                 if update.tokens:
                     first = seq not in self.started
                     self.started.add(seq)
-                    self._send([self._row(seq, update.tokens, update.logprobs, update.generation_logits,
+                    self._send([self._row(seq, progress, update.tokens, update.logprobs, update.generation_logits,
                                           context=first)], last)
                 elif last:
                     self._send(None, True)
@@ -106,22 +115,31 @@ class _Request:
             if not update.finished:
                 return
             ids = seq.output if req.exclude_input else req.prompt + seq.output
-            self.results[req.batch_index] = self._row(seq, ids, seq.logprobs, seq.generation_logits,
+            self.results[req.batch_index] = self._row(seq, progress, ids, seq.logprobs, seq.generation_logits,
                                                       context=True)
             if self.model.decoupled:
                 self._send([self.results[req.batch_index]], last)
             elif last:
                 self._send([self.results[i] for i in sorted(self.results)], True)
 
-    def _row(self, seq, ids, logprobs, generation_logits, context: bool = False) -> RowResult:
+    def _row(self, seq, progress: "_Progress", ids, logprobs, generation_logits, context: bool = False) -> RowResult:
         req = seq.request
-        return RowResult(ids=list(ids), logprobs=list(logprobs), cum_logprob=float(sum(seq.logprobs)),
+        return RowResult(ids=list(ids), logprobs=list(logprobs), cum_logprob=progress.cum_logprob,
                          want_logprobs=req.return_log_probs,
                          context_logits=seq.context_logits if context else None,
                          generation_logits=list(generation_logits), batch_index=req.batch_index,
                          arrival_ns=seq.arrival_ns, scheduled_ns=seq.scheduled_ns,
-                         first_token_ns=seq.first_token_ns, last_token_ns=seq.last_token_ns,
-                         input_tokens=len(req.prompt), output_tokens=len(seq.output))
+                         first_token_ns=progress.first_token_ns, last_token_ns=progress.last_token_ns,
+                         input_tokens=len(req.prompt), output_tokens=progress.output_tokens)
+
+
+class _Progress(NamedTuple):
+    """A sequence's running figures when the engine reported an update."""
+
+    cum_logprob: float
+    first_token_ns: int
+    last_token_ns: int
+    output_tokens: int
 
 
 class TritonPythonModel:
@@ -174,10 +192,13 @@ class TritonPythonModel:
             raise ValueError("-o cuda_graphs=true: tensor-parallel ranks decode through the Hugging Face forward")
         else:
             graphs = "off (tensor-parallel ranks decode through the Hugging Face forward)"
-        self.engine.start()
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # (request, sequence, update, progress); None: stop
+        self.sender = threading.Thread(target=self._send_loop, name="forge-sender", daemon=True)
+        self.sender.start()
+        self.engine.start()
         pb_utils.Logger.log_info(
             f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, tp {tp}, "
             f"{torch.get_num_threads()} torch threads), "
@@ -226,7 +247,16 @@ class TritonPythonModel:
             self.unpublished_tokens = 0
             if update.reason in self.finished:
                 self.finished[update.reason].increment(1)
-            self.busy_gauge.set(max(0, self.engine.busy - 1))
+            self.busy_gauge.set(self.engine.busy)
+
+    def _send_loop(self) -> None:
+        while (item := self.outbox.get()) is not None:
+            request, seq, update, progress = item
+            try:
+                request.deliver(seq, update, progress)
+            except Exception as exc:  # one request's failure must not stop everyone's responses
+                self.log_warn(f"could not answer request {request.request_id!r}: {type(exc).__name__}: {exc}")
+                request.cancel()
 
     def log_warn(self, message: str) -> None:
         pb_utils.Logger.log_warn(message)
@@ -283,11 +313,14 @@ class TritonPythonModel:
             raise RequestError("this model was built without LoRA modules; leave out lora_task_id / lora_weights")
 
     def finalize(self):
-        """Stop before the stub tears down (issue 36): the engine thread ends (bounded wait) failing what it held,
-        whatever is still pending gets its error now, and every response sender and metric is released while the
+        """Stop before the stub tears down: the engine thread ends (bounded wait) failing what it held, the
+        sender thread sends what the engine reported (bounded wait), whatever is still pending gets its error now, and every response sender and metric is released while the
         stub's channels still work (one destroyed during interpreter teardown crashes the stub). A request's
         sender is then a closed one: an engine thread still inside a step sends nothing after this returns."""
         ended = self.engine.stop(timeout=5.0)
+        self.outbox.put(None)  # the sender answers what the engine reported up to here, then stops
+        sent = _joined(self.sender, 5.0)
+        ended = ended and sent
         with self.lock:
             left = list(self.requests.values())
             self.requests.clear()
@@ -311,6 +344,11 @@ class TritonPythonModel:
         import gc
 
         gc.collect()
+
+
+def _joined(thread: threading.Thread, timeout: float) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()
 
 
 class _ClosedSender:

@@ -51,6 +51,7 @@ class Sequence:
     generated: int = 0
     output: list[int] = field(default_factory=list)  # generated tokens reported to the owner
     logprobs: list[float] = field(default_factory=list)
+    cum_logprob: float = 0.0  # sum of ``logprobs``
     context_logits: np.ndarray | None = None
     generation_logits: list[np.ndarray] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -203,6 +204,7 @@ class Engine:
                 raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
             return f"off ({reason})"
         self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture)
+        self.graphs.log = self.log
         return (f"on ({self.graphs.nbytes / 2**20:.0f} MiB static KV cache)" if self.graphs.capture
                 else "static KV cache, eager (no capture)")
 
@@ -236,8 +238,8 @@ class Engine:
 
     @property
     def busy(self) -> int:
-        """Sequences waiting or running."""
-        return len(self._pending) + len(self._active)
+        """Sequences waiting or running (a finished one still in the batch until the step ends is not)."""
+        return len(self._pending) + sum(not s.finished for s in list(self._active))
 
     # -- the loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -486,6 +488,7 @@ class Engine:
             seq.tokens.append(token)
             seq.output.append(token)
             seq.logprobs.append(logprob)
+            seq.cum_logprob += logprob
             gen_logits = [raw[i]] if raw is not None and req.return_generation_logits else []
             seq.generation_logits.extend(gen_logits)
             reason = None

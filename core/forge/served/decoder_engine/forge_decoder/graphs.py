@@ -12,6 +12,8 @@ bucket, column bucket) and replayed with one launch.
   (``scaled_dot_product_attention``: flash attention on a GPU), keys and values written straight
   into the new rows' slots at their positions. Columns past a prompt's end hold padding that no
   row attends to (a row at position p attends to columns [0, p]) until its own tokens overwrite them.
+  It is captured too, per (prompt bucket, width bucket) up to PREFILL_GRAPH_TOKENS padded tokens:
+  prompts past the ones admitted in a bucket write into a spare slot after the last row.
 * Slots follow the engine's row order: ``keep`` packs the rows that stay to the front.
 * Rows past the running ones in a bucket, and the warm-up before a capture, write into one spare
   column at the end of every slot, which no row ever attends to.
@@ -38,6 +40,8 @@ GPT2_STYLE = ("GPT2LMHeadModel",)
 ATTENTION = "sdpa"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
+FIRST_PREFILL_COLUMNS = 16  # prefill widths are captured in buckets 16, 32, 64, ...
+PREFILL_GRAPH_TOKENS = 8192  # larger prefills (prompts × width bucket) run eagerly: launches no longer matter
 MODES = ("auto", "true", "false")  # -o cuda_graphs
 
 
@@ -124,9 +128,10 @@ def attention_shape(config) -> tuple[int, int, int]:
 
 
 def cache_bytes(model, rows: int, max_len: int) -> int:
-    """Bytes of the static KV cache a decoder for ``model`` allocates (keys and values, every layer)."""
+    """Bytes of the static KV cache a decoder for ``model`` allocates (keys and values, every layer; one
+    spare slot for the padding of captured prefills)."""
     _, kv, dim = attention_shape(model.config)
-    return (2 * int(model.config.num_hidden_layers) * rows * kv * (max_len + 1) * dim
+    return (2 * int(model.config.num_hidden_layers) * (rows + 1) * kv * (max_len + 1) * dim
             * next(model.parameters()).element_size())
 
 
@@ -151,7 +156,8 @@ class GraphDecoder:
         self.rows, self.max_len = rows, max_len
         self.attention = ATTENTION
         self.spare = max_len  # the column no row attends to
-        shape = (rows, self.kv_heads, max_len + 1, self.head_dim)
+        self.spare_slot = rows  # the slot no row uses: padded prompts of a captured prefill write there
+        shape = (rows + 1, self.kv_heads, max_len + 1, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.columns = torch.arange(max_len + 1, device=self.device)
@@ -163,6 +169,10 @@ class GraphDecoder:
         self.staging = torch.zeros((2, rows), dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.capture = capture and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (prompts, width) bucket → (graph, (ids, slots, last) inputs, logits, picks)
+        self.prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self.prefill_capture = self.capture  # off after a capture that failed (then prefill runs eagerly)
+        self.log = print
         self.picks: torch.Tensor | None = None  # [rows, 2]: each row's argmax token and its log-probability
         self.pool = None
         self.used = 0  # slots holding running sequences
@@ -180,9 +190,9 @@ class GraphDecoder:
         modules (hooks apply) instead of fused weights."""
         raise NotImplementedError
 
-    def _prefill(self, h: torch.Tensor, first: int, modules: bool) -> torch.Tensor:
+    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
         """The layers over prompts ``h`` [n, width, hidden] (token embeddings, right-padded), writing their
-        keys and values into slots [first, first + n) at columns [0, width); the final hidden states."""
+        keys and values into ``slots`` [n] at columns [0, width); the final hidden states."""
         raise NotImplementedError
 
     @property
@@ -213,24 +223,84 @@ class GraphDecoder:
         """Prompts ``ids`` [n, width] (right-padded; row i holds ``lengths[i]`` tokens) into the next free
         slots: logits of each prompt's last token [n, vocab] (``greedy`` has their argmax), or with
         ``all_logits`` every position's [n, width, vocab]. ``embeds`` [n, width, hidden] replaces the
-        token embeddings (prompt tables); ``modules`` as in ``step``."""
+        token embeddings (prompt tables); ``modules`` as in ``step``. Plain prefills replay a graph of their
+        bucket on a GPU."""
         n, width = ids.shape
         first = self.used
         if first + n > self.rows:
             raise RuntimeError(f"{first + n} rows do not fit the {self.rows} slots")
         if width >= self.max_len:
             raise RuntimeError(f"a prompt of {width} tokens does not fit {self.max_len} columns")
-        h = self._prefill(self.embed(ids) if embeds is None else embeds, first, modules)
+        slots = torch.arange(first, first + n, device=self.device)
         last = torch.tensor([length - 1 for length in lengths], device=self.device)
-        picked = torch.arange(n, device=self.device)
-        if all_logits:
-            logits = self.head(self._final_norm(h))
-            _, self.picks = self._picks(logits[picked, last])
+        bucket = self._prefill_bucket(n, width)
+        if bucket is not None and embeds is None and not all_logits and not modules:
+            logits = self._replay_prefill(bucket, ids, slots, last)
         else:
-            logits, self.picks = self._picks(self.head(self._final_norm(h[picked, last])))
+            logits, self.picks = self._prefill_logits(ids, slots, last, embeds, all_logits, modules)
         self.used += n
         self.filled = max(self.filled, width)
         return logits
+
+    def _prefill_logits(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+                        embeds: torch.Tensor | None = None, all_logits: bool = False,
+                        modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill's arithmetic (what a prefill graph captures): logits and picks of the last tokens."""
+        h = self._prefill(self.embed(ids) if embeds is None else embeds, slots, modules)
+        picked = torch.arange(ids.shape[0], device=self.device)
+        if all_logits:
+            logits = self.head(self._final_norm(h))
+            return logits, self._picks(logits[picked, last])[1]
+        return self._picks(self.head(self._final_norm(h[picked, last])))
+
+    def _prefill_bucket(self, n: int, width: int) -> tuple[int, int] | None:
+        """The captured (prompts, width) bucket for a prefill, or None: run it eagerly."""
+        if not self.prefill_capture:
+            return None
+        rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
+        columns = FIRST_PREFILL_COLUMNS
+        while columns < width:
+            columns *= 2
+        if columns > self.max_len or rows * columns > PREFILL_GRAPH_TOKENS:
+            return None
+        return rows, columns
+
+    def _replay_prefill(self, bucket: tuple[int, int], ids: torch.Tensor, slots: torch.Tensor,
+                        last: torch.Tensor) -> torch.Tensor:
+        if bucket not in self.prefill_graphs:
+            try:
+                self._capture_prefill(*bucket)
+            except Exception as exc:  # run every later prefill eagerly rather than fail requests
+                self.prefill_capture = False
+                self.log(f"forge decoder: prefill runs eagerly: capturing it failed ({type(exc).__name__}: {exc})")
+                logits, self.picks = self._prefill_logits(ids, slots, last)
+                return logits
+        graph, (ids_in, slots_in, last_in), logits, picks = self.prefill_graphs[bucket]
+        n, width = ids.shape
+        ids_in.zero_()
+        ids_in[:n, :width].copy_(ids)
+        slots_in.fill_(self.spare_slot)
+        slots_in[:n].copy_(slots)
+        last_in.zero_()
+        last_in[:n].copy_(last)
+        graph.replay()
+        self.picks = picks[:n]
+        return logits[:n]
+
+    def _capture_prefill(self, rows: int, columns: int) -> None:
+        ids = torch.zeros((rows, columns), dtype=torch.long, device=self.device)
+        slots = torch.full((rows,), self.spare_slot, dtype=torch.long, device=self.device)
+        last = torch.zeros(rows, dtype=torch.long, device=self.device)
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up: every prompt writes into the spare slot
+            self._prefill_logits(ids, slots, last)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits, picks = self._prefill_logits(ids, slots, last)
+        self.pool = graph.pool()
+        self.prefill_graphs[(rows, columns)] = (graph, (ids, slots, last), logits, picks)
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
@@ -266,6 +336,8 @@ class GraphDecoder:
 
     def greedy(self, n: int) -> tuple[list[int], list[float]]:
         """The last step's argmax token of each of the first ``n`` rows and its log-probability."""
+        if self.device.type == "cuda":  # wait for the step without the GIL: the response sender runs meanwhile
+            torch.cuda.current_stream(self.device).synchronize()
         picks = self.picks[:n].tolist()
         return [int(t) for t, _ in picks], [lp for _, lp in picks]
 
@@ -372,11 +444,10 @@ class LlamaDecoder(GraphDecoder):
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return _norm(self.norm, h)
 
-    def _prefill(self, h: torch.Tensor, first: int, modules: bool) -> torch.Tensor:
+    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
         n, width = h.shape[:2]
         heads, kv, dim = self.heads, self.kv_heads, self.head_dim
         cos, sin = self.cos[:width], self.sin[:width]  # [width, heads + kv, dim]: position = column
-        slots = slice(first, first + n)
         for i, (layer, (wqkv, bqkv), (wgu, bgu)) in enumerate(zip(self.layers, self.qkv, self.gate_up)):
             attn, mlp = layer.self_attn, layer.mlp
             x = _norm(layer.input_layernorm, h)
@@ -391,8 +462,8 @@ class LlamaDecoder(GraphDecoder):
             swapped = qk.reshape(n, width, heads + kv, 2, dim // 2).flip(3).view(n, width, heads + kv, dim)
             qk = torch.addcmul(qk * cos, swapped, sin)
             q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
-            self.keys[i][slots, :, :width] = k
-            self.values[i][slots, :, :width] = v
+            self.keys[i][:, :, :width].index_copy_(0, slots, k)
+            self.values[i][:, :, :width].index_copy_(0, slots, v)
             out = _causal(q, k, v, 1.0).transpose(1, 2).reshape(n, width, heads * dim)  # q carries the scale
             if modules:
                 h = h + attn.o_proj(out)
@@ -437,16 +508,15 @@ class GPT2Decoder(GraphDecoder):
             h = h + layer.mlp(layer.ln_2(h))
         return self._picks(self.head(self.norm(h)))
 
-    def _prefill(self, h: torch.Tensor, first: int, modules: bool) -> torch.Tensor:
+    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
         n, width = h.shape[:2]
         heads, dim = self.heads, self.head_dim
         h = h + self.positions(torch.arange(width, device=self.device))
-        slots = slice(first, first + n)
         for i, layer in enumerate(self.layers):
             q, k, v = (t.transpose(1, 2) for t in
                        layer.attn.c_attn(layer.ln_1(h)).view(n, width, 3, heads, dim).unbind(2))
-            self.keys[i][slots, :, :width] = k
-            self.values[i][slots, :, :width] = v
+            self.keys[i][:, :, :width].index_copy_(0, slots, k)
+            self.values[i][:, :, :width].index_copy_(0, slots, v)
             h = h + layer.attn.c_proj(_causal(q, k, v, self.scales[i]).transpose(1, 2).reshape(n, width, heads * dim))
             h = h + layer.mlp(layer.ln_2(h))
         return h
