@@ -303,3 +303,29 @@ def test_automatic_runtime_choices_follow_the_device(monkeypatch):
     monkeypatch.setattr(eng, "cpu_has_bf16", lambda: False)
     assert eng.choose_threads(cpu, 0, torch.bfloat16) == 3  # emulated bf16 is memory-bound like float32
     assert eng.choose_rows(cpu, 0, 8) == 8 and eng.choose_rows(gpu, 0, 8) == 64 and eng.choose_rows(gpu, 5, 8) == 5
+
+
+def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(model):
+    """With sequences running, a lone arrival waits (up to admit_wait_ns) for others to share its prefill; 16
+    running admit once 16 // ADMIT_SHARE are waiting or the oldest waited long enough; with nothing running
+    it is admitted at once. (On a CPU admit_wait_ns is 0: every arrival is admitted at the next step.)"""
+    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
+
+    engine = engine_for(model, max_rows=32)
+    assert engine.admit_wait_ns == 0
+    engine.admit_wait_ns = 10**12  # a GPU's gathering, with a wait no test outlives
+    running = [Sequence(GenerationRequest([5, 6, 7], 50), lambda s, u: None) for _ in range(16)]
+    engine.submit(running)
+    engine.step()
+    assert len(engine._active) == 16  # nothing ran: admitted at once
+    late = [Sequence(GenerationRequest([9, 3], 5), lambda s, u: None) for _ in range(16 // engine_mod.ADMIT_SHARE)]
+    engine.submit(late[:-1])
+    engine.step()
+    assert len(engine._active) == 16 and len(engine._pending) == len(late) - 1
+    engine.submit(late[-1:])
+    engine.step()
+    assert len(engine._active) == 16 + len(late) and not engine._pending
+    engine.admit_wait_ns = 1  # the oldest has waited long enough: admitted alone
+    engine.submit([Sequence(GenerationRequest([4], 5), lambda s, u: None)])
+    engine.step()
+    assert not engine._pending
