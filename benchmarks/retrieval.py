@@ -1,6 +1,7 @@
 """The vector store behind ``search_text``: Milvus (Lite or a server) against numpy and FAISS, then end to end.
 
     python benchmarks/retrieval.py [--vectors 100000] [--queries 1000] [--ef 64] [--store URI] [--no-e2e] [--json]
+                                   [--json-out FILE]
 
 Store part: ``--vectors`` synthetic 384-d unit vectors (MiniLM-sized; drawn around 2000 cluster
 centres, as sentence embeddings cluster by topic) are written to an embedded Milvus Lite collection
@@ -20,6 +21,9 @@ End to end (unless ``--no-e2e``): the real all-MiniLM-L6-v2 built with ``--store
 ``--target python``, 500 generated sentences indexed with ``forge index``, the repository served by
 tritonserver, and ``search_text`` asked one query at a time over HTTP: p50/p99 of the whole request
 (tokenizer → encoder → retriever → Milvus).
+
+The table is written to benchmarks/results/retrieval_lite-<date>.json, or retrieval_server-<date>.json
+with ``--store`` (``--json-out``): the tables the docs show.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import gen_docs  # noqa: E402 - the results file shape the docs read
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -195,6 +202,46 @@ def bench_end_to_end(workdir: Path, uri: str | None, requests: int = 200) -> dic
     return {"search_text": percentiles(times), "requests": requests, "collection": 500}
 
 
+def table(report: dict) -> list[tuple[str, dict]]:
+    """(store, its entry) in the order shown: Milvus, numpy exact, then FAISS."""
+    milvus = report["milvus"]
+    if milvus["server"]:
+        name = f"Milvus {milvus['server']} server, {milvus['index']}"
+    else:
+        from importlib import metadata
+
+        name = f"Milvus Lite {metadata.version('milvus-lite')}, {milvus['index']} (forge's default store)"
+    rows = [(name, milvus), ("numpy exact (one matrix-vector product)", report["numpy_exact"])]
+    names = {"flat": "FAISS IndexFlatIP (exact)", "hnsw": "FAISS IndexHNSWFlat"}
+    return rows + [(names.get(key, key), entry) for key, entry in report["faiss"].items() if isinstance(entry, dict)]
+
+
+def write_results(args: argparse.Namespace, report: dict, machine: str) -> None:
+    """The store table as the generic results table the docs show; end to end in its notes."""
+    def ingest(entry: dict) -> object:
+        return round(entry["ingest_vectors_per_s"]) if "ingest_vectors_per_s" in entry else "—"
+
+    rows = [[name if c == 1 else "", ingest(entry) if c == 1 else "", c, f"{entry[f'c{c}']['p50_ms']:.2f}",
+             f"{entry[f'c{c}']['p99_ms']:.2f}", round(entry[f"c{c}"]["qps"]), f"{entry[f'c{c}']['recall@10']:.4f}"]
+            for name, entry in table(report) for c in (1, 8)]
+    config = report["config"]
+    notes = ""
+    if "end_to_end" in report:
+        e2e = report["end_to_end"]
+        notes = (f"End to end through the same store, `search_text` (tokenizer → MiniLM → retriever → Milvus, "
+                 f"{e2e['collection']} documents, {e2e['requests']} requests one at a time over HTTP): "
+                 f"p50 {e2e['search_text']['p50_ms']:.1f} ms, p99 {e2e['search_text']['p99_ms']:.1f} ms.")
+    gen_docs.write_results(
+        "retrieval_server" if args.store else "retrieval_lite", out=args.json_out, machine_line=machine,
+        title=f"Vector search: {'a Milvus server' if args.store else 'Milvus Lite'}, numpy and FAISS",
+        description=f"{config['vectors']} synthetic {config['dim']}-d unit vectors in 2000 clusters, "
+                    f"{config['queries']} queries, k = {config['k']}, HNSW M {config['hnsw']['M']} / "
+                    f"efConstruction {config['hnsw']['efConstruction']} / ef {config['ef']}, one query per call; "
+                    "c: queries in flight.",
+        columns=["store", "ingest vectors/s", "c", "p50 ms", "p99 ms", "queries/s", "recall@10"], rows=rows,
+        notes=notes, report=report)
+
+
 def main_() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vectors", type=int, default=100_000)
@@ -203,8 +250,10 @@ def main_() -> None:
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end search_text run")
     parser.add_argument("--store", metavar="URI", help="a Milvus server (http://host:19530, token from "
                         "MILVUS_TOKEN) instead of a Milvus Lite file; its collection forge_bench is replaced")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="also print the report as json")
+    gen_docs.add_results_arguments(parser, "retrieval_lite or retrieval_server")
     args = parser.parse_args()
+    load = os.getloadavg()
     config = {"vectors": args.vectors, "dim": DIM, "queries": args.queries, "k": K, "ef": args.ef,
               "hnsw": {"M": 16, "efConstruction": 200}, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
     data, queries = synthetic(args.vectors, args.queries)
@@ -217,16 +266,14 @@ def main_() -> None:
         if not args.no_e2e:
             with contextlib.redirect_stdout(sys.stderr):  # forge build / index print their summaries
                 report["end_to_end"] = bench_end_to_end(Path(tmp), args.store)
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        write_results(args, report, gen_docs.machine(args.machine_note, load))
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"config: {json.dumps(config)}")
-    milvus = report["milvus"]
-    name = f"Milvus {milvus['server']} " if milvus["server"] else "Milvus Lite "
-    rows = [(name + milvus["index"], milvus), ("numpy exact", report["numpy_exact"])]
-    rows += [(f"FAISS {name}", entry) for name, entry in report["faiss"].items() if isinstance(entry, dict)]
     print(f"{'store':<28} {'ingest vec/s':>12} {'c':>2} {'p50 ms':>8} {'p99 ms':>8} {'qps':>8} {'recall@10':>9}")
-    for name, entry in rows:
+    for name, entry in table(report):
         for c in (1, 8):
             stats = entry[f"c{c}"]
             ingest = entry.get("ingest_vectors_per_s", "-") if c == 1 else ""

@@ -9,9 +9,14 @@ Both are greedy and get the same chat-templated prompts; both run in one real tr
 environment variable is set. Closed-loop load at concurrency 1 and 8, 32 new tokens; generated tokens
 are counted with the model's tokenizer in the text each returns (requests ask for the generated text
 only: ``exclude_input_in_output``, an input both models honour). Prints both configurations,
-req/s, generated tokens/s, p50/p99 latency and the tokens/s ratio at concurrency 8 (goal ≥ 4×).
+req/s, generated tokens/s, p50/p99 latency and the tokens/s ratio at concurrency 8 (goal ≥ 4×), and
+writes them to benchmarks/results/serve_decoder-<date>.json (``--json-out``), the table the docs show.
 
-    python benchmarks/serve_decoder.py [--model smollm2|HF_DIR] [--requests 32] [--json-out FILE]
+``--forge-bench`` measures the same two builds with ``forge bench --compare`` instead, as a user runs it
+(each repository served for its turn, ``--sweep 1,4``, 8 requests per load, 16 new tokens), and writes
+its comparison to benchmarks/results/forge_bench_compare-<date>.json.
+
+    python benchmarks/serve_decoder.py [--model smollm2|HF_DIR] [--requests 32] [--forge-bench] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import gen_docs  # noqa: E402 - the results file shape the docs read
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -37,6 +46,7 @@ PROMPTS = [
     "List some healthy breakfast ideas and explain why they are healthy.",
 ]
 SEED = "seed_"  # name prefix of the hf-pipeline build
+BASELINE = "hf-pipeline baseline"
 
 
 def build(model_dir: Path, out: Path, family: str, *extra: str) -> dict:
@@ -96,13 +106,39 @@ def measure(url: str, model: str, tokenizer, concurrency: int, requests: int, ma
     return bench.summarize(samples, wall)
 
 
+def forge_bench(default: Path, baseline: Path, scratch: Path, plot: Path | None) -> dict:
+    """``forge bench --compare`` of the two repositories as a user types it, run as its own process; its json."""
+    prompts = scratch / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    argv = ["bench", "--compare", default.name, baseline.name, "--baseline", baseline.name, "--sweep", "1,4",
+            "--plot", str(plot or scratch / "bench.png"), "prompts", "--prompts-file", prompts.name,
+            "--chat-template", "--output-len", "16", "--num-requests", "8"]
+    print("$ forge " + " ".join(argv), flush=True)
+    done = subprocess.run([sys.executable, "-m", "forge", *argv, "--json"], cwd=scratch, stdout=subprocess.PIPE,
+                          text=True)
+    if done.returncode != 0:
+        sys.exit(f"benchmark: forge bench failed (exit {done.returncode})")
+    shown = ["forge", *argv]
+    shown[shown.index("--plot") + 1] = "PLOT.png"
+    return {"command": " ".join(shown), **json.loads(done.stdout)}
+
+
+def _ms(stats: dict | None, key: str) -> float | None:
+    value = (stats or {}).get(key)
+    return None if value is None else round(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 (the real SmolLM2-135M-Instruct) or an HF dir")
     parser.add_argument("--requests", type=int, default=32, help="requests per run at concurrency 8")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--forge-bench", action="store_true",
+                        help="measure with forge bench --compare --sweep 1,4 (one server at a time) instead")
+    parser.add_argument("--plot", type=Path, default=None, help="with --forge-bench: keep its plot (PNG) here")
+    gen_docs.add_results_arguments(parser, "serve_decoder / forge_bench_compare")
     args = parser.parse_args(argv)
+    load = os.getloadavg()
 
     import torch
     from transformers import AutoTokenizer
@@ -111,47 +147,85 @@ def main(argv: list[str] | None = None) -> int:
     from forge.serving.server import TritonServer
 
     if args.model == "smollm2":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
         import smollm2
 
         model_dir, label = smollm2.hf_dir(), "SmolLM2-135M-Instruct"
     else:
         model_dir, label = Path(args.model), Path(args.model).name
+    machine = gen_docs.machine(args.machine_note, load) + f", torch {torch.__version__}"
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    family = family_of(model_dir)
     rows = []
     with tempfile.TemporaryDirectory(prefix="forge-serve-bench-") as scratch:
-        family = family_of(model_dir)
-        default = build(model_dir, Path(scratch) / "default", family, "--target", "python")
-        build(model_dir, Path(scratch) / "seed", family, "--target", "hf-pipeline", "--name-prefix", SEED)
-        repo = Path(scratch) / "repo"
-        shutil.copytree(Path(scratch) / "default", repo, ignore=shutil.ignore_patterns("forge-manifest.json"))
-        shutil.copytree(Path(scratch) / "seed" / f"{SEED}ensemble", repo / f"{SEED}ensemble")
-        chosen = find_note(default, "python_target").get("runtime", {})
-        with TritonServer(repo, startup_timeout=900) as server:
-            for name, model in (("forge default build", "ensemble"), ("seed-000 hf-pipeline", f"{SEED}ensemble")):
-                for concurrency in (1, 8):
-                    count = max(4, args.requests // 4) if concurrency == 1 else args.requests
-                    started = time.perf_counter()
-                    summary = measure(server.grpc_url, model, tokenizer, concurrency, count, args.max_tokens)
-                    summary.update({"server": name, "concurrency": concurrency,
-                                    "run": f"{name}, c={concurrency}"})
-                    rows.append(summary)
-                    print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} generated tok/s "
-                          f"({time.perf_counter() - started:.0f}s)", flush=True)
+        if args.forge_bench:
+            slug = label.split("-")[0].lower()
+            default_dir, baseline_dir = Path(scratch) / f"{slug}-default", Path(scratch) / f"{slug}-hf-pipeline"
+            default = build(model_dir, default_dir, family, "--target", "python")
+            build(model_dir, baseline_dir, family, "--target", "hf-pipeline")
+            report = forge_bench(default_dir, baseline_dir, Path(scratch), args.plot)
+        else:
+            default = build(model_dir, Path(scratch) / "default", family, "--target", "python")
+            build(model_dir, Path(scratch) / "seed", family, "--target", "hf-pipeline", "--name-prefix", SEED)
+            repo = Path(scratch) / "repo"
+            shutil.copytree(Path(scratch) / "default", repo, ignore=shutil.ignore_patterns("forge-manifest.json"))
+            shutil.copytree(Path(scratch) / "seed" / f"{SEED}ensemble", repo / f"{SEED}ensemble")
+            with TritonServer(repo, startup_timeout=900) as server:
+                for name, model in (("forge default build", "ensemble"), (BASELINE, f"{SEED}ensemble")):
+                    for concurrency in (1, 8):
+                        count = max(4, args.requests // 4) if concurrency == 1 else args.requests
+                        started = time.perf_counter()
+                        summary = measure(server.grpc_url, model, tokenizer, concurrency, count, args.max_tokens)
+                        summary.update({"server": name, "concurrency": concurrency,
+                                        "run": f"{name}, c={concurrency}"})
+                        rows.append(summary)
+                        print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} generated tok/s "
+                              f"({time.perf_counter() - started:.0f}s)", flush=True)
+    chosen = find_note(default, "python_target").get("runtime", {})
+    here = chosen.get("on_this_machine") or {}
+    choice = (f"the default build chose {here['compute_dtype']} and {here['cpu_threads']} torch thread(s) on this "
+              "machine, as its manifest records" if {"compute_dtype", "cpu_threads"} <= set(here) else "")
+    if args.forge_bench:
+        return _write_forge_bench(report, label, machine, choice, args)
+
     by = {(r["server"], r["concurrency"]): r for r in rows}
-    ratio = by[("forge default build", 8)]["tokens_per_s"] / max(by[("seed-000 hf-pipeline", 8)]["tokens_per_s"], 1e-9)
+    ratio = by[("forge default build", 8)]["tokens_per_s"] / max(by[(BASELINE, 8)]["tokens_per_s"], 1e-9)
     print()
-    print(f"{label}, {args.max_tokens} new tokens, greedy, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}")
+    print(f"{label}, {args.max_tokens} new tokens, greedy; {machine}")
     print(f"  forge default build: --target python; its manifest: {json.dumps(chosen)}")
-    print("  seed-000 model: --target hf-pipeline: text-generation pipeline per request, float16, torch's "
+    print("  hf-pipeline baseline: --target hf-pipeline: text-generation pipeline per request, float16, torch's "
           f"default threads ({torch.get_num_threads()} here), max_batch_size 0, one instance")
     print(format_table(rows, label="run"))
-    print(f"forge default / seed-000 model, generated tokens/s at concurrency 8: {ratio:.1f}x (goal ≥ 4x)")
-    if args.json_out:
-        args.json_out.write_text(json.dumps({"model": label, "max_tokens": args.max_tokens, "rows": rows,
-                                             "default_build": chosen, "ratio_c8": ratio}, indent=2))
+    print(f"forge default / hf-pipeline baseline, generated tokens/s at concurrency 8: {ratio:.1f}x (goal ≥ 4x)")
+    table = [[r["server"], r["concurrency"], r["requests"], round(r["req_per_s"], 2), round(r["tokens_per_s"], 1),
+              _ms(r["latency_ms"], "p50"), _ms(r["latency_ms"], "p99"), r["errors"]] for r in rows]
+    gen_docs.write_results(
+        "serve_decoder", out=args.json_out, machine_line=machine, title="Decoder serving on a CPU",
+        description=f"{label}, {len(PROMPTS)} chat prompts, {args.max_tokens} new tokens, greedy, closed loop; "
+                    "the default build (`forge build --target python`, nothing else) against the hf-pipeline "
+                    "baseline (`--target hf-pipeline`), both in one tritonserver.",
+        columns=["model", "concurrency", "requests", "req/s", "generated tok/s", "p50 ms", "p99 ms", "errors"],
+        rows=table, notes=f"Generated tokens/s of the default build over the baseline at concurrency 8: "
+                          f"{ratio:.1f}× (goal ≥ 4×)" + (f"; {choice}." if choice else "."),
+        model=label, max_tokens=args.max_tokens, default_build=chosen, ratio_c8=round(ratio, 3), runs=rows)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+def _write_forge_bench(report: dict, label: str, machine: str, choice: str, args: argparse.Namespace) -> int:
+    """forge bench's comparison as the generic results table."""
+    runs = report["runs"]
+    table = [[r["target"], r["load"], round(r["req_per_s"], 2), round(r["tokens_per_s"], 1),
+              _ms(r["latency_ms"], "p50"), _ms(r["latency_ms"], "p90"), _ms(r["latency_ms"], "p99"), r["errors"],
+              f"{r['req_per_s_ratio']:.2f}×" if r.get("req_per_s_ratio") is not None else "—"] for r in runs]
+    gen_docs.write_results(
+        "forge_bench_compare", out=args.json_out, machine_line=machine,
+        title="forge bench --compare on a CPU",
+        description=f"{label}, the default build against the hf-pipeline build, one server at a time: "
+                    f"`{report['command']}` (prompts.txt: the {len(PROMPTS)} prompts of "
+                    "`benchmarks/serve_decoder.py`, one a line).",
+        columns=["target", "load", "req/s", "tok/s", "p50 ms", "p90 ms", "p99 ms", "errors", "× req/s"],
+        rows=table, notes=choice[:1].upper() + choice[1:] + "." if choice else "",
+        model=label, bench=report)
+    return 0 if all(r["errors"] == 0 for r in runs) else 1
 
 
 if __name__ == "__main__":

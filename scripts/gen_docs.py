@@ -4,7 +4,11 @@ Used two ways: as an mkdocs hook (``hooks:`` in mkdocs.yml), which adds the page
 without writing them into docs/, and as a script, ``python scripts/gen_docs.py --out DIR``, which
 writes them for reading. The sources are the public API only: the parser ``forge.cli`` builds, the
 plugin registry's families and their declared options, ``forge.hookspecs``, and the JSON files in
-benchmarks/results/.
+benchmarks/results/. A hand-written page shows a results file's table where it has the line
+``<!-- results: NAME -->`` (the newest ``benchmarks/results/NAME-*.json``, or ``NAME.json``).
+
+The benchmark scripts write those files through ``write_results`` (the generic table shape), so the
+shape is defined once, next to the code that reads it.
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ import argparse
 import inspect
 import json
 import os
+import platform
+import re
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -324,6 +332,31 @@ def _machine(data: dict) -> str:
     return ", ".join(p for p in parts if p) or "not recorded"
 
 
+class ResultsError(ValueError):
+    """A results file that cannot be shown: unreadable, of no known shape, or incomplete."""
+
+
+def _read_results(path: Path) -> tuple[str, str, dict, list[str]]:
+    """One results file → (reader key, title, the facts of its caption, its body); ResultsError if none fits."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ResultsError(f"not readable as JSON ({exc.__class__.__name__})") from None
+    reader = next((r for r in READERS if isinstance(data, dict) and r[2](data)), None)
+    if reader is None:
+        raise ResultsError("a shape no reader of scripts/gen_docs.py knows")
+    key, title, _, render = reader
+    date = str(data.get("date") or _git_date(path) or "")[:10] or "not recorded"
+    facts = {"command": _serve_gpu_command(data) if key == "serve_gpu" else _script_command(data["command"]),
+             "machine": _machine(data), "date": date,
+             "file": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)}
+    try:
+        body = render(path.name, data, {"date": date})
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ResultsError(f"its {key} shape is incomplete ({exc.__class__.__name__}: {exc})") from None
+    return key, data.get("title", title) if key == "table" else title, facts, body
+
+
 def performance_page(results: Path = RESULTS) -> str:
     """Every results file as a section: its command, machine and date, then its tables."""
     files = sorted(results.glob("*.json")) if results.is_dir() else []
@@ -331,31 +364,16 @@ def performance_page(results: Path = RESULTS) -> str:
     unknown: list[tuple[str, str]] = []
     summary = []
     for path in files:
-        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            unknown.append((path.name, f"not readable as JSON ({exc.__class__.__name__})"))
+            _, title, facts, body = _read_results(path)
+        except ResultsError as exc:
+            unknown.append((path.name, str(exc)))
             continue
-        reader = next((r for r in READERS if isinstance(data, dict) and r[2](data)), None)
-        if reader is None:
-            unknown.append((path.name, "a shape no reader of scripts/gen_docs.py knows"))
-            continue
-        key, title, _, render = reader
-        date = str(data.get("date") or _git_date(path) or "")[:10] or "not recorded"
-        command = _serve_gpu_command(data) if key == "serve_gpu" else _script_command(data["command"])
-        machine = _machine(data)
-        try:
-            body = render(path.name, data, {"date": date})
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            unknown.append((path.name, f"its {key} shape is incomplete ({exc.__class__.__name__}: {exc})"))
-            continue
-        title = data.get("title", title) if key == "table" else title
         head = [f"### `{path.name}`\n",
-                _table(["", ""], [["command", _code(command)], ["machine", _cell(machine)], ["date", date],
-                                  ["file", f"`{rel}`"]])]
+                _table(["", ""], [["command", _code(facts["command"])], ["machine", _cell(facts["machine"])],
+                                  ["date", facts["date"]], ["file", f"`{facts['file']}`"]])]
         sections.setdefault(title, []).extend(head + body)
-        summary.append([f"`{path.name}`", _cell(title), date, _cell(machine)])
+        summary.append([f"`{path.name}`", _cell(title), facts["date"], _cell(facts["machine"])])
     out = ["# Measured results\n", GENERATED.format(source="the JSON files in `benchmarks/results/`"),
            "Every table on this page is made from a results file that a benchmark script wrote; each names "
            "the command, the machine and the date that produced it. Run the script to measure your own "
@@ -372,6 +390,99 @@ def performance_page(results: Path = RESULTS) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Results tables inside hand-written pages: the line <!-- results: NAME --> becomes the newest
+# benchmarks/results/NAME-YYYY-MM-DD.json (or NAME.json) with a caption naming command, machine, date.
+
+MARKER = re.compile(r"^<!-- results: ([\w.-]+) -->[ \t]*$", re.M)
+
+
+def results_file(name: str, results: Path = RESULTS) -> Path:
+    """The file a marker names: ``NAME.json`` or the newest ``NAME-<date>.json``; ResultsError if none."""
+    exact = results / f"{name}.json"
+    if exact.is_file():
+        return exact
+    dated = sorted(p for p in results.glob(f"{name}-*.json")
+                   if re.fullmatch(rf"{re.escape(name)}-\d{{4}}-\d\d-\d\d.*", p.stem))
+    if not dated:
+        raise ResultsError(f"no benchmarks/results/{name}.json or {name}-<date>.json")
+    return dated[-1]
+
+
+def results_block(name: str, results: Path = RESULTS) -> str:
+    """A marker's replacement: the caption (command, machine, date, file), then the file's tables."""
+    path = results_file(name, results)
+    _, _, facts, body = _read_results(path)
+    caption = (f"*Generated from `{facts['file']}`: {_code(facts['command'])} on {_cell(facts['machine'])}, "
+               f"{facts['date']}.*\n")
+    return "\n".join([caption, *body])
+
+
+def fill_results(markdown: str, results: Path = RESULTS, where: str = "a page") -> str:
+    """Every ``<!-- results: NAME -->`` line of ``markdown`` replaced by that results file's tables."""
+    def block(match: re.Match) -> str:
+        try:
+            return results_block(match.group(1), results)
+        except ResultsError as exc:
+            raise ResultsError(f"{where}: <!-- results: {match.group(1)} -->: {exc}") from None
+
+    return MARKER.sub(block, markdown)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing results: what the benchmark scripts call, so every file has the generic table shape
+
+
+def add_results_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--json-out`` and ``--machine-note``, the options every benchmark that writes results has."""
+    parser.add_argument("--json-out", type=Path, default=None, metavar="FILE",
+                        help=f"where to write the results (default: benchmarks/results/{name}-<date>.json)")
+    parser.add_argument("--machine-note", default="", metavar="TEXT",
+                        help="added to the recorded machine, e.g. 'shared with other work' or 'otherwise idle'")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(note: str = "", load: tuple[float, float, float] | None = None) -> str:
+    """This machine in one line: CPU model, cores, the load average when the run started, ``note``."""
+    load = load if load is not None else os.getloadavg()
+    parts = [_cpu_model(), f"{os.cpu_count()} cores", note,
+             "load average " + " / ".join(f"{x:.2f}" for x in load) + " at start",
+             f"Python {platform.python_version()}"]
+    return ", ".join(p for p in parts if p)
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that is running, as one types it from the repository root."""
+    argv = sys.argv if argv is None else argv
+    script = Path(argv[0]).resolve()
+    head = f"python {script.relative_to(ROOT)}" if script.is_relative_to(ROOT) else f"python {argv[0]}"
+    return " ".join([head, *map(shlex.quote, argv[1:])])
+
+
+def write_results(name: str, *, title: str, columns: list[str], rows: list[list[object]], machine_line: str,
+                  command: str | None = None, description: str = "", notes: str = "", out: Path | None = None,
+                  **extra: object) -> Path:
+    """Write one generic table (``READERS``' "table" shape) to ``out`` or benchmarks/results/NAME-<date>.json."""
+    date = time.strftime("%Y-%m-%d")
+    out = out or RESULTS / f"{name}-{date}.json"
+    data = {"command": command or command_line(), "date": date, "machine": machine_line, "title": title,
+            "columns": columns, "rows": rows, **({"description": description} if description else {}),
+            **({"notes": notes} if notes else {}), **extra}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    print(f"results: {out}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def pages() -> dict[str, str]:
@@ -382,6 +493,16 @@ def pages() -> dict[str, str]:
     for name in _families():
         result[f"reference/options/{name}.md"] = options_page(name)
     return result
+
+
+def on_page_markdown(markdown, page, config, files):  # mkdocs hook: results tables inside hand-written pages
+    """Fill the page's ``<!-- results: NAME -->`` lines; a marker naming no readable file fails the build."""
+    from mkdocs.exceptions import PluginError
+
+    try:
+        return fill_results(markdown, where=page.file.src_uri)
+    except ResultsError as exc:  # one line, not a traceback
+        raise PluginError(str(exc)) from None
 
 
 def on_files(files, config):  # mkdocs hook: the generated pages join the build without touching docs/
