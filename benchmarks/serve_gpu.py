@@ -348,7 +348,8 @@ def main() -> int:
 
     import torch
 
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": {}}
+    report = {"command": "python benchmarks/serve_gpu.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": {}}
     print(json.dumps({k: report[k] for k in ("gpu", "torch")}), flush=True)
     if args.soak:
         report["soak"] = soak(args)

@@ -240,28 +240,44 @@ def _serve_gpu_command(data: dict) -> str:
 
 
 def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
-    out = []
+    out = [_cell(data["note"]) + "\n"] if data.get("note") else []
     for shape, entry in data["shapes"].items():
         rows = entry.get("rows") or []
         if rows:
             table = [[_cell(r.get("server", "")), r.get("concurrency", "—"), r.get("requests", "—"),
                       _f(r.get("req_per_s"), ".2f"), _f(r.get("tokens_per_s")),
                       _f((r.get("latency_ms") or {}).get("p50"), ".0f"), _f((r.get("latency_ms") or {}).get("p99"), ".0f"),
-                      r.get("errors", "—")] for r in rows]
-            out += [f"**{shape}, served** (closed loop, the default `forge build --target python` and the "
-                    f"`--target hf-pipeline` model in one tritonserver):\n",
+                      _f((r.get("first_token_ms") or {}).get("p50"), ".0f"),
+                      _f((r.get("inter_token_ms") or {}).get("p50"), ".1f"), r.get("errors", "—")] for r in rows]
+            out += [f"**{shape}, served** (closed loop through each ensemble; streamed rows through a `--decoupled` "
+                    "build; the `--target hf-pipeline` model as the baseline, all in one tritonserver):\n",
                     _table(["model", "concurrency", "requests", "req/s", "generated tok/s", "p50 ms", "p99 ms",
-                            "errors"], table)]
+                            "TTFT p50 ms", "inter-token p50 ms", "errors"], table)]
             if entry.get("ratio_c16") is not None:
                 out.append(f"Generated tokens/s of the forge build over the hf-pipeline model at concurrency 16: "
                            f"**{entry['ratio_c16']:.0f}×**.\n")
+        shares = entry.get("served_share") or []
+        if shares:
+            out.append("Served tokens/s as a share of the engine alone's decoding at the same concurrency: " + ", ".join(
+                f"c={s['concurrency']}: **{s['share']:.0%}**" for s in shares) + ".\n")
         engine = entry.get("engine") or []
         if engine:
-            table = [[_code(e.get("cuda_graphs")), e.get("rows", "—"), _f(e.get("ms_per_step"), ".2f"),
-                      _f(e.get("tokens_per_s")), _f(e.get("bandwidth_floor_ms"), ".2f"),
+            table = [[_code(e.get("cuda_graphs")), _code(e.get("attention") or "—"), e.get("rows", "—"),
+                      _f(e.get("ms_per_step"), ".2f"), _f(e.get("tokens_per_s")), _f(e.get("bandwidth_floor_ms"), ".2f"),
                       _f(e.get("x_above_floor"), ".1f")] for e in engine]
             out += [f"**{shape}, the engine alone** (no Triton; decode ms per step, sampling included):\n",
-                    _table(["`-o cuda_graphs`", "rows", "ms/step", "tok/s", "bandwidth floor ms", "× floor"], table)]
+                    _table(["`-o cuda_graphs`", "attention", "rows", "ms/step", "tok/s", "bandwidth floor ms",
+                            "× floor"], table)]
+        kernels = entry.get("kernels_per_step")
+        if kernels:
+            out.append(f"CUDA kernels per decoding step at one row ({kernels['layers']} layers): " + ", ".join(
+                f"{form} attention {count}" for form, count in kernels["kernels"].items()) + ".\n")
+        prefill = entry.get("prefill") or []
+        if prefill:
+            table = [[p.get("prompts"), p.get("tokens"), _f(p.get("graph_ms"), ".2f"), _f(p.get("static_ms"), ".2f"),
+                      _f(p.get("hf_forward_ms"), ".2f")] for p in prefill]
+            out += [f"**{shape}, prefill** (ms for the prompts at once):\n",
+                    _table(["prompts", "tokens each", "captured", "eager", "Hugging Face forward"], table)]
         for p in entry.get("parity") or []:
             out.append(f"Greedy ids, engine with CUDA graphs ({_cell(p.get('cuda_graphs'))}) vs transformers "
                        f"`generate`, {p.get('dtype')}: {p.get('rows_all_equal')} of {p.get('rows')} rows equal "
@@ -270,6 +286,18 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
         if greedy:
             out.append(f"Served greedy ids vs transformers ({greedy.get('dtype')}): equal for "
                        f"{greedy.get('equal_prefix')} of {greedy.get('tokens')} tokens.\n")
+    soak = data.get("soak")
+    if soak:
+        table = [[shape, m.get("requests"), m.get("succeeded"), m.get("errors"), m.get("hung"), _f(m.get("tokens_per_s")),
+                  _f((m.get("latency_ms") or {}).get("p50"), ".0f"), _f((m.get("latency_ms") or {}).get("p99"), ".0f")]
+                 for shape, m in soak["models"].items()]
+        out += [f"**Soak**: every shape's default build in one tritonserver, closed loop at concurrency "
+                f"{soak['concurrency']} on each ensemble at once for {soak['seconds']:.0f} s (a request past "
+                f"{soak['timeout_s']:.0f} s counts as hung), then a stop:\n",
+                _table(["model", "requests", "succeeded", "errors", "hung", "generated tok/s", "p50 ms", "p99 ms"], table),
+                f"Stop: {soak['stop_s']} s, tritonserver exit status {soak['exit_status']}; crash lines in the server "
+                f"log: {len(soak['log_crash_lines'])}; new segfault or trap lines in the kernel log: "
+                f"{len(soak['kernel_log_new'])}.\n"]
     return out
 
 
