@@ -129,3 +129,35 @@ def test_serve_prints_the_failing_models_own_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "model 'broken': ValueError: weights file is missing: /nowhere/model.safetensors" in err
     assert len(err.splitlines()) == 1
+
+
+@pytest.mark.heavy
+def test_a_restart_whose_start_fails_tries_again(tmp_path):
+    """A model whose initialize fails once after a restart (a flag file it removes): ``restart(attempts=2)``
+    reports the failed start and comes back READY on the second; with one attempt the failure is raised."""
+    from forge.errors import ForgeError
+    from forge.serving.server import TritonServer
+
+    repo, flag = tmp_path / "repo", tmp_path / "fail-once"
+    model = repo / "flaky"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(
+        "import os\n"
+        "class TritonPythonModel:\n"
+        "    def initialize(self, args):\n"
+        f"        if os.path.exists({str(flag)!r}):\n"
+        f"            os.remove({str(flag)!r})\n"
+        "            raise RuntimeError('not this time')\n"
+        "    def execute(self, requests):\n"
+        "        return []\n")
+    tc.write(tc.model_config("flaky", backend="python", inputs=[tc.model_input("x", "INT32", [1])],
+                             outputs=[tc.model_output("y", "INT32", [1])]), model)
+    retries = []
+    with TritonServer(repo) as server:
+        flag.touch()
+        server.restart(1.0, attempts=2, on_retry=lambda attempt, exc: retries.append((attempt, str(exc))))
+        assert len(retries) == 1 and retries[0][0] == 1 and "not this time" in retries[0][1]
+        assert server._get("/v2/health/ready")[0] == 200
+        flag.touch()
+        with pytest.raises(ForgeError, match="not this time"):
+            server.restart(1.0)

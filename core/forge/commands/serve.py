@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import ForgeError, ToolMissingError, UsageError
 
 RESTARTS, RESTART_WINDOW_S = 5, 600
+START_ATTEMPTS = 3  # tries of each restart's start: one can fail under load (a model process slow to come up)
 HELP = "serve a Triton model repository with a real tritonserver (local, or the NGC container with --docker)"
 
 
@@ -99,8 +100,12 @@ def _supervise(server, policy: str, gave_up: list[str]):
         restarts.append(now)
         print(f"forge: the process of model {names} died; restarting tritonserver (requests in flight fail, "
               "new ones are served once its models are READY)", file=sys.stderr, flush=True)
+        def again(attempt: int, exc: Exception) -> None:
+            print(f"forge: tritonserver did not start again ({exc}); trying again ({attempt + 1} of "
+                  f"{START_ATTEMPTS})", file=sys.stderr, flush=True)
+
         try:
-            server.restart(1.0)
+            server.restart(1.0, attempts=START_ATTEMPTS, on_retry=again)
         except Exception as exc:  # noqa: BLE001 - reported; server.wait() then returns the failure
             gave_up.append(f"tritonserver did not start again after model {names} died: {exc}")
             print(f"forge: {gave_up[-1]}", file=sys.stderr, flush=True)

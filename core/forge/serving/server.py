@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..cache import cache_dir
 from ..errors import ForgeError, ToolMissingError
@@ -278,6 +279,8 @@ class TritonServer:
     _stopping: bool = field(default=False, init=False, repr=False)
     _shm_used: str = field(default="", init=False, repr=False)  # the shm-region prefix of the running server
     _restart_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    _restarter: int | None = field(default=None, init=False, repr=False)  # the thread inside ``restart``
+    _closing: bool = field(default=False, init=False, repr=False)  # stopped from outside a restart: stay stopped
     _guard: socket.socket | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -448,18 +451,36 @@ class TritonServer:
         """Whether ``stop`` was called on the running server (its stubs then end on purpose)."""
         return self._stopping
 
-    def restart(self, timeout: float = 10.0) -> "TritonServer":
+    def restart(self, timeout: float = 10.0, attempts: int = 1,
+                on_retry: Callable[[int, Exception], None] | None = None) -> "TritonServer":
         """Stop the server (SIGINT, then SIGKILL after ``timeout``) and start it again on the same ports.
 
         Clients with requests in flight see their connections close, which is how they learn of a
         model process that died (Triton 2.51 never answers them, see supervisor.py). ``wait`` keeps
-        waiting across it.
+        waiting across it. A start that fails (a model process that does not come up under load, say) is
+        tried again up to ``attempts`` times in all, ``on_retry(attempt, error)`` before each new try,
+        unless the server is stopped from elsewhere meanwhile; the last failure is raised.
         """
         with self._restart_lock:
             if self._stopping:  # stopped meanwhile (forge serve is exiting): stay stopped
                 return self
-            self.stop(timeout)
-            return self._launch()
+            self._restarter, self._closing = threading.get_ident(), False
+            try:
+                for attempt in range(1, attempts + 1):
+                    self.stop(timeout)
+                    try:
+                        return self._launch()
+                    except ForgeError as exc:
+                        if attempt == attempts or self._closing:
+                            raise
+                        if on_retry is not None:
+                            on_retry(attempt, exc)
+                        time.sleep(min(2.0 * attempt, 10.0))
+                        if self._closing:
+                            raise
+                return self
+            finally:
+                self._restarter = None
 
     def rank_failure(self) -> str | None:
         """Which rank ended a multi-rank server, as mpirun reported it (None: no rank failed)."""
@@ -549,6 +570,8 @@ class TritonServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the server and every process it started (python stubs, MPI ranks)."""
+        if self._restarter is not None and self._restarter != threading.get_ident():
+            self._closing = True  # a restart on another thread tries no further start
         try:
             if self.process is None:
                 return
