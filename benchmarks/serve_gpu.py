@@ -398,12 +398,16 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                                             ("forge --decoupled build, streamed", "d_ensemble", (16, 64), True),
                                             ("seed-000 hf-pipeline", "seed_ensemble", () if args.no_seed else (1, 16),
                                              False)):
+            engine_model = None if name.startswith("seed") else model.replace("ensemble", "tensorrt_llm")
             for c in levels:
                 count = max(2 * c, 8) if name.startswith("seed") else max(args.requests, c)
+                before = engine_counters(server, engine_model)
                 summary = load(server, model, tokenizer, c, count, args.max_tokens, stream=stream)
+                summary.update(engine_share(before, engine_counters(server, engine_model), summary["wall_s"]))
                 summary.update({"run": f"{shape} {name}, c={c}", "concurrency": c, "server": name})
                 rows.append(summary)
-                print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s", flush=True)
+                print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "
+                      f"{json.dumps({k: v for k, v in summary.items() if k.startswith('engine_')})}", flush=True)
     print(format_table(rows, label="run"))
     print(f"{shape}: forge default build chose {json.dumps(runtime)}")
     by = {(r["server"], r["concurrency"]): r["tokens_per_s"] for r in rows}
@@ -412,6 +416,36 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
     if ratio is not None:
         print(f"{shape}: forge default / seed-000 model generated tok/s at concurrency 16: {ratio:.1f}x")
     return {"greedy": greedy, "rows": rows, "ratio_c16": ratio, "runtime": runtime}
+
+
+def engine_counters(server, model: str | None) -> dict[str, float]:
+    """The served engine's own counters (forge_decoder_engine_total) from the metrics endpoint."""
+    import re
+    import urllib.request
+
+    if model is None:
+        return {}
+    with urllib.request.urlopen(f"http://{server.metrics_url}" if "://" not in server.metrics_url
+                                else server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    found = {}
+    for kind, value in re.findall(r'forge_decoder_engine_total\{[^}]*kind="(\w+)"[^}]*model="%s"[^}]*\} (\S+)'
+                                  % re.escape(model), text) + re.findall(
+            r'forge_decoder_engine_total\{[^}]*model="%s"[^}]*kind="(\w+)"[^}]*\} (\S+)' % re.escape(model), text):
+        found[kind] = float(value)
+    return found
+
+
+def engine_share(before: dict, after: dict, wall_s: float) -> dict:
+    """What the engine thread did during a load cell: the share of the wall time inside its steps, its mean
+    batch and ms per decoding step (the rest of the time it waited for requests)."""
+    if not before or not after or not wall_s:
+        return {}
+    steps = after["decode_steps"] - before["decode_steps"]
+    busy = after["step_seconds"] - before["step_seconds"]
+    return {"engine_busy": round(busy / wall_s, 3),
+            "engine_mean_rows": round((after["decoded_rows"] - before["decoded_rows"]) / steps, 1) if steps else None,
+            "engine_ms_per_step": round(busy / steps * 1000, 3) if steps else None}
 
 
 def served_share(entry: dict) -> list[dict]:

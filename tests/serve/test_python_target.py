@@ -212,6 +212,11 @@ def test_concurrent_requests_of_mixed_lengths(server, tokenizer, hf_model):
     while metric(server, "forge_decoder_sequences", model="tensorrt_llm") != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert metric(server, "forge_decoder_sequences", model="tensorrt_llm") == 0
+    # the engine thread's own counters: time in steps, decoding steps, rows over them
+    steps = metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="decode_steps")
+    rows = metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="decoded_rows")
+    assert steps >= max(lengths) and steps <= rows <= 8 * steps
+    assert metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="step_seconds") > 0
 
 
 def seed_input(merged_repo, model="tensorrt_llm") -> str:

@@ -232,7 +232,14 @@ class TritonPythonModel:
         self.metric_tokens = pb_utils.MetricFamily(
             name="forge_decoder_generated_tokens_total", description="tokens generated",
             kind=pb_utils.MetricFamily.COUNTER)
+        self.metric_engine = pb_utils.MetricFamily(
+            name="forge_decoder_engine_total", description="the engine thread: seconds inside steps "
+            "(kind=step_seconds), decoding steps (kind=decode_steps) and rows summed over them (kind=decoded_rows)",
+            kind=pb_utils.MetricFamily.COUNTER)
         labels = {"model": self.name}
+        self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind})
+                                for kind in ("step_seconds", "decode_steps", "decoded_rows")}
+        self.published_engine = {kind: 0.0 for kind in self.engine_counters}
         self.unpublished_tokens = 0
         self.busy_gauge = self.metric_sequences.Metric(labels=labels)
         self.token_counter = self.metric_tokens.Metric(labels=labels)
@@ -248,6 +255,11 @@ class TritonPythonModel:
             if update.reason in self.finished:
                 self.finished[update.reason].increment(1)
             self.busy_gauge.set(self.engine.busy)
+            now = {"step_seconds": self.engine.step_ns / 1e9, "decode_steps": float(self.engine.decode_steps),
+                   "decoded_rows": float(self.engine.decoded_rows)}
+            for kind, value in now.items():
+                self.engine_counters[kind].increment(value - self.published_engine[kind])
+                self.published_engine[kind] = value
 
     def _send_loop(self) -> None:
         while (item := self.outbox.get()) is not None:
@@ -335,8 +347,8 @@ class TritonPythonModel:
             finally:
                 request.lock.release()
         if ended:  # nothing left that counts: release the metrics while their channel is open
-            self.busy_gauge = self.token_counter = self.finished = None
-            self.metric_sequences = self.metric_finished = self.metric_tokens = None
+            self.busy_gauge = self.token_counter = self.finished = self.engine_counters = None
+            self.metric_sequences = self.metric_finished = self.metric_tokens = self.metric_engine = None
         # Finished requests are cycles (request → sequence → its callback → request) that only the cyclic
         # collector frees; left to the interpreter's teardown, their senders' destructors use the stub's
         # shared memory after it is gone (the segfault of issue 36, ResponseSender::~ResponseSender in

@@ -180,6 +180,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._last_cancel_check = 0.0
         self.steps = 0
+        self.step_ns = 0  # time inside ``step`` (the rest of the engine thread's time it waits for work)
+        self.decoded_rows = 0  # rows summed over decoding steps (÷ decoding steps: the mean batch)
+        self.decode_steps = 0
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
         self.admit_wait_ns = int(ADMIT_WAIT_S * 1e9) if self.device.type == "cuda" else 0  # see ADMIT_SHARE
@@ -265,13 +268,17 @@ class Engine:
 
     def step(self) -> None:
         """One iteration: cancellations, admissions (prefill), one decoding step."""
+        started = time.perf_counter_ns()
         self._check_cancelled()
         admitted = self._admit()
         if admitted:
             self._prefill(admitted)
         if self._active:
+            self.decoded_rows += len(self._active)
+            self.decode_steps += 1
             self._decode()
         self.steps += 1
+        self.step_ns += time.perf_counter_ns() - started
 
     def run_until_idle(self, max_steps: int = 100000) -> None:
         """Run steps on the calling thread until nothing is left (for tests and offline use)."""
