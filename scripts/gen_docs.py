@@ -248,11 +248,12 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
                       _f(r.get("req_per_s"), ".2f"), _f(r.get("tokens_per_s")),
                       _f((r.get("latency_ms") or {}).get("p50"), ".0f"), _f((r.get("latency_ms") or {}).get("p99"), ".0f"),
                       _f((r.get("first_token_ms") or {}).get("p50"), ".0f"),
-                      _f((r.get("inter_token_ms") or {}).get("p50"), ".1f"), r.get("errors", "—")] for r in rows]
+                      _f((r.get("inter_token_ms") or {}).get("p50"), ".1f"), _f(r.get("engine_mean_rows"), ".1f"),
+                      r.get("errors", "—")] for r in rows]
             out += [f"**{shape}, served** (closed loop through each ensemble; streamed rows through a `--decoupled` "
                     "build; the `--target hf-pipeline` model as the baseline, all in one tritonserver):\n",
                     _table(["model", "concurrency", "requests", "req/s", "generated tok/s", "p50 ms", "p99 ms",
-                            "TTFT p50 ms", "inter-token p50 ms", "errors"], table)]
+                            "TTFT p50 ms", "inter-token p50 ms", "engine's mean batch", "errors"], table)]
             if entry.get("ratio_c16") is not None:
                 out.append(f"Generated tokens/s of the forge build over the hf-pipeline model at concurrency 16: "
                            f"**{entry['ratio_c16']:.0f}×**.\n")
