@@ -414,31 +414,13 @@ class LlamaDecoder(GraphDecoder):
         self.sin = (sin[0].float()[:, None, :] * sign * scale).to(self.dtype)
 
     def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        b, heads, kv, dim = rows, self.heads, self.kv_heads, self.head_dim
         ids, pos, at, bias = self._step_inputs(rows, columns)
         cos, sin = self.cos[pos], self.sin[pos]  # [b, heads + kv, dim]
         h = self.embed(ids)
-        for i, (layer, (wqkv, bqkv), (wgu, bgu)) in enumerate(zip(self.layers, self.qkv, self.gate_up)):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = _norm(layer.input_layernorm, h)
-            if modules:
-                qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1).view(b, heads + 2 * kv, dim)
-            else:
-                qkv = F.linear(x, wqkv, bqkv).view(b, heads + 2 * kv, dim)
-            qk, v = qkv[:, : heads + kv], qkv[:, heads + kv:]
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's queries and keys before RoPE
-                qk = torch.cat([_norm(attn.q_norm, qk[:, :heads]), _norm(attn.k_norm, qk[:, heads:])], dim=1)
-            swapped = qk.view(b, heads + kv, 2, dim // 2).flip(2).view(b, heads + kv, dim)
-            qk = torch.addcmul(qk * cos, swapped, sin)
-            out = self._attend(i, qk[:, :heads], qk[:, heads:], v, at, bias, columns)
-            if modules:
-                h = h + attn.o_proj(out)
-                x = _norm(layer.post_attention_layernorm, h)
-                h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-                continue
-            h = _add_linear(h, out, attn.o_proj)
-            gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
-            h = _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
+        for i, layer in enumerate(self.layers):
+            qk, v = self._rotated_qkv(i, _norm(layer.input_layernorm, h), cos, sin, modules)
+            out = self._attend(i, qk[:, :self.heads], qk[:, self.heads:], v, at, bias, columns)
+            h = self._rest_of_layer(i, h, out, modules)
         return self._picks(self.head(_norm(self.norm, h)))
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -446,34 +428,45 @@ class LlamaDecoder(GraphDecoder):
 
     def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
         n, width = h.shape[:2]
-        heads, kv, dim = self.heads, self.kv_heads, self.head_dim
+        heads, dim = self.heads, self.head_dim
         cos, sin = self.cos[:width], self.sin[:width]  # [width, heads + kv, dim]: position = column
-        for i, (layer, (wqkv, bqkv), (wgu, bgu)) in enumerate(zip(self.layers, self.qkv, self.gate_up)):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = _norm(layer.input_layernorm, h)
-            if modules:
-                qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
-            else:
-                qkv = F.linear(x, wqkv, bqkv)
-            qkv = qkv.view(n, width, heads + 2 * kv, dim)
-            qk, v = qkv[:, :, : heads + kv], qkv[:, :, heads + kv:]
-            if hasattr(attn, "q_norm"):
-                qk = torch.cat([_norm(attn.q_norm, qk[:, :, :heads]), _norm(attn.k_norm, qk[:, :, heads:])], dim=2)
-            swapped = qk.reshape(n, width, heads + kv, 2, dim // 2).flip(3).view(n, width, heads + kv, dim)
-            qk = torch.addcmul(qk * cos, swapped, sin)
+        for i, layer in enumerate(self.layers):
+            qk, v = self._rotated_qkv(i, _norm(layer.input_layernorm, h), cos, sin, modules)
             q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
             self.keys[i][:, :, :width].index_copy_(0, slots, k)
             self.values[i][:, :, :width].index_copy_(0, slots, v)
             out = _causal(q, k, v, 1.0).transpose(1, 2).reshape(n, width, heads * dim)  # q carries the scale
-            if modules:
-                h = h + attn.o_proj(out)
-                x = _norm(layer.post_attention_layernorm, h)
-                h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-                continue
-            h = _add_linear(h, out, attn.o_proj)
-            gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
-            h = _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
+            h = self._rest_of_layer(i, h, out, modules)
         return h
+
+    # -- the pieces of a layer that the step and the prefill share (any leading dimensions) --------------
+    def _rotated_qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     modules: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s queries and keys [..., heads + kv, dim] (RoPE applied, queries scaled) and values
+        [..., kv, dim] of the normed input ``x`` [..., hidden]."""
+        attn, heads, kv, dim = self.layers[i].self_attn, self.heads, self.kv_heads, self.head_dim
+        if modules:
+            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        else:
+            qkv = F.linear(x, *self.qkv[i])
+        qkv = qkv.unflatten(-1, (heads + 2 * kv, dim))
+        qk, v = qkv[..., : heads + kv, :], qkv[..., heads + kv:, :]
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's queries and keys before RoPE
+            qk = torch.cat([_norm(attn.q_norm, qk[..., :heads, :]), _norm(attn.k_norm, qk[..., heads:, :])], dim=-2)
+        swapped = qk.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)
+        return torch.addcmul(qk * cos, swapped, sin), v
+
+    def _rest_of_layer(self, i: int, h: torch.Tensor, out: torch.Tensor, modules: bool) -> torch.Tensor:
+        """Layer ``i`` after attention: the output projection and the gated MLP, each with its residual."""
+        layer = self.layers[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        if modules:
+            h = h + attn.o_proj(out)
+            x = _norm(layer.post_attention_layernorm, h)
+            return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        h = _add_linear(h, out, attn.o_proj)
+        gate, up = F.linear(_norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
+        return _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
 
 
 class GPT2Decoder(GraphDecoder):
