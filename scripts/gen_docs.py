@@ -469,7 +469,8 @@ def add_results_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="added to the recorded machine, e.g. 'shared with other work' or 'otherwise idle'")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This machine's CPU model name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -482,7 +483,7 @@ def _cpu_model() -> str:
 def machine(note: str = "", load: tuple[float, float, float] | None = None) -> str:
     """This machine in one line: CPU model, cores, the load average when the run started, ``note``."""
     load = load if load is not None else os.getloadavg()
-    parts = [_cpu_model(), f"{os.cpu_count()} cores", note,
+    parts = [cpu_model(), f"{os.cpu_count()} cores", note,
              "load average " + " / ".join(f"{x:.2f}" for x in load) + " at start",
              f"Python {platform.python_version()}"]
     return ", ".join(p for p in parts if p)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import socket
+from pathlib import Path
 
 from forge.cli import main
 
@@ -37,3 +39,27 @@ def index(*args: str) -> dict:
     with contextlib.redirect_stdout(out):
         assert main(["index", *args, "--json"]) == 0
     return json.loads(out.getvalue())
+
+
+def _reusable_bind(port: int):
+    """The milvus package's port check, with SO_REUSEADDR: the port of a stopped server stays in TIME_WAIT."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def milvus_server(data: Path):
+    """A started Milvus standalone server (the PyPI package ``milvus``) keeping its data in ``data``; it can be
+    stopped and started again on its port."""
+    import milvus
+
+    server = milvus.MilvusServer(data_dir=str(data))
+    server.config.try_bind_port = _reusable_bind
+    server.start()
+    return server

@@ -9,7 +9,6 @@ has loaded the collection again a search succeeds, with nothing restarted on for
 from __future__ import annotations
 
 import platform
-import socket
 import sys
 import time
 
@@ -23,29 +22,14 @@ DIM = 8
 BOUND_S = 30.0
 
 
-def _reusable_bind(port: int):
-    """The milvus package's port check, with SO_REUSEADDR: the port of a killed server stays in TIME_WAIT."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(("127.0.0.1", port))
-        sock.listen()
-        return sock
-    except OSError:
-        sock.close()
-        return None
-
-
 @pytest.fixture
 def milvus_server(tmp_path):
     if not (sys.platform == "linux" and platform.machine() == "x86_64"):
         pytest.skip("the PyPI package milvus ships its standalone server for Linux x86-64 only")
-    import milvus
+    from retrieval_fixtures import milvus_server as start
 
-    server = milvus.MilvusServer(data_dir=str(tmp_path / "milvus"))
-    server.config.try_bind_port = _reusable_bind
+    server = start(tmp_path / "milvus")
     try:
-        server.start()
         yield server
     finally:
         server.stop()

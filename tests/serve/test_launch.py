@@ -111,20 +111,24 @@ def test_serve_refuses_a_missing_directory(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "nope")]) == EXIT_USAGE
 
 
-@pytest.mark.heavy
-def test_serve_prints_the_failing_models_own_error(tmp_path, capsys):
-    """A model whose initialize raises: forge serve exits 1 with that model's error, not a log dump."""
-    repo = tmp_path / "repo"
-    model = repo / "broken"
+def python_model(model: Path, initialize: str) -> None:
+    """A python-backend model at ``model`` (x → y, INT32) whose ``initialize`` runs ``initialize``."""
     (model / "1").mkdir(parents=True)
     (model / "1" / "model.py").write_text(
         "class TritonPythonModel:\n"
         "    def initialize(self, args):\n"
-        "        raise ValueError('weights file is missing: /nowhere/model.safetensors')\n"
+        f"        {initialize}\n"
         "    def execute(self, requests):\n"
         "        return []\n")
-    tc.write(tc.model_config("broken", backend="python", inputs=[tc.model_input("x", "INT32", [1])],
+    tc.write(tc.model_config(model.name, backend="python", inputs=[tc.model_input("x", "INT32", [1])],
                              outputs=[tc.model_output("y", "INT32", [1])]), model)
+
+
+@pytest.mark.heavy
+def test_serve_prints_the_failing_models_own_error(tmp_path, capsys):
+    """A model whose initialize raises: forge serve exits 1 with that model's error, not a log dump."""
+    repo = tmp_path / "repo"
+    python_model(repo / "broken", "raise ValueError('weights file is missing: /nowhere/model.safetensors')")
     assert main(["serve", str(repo), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]) == 1
     err = capsys.readouterr().err.strip()
     assert "model 'broken': ValueError: weights file is missing: /nowhere/model.safetensors" in err
@@ -139,19 +143,8 @@ def test_a_restart_whose_start_fails_tries_again(tmp_path):
     from forge.serving.server import TritonServer
 
     repo, flag = tmp_path / "repo", tmp_path / "fail-once"
-    model = repo / "flaky"
-    (model / "1").mkdir(parents=True)
-    (model / "1" / "model.py").write_text(
-        "import os\n"
-        "class TritonPythonModel:\n"
-        "    def initialize(self, args):\n"
-        f"        if os.path.exists({str(flag)!r}):\n"
-        f"            os.remove({str(flag)!r})\n"
-        "            raise RuntimeError('not this time')\n"
-        "    def execute(self, requests):\n"
-        "        return []\n")
-    tc.write(tc.model_config("flaky", backend="python", inputs=[tc.model_input("x", "INT32", [1])],
-                             outputs=[tc.model_output("y", "INT32", [1])]), model)
+    python_model(repo / "flaky", f"import os\n        if os.path.exists({str(flag)!r}):\n"
+                                 f"            os.remove({str(flag)!r})\n            raise RuntimeError('not this time')")
     retries = []
     with TritonServer(repo) as server:
         flag.touch()
