@@ -125,7 +125,8 @@ def check_greedy(server, model_dir: Path, tokenizer, dtype: str, n: int = 32) ->
 
 
 def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int,
-         stream: bool = False) -> dict:
+         stream: bool = False, engine_model: str | None = None) -> dict:
+    """One closed-loop cell after a short warm-up; with ``engine_model``, what its engine did in the cell."""
     from forge.serving import bench
     from forge.serving.client import GrpcSession
 
@@ -135,8 +136,9 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
                           count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
     bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
+    before = engine_counters(server, engine_model)
     samples, wall = bench.run(server.grpc_url, target, items, concurrency=concurrency)
-    return bench.summarize(samples, wall)
+    return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall)}
 
 
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
@@ -401,9 +403,8 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
             engine_model = None if name.startswith("seed") else model.replace("ensemble", "tensorrt_llm")
             for c in levels:
                 count = max(2 * c, 8) if name.startswith("seed") else max(args.requests, c)
-                before = engine_counters(server, engine_model)
-                summary = load(server, model, tokenizer, c, count, args.max_tokens, stream=stream)
-                summary.update(engine_share(before, engine_counters(server, engine_model), summary["wall_s"]))
+                summary = load(server, model, tokenizer, c, count, args.max_tokens, stream=stream,
+                               engine_model=engine_model)
                 summary.update({"run": f"{shape} {name}, c={c}", "concurrency": c, "server": name})
                 rows.append(summary)
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "

@@ -215,7 +215,7 @@ def test_concurrent_requests_of_mixed_lengths(server, tokenizer, hf_model):
     # the engine thread's own counters: time in steps, decoding steps, rows over them
     steps = metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="decode_steps")
     rows = metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="decoded_rows")
-    assert steps >= max(lengths) and steps <= rows <= 8 * steps
+    assert steps >= max(lengths) - 1 and steps <= rows <= 8 * steps  # the first token comes from the prefill
     assert metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="step_seconds") > 0
 
 

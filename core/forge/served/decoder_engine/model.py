@@ -14,6 +14,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from forge_decoder.request import GenerationRequest, Limits, RequestError, is_st
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often while it has work
 
 
 def _parameter(config: dict, key: str, default: str = "") -> str:
@@ -240,6 +242,7 @@ class TritonPythonModel:
         self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind})
                                 for kind in ("step_seconds", "decode_steps", "decoded_rows")}
         self.published_engine = {kind: 0.0 for kind in self.engine_counters}
+        self.engine_published_at = 0.0
         self.unpublished_tokens = 0
         self.busy_gauge = self.metric_sequences.Metric(labels=labels)
         self.token_counter = self.metric_tokens.Metric(labels=labels)
@@ -247,19 +250,26 @@ class TritonPythonModel:
                          for reason in ("length", "end_id", "stop_words", "cancelled", "error")}
 
     def count(self, update: engine_mod.Update) -> None:
-        """Metrics are IPC calls to the server: count locally, publish when a sequence finishes."""
+        """Metrics are IPC calls to the server: count locally, publish when a sequence finishes (the engine's
+        counters at most every ENGINE_METRICS_S under load, and whenever it falls idle)."""
         self.unpublished_tokens += len(update.tokens)
-        if update.finished:
-            self.token_counter.increment(self.unpublished_tokens)
-            self.unpublished_tokens = 0
-            if update.reason in self.finished:
-                self.finished[update.reason].increment(1)
-            self.busy_gauge.set(self.engine.busy)
-            now = {"step_seconds": self.engine.step_ns / 1e9, "decode_steps": float(self.engine.decode_steps),
-                   "decoded_rows": float(self.engine.decoded_rows)}
-            for kind, value in now.items():
-                self.engine_counters[kind].increment(value - self.published_engine[kind])
-                self.published_engine[kind] = value
+        if not update.finished:
+            return
+        self.token_counter.increment(self.unpublished_tokens)
+        self.unpublished_tokens = 0
+        if update.reason in self.finished:
+            self.finished[update.reason].increment(1)
+        busy = self.engine.busy
+        self.busy_gauge.set(busy)
+        now = time.monotonic()
+        if busy and now - self.engine_published_at < ENGINE_METRICS_S:
+            return
+        self.engine_published_at = now
+        values = {"step_seconds": self.engine.step_ns / 1e9, "decode_steps": float(self.engine.decode_steps),
+                  "decoded_rows": float(self.engine.decoded_rows)}
+        for kind, value in values.items():
+            self.engine_counters[kind].increment(value - self.published_engine[kind])
+            self.published_engine[kind] = value
 
     def _send_loop(self) -> None:
         while (item := self.outbox.get()) is not None:
