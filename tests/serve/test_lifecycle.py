@@ -113,7 +113,10 @@ class Serve:
 
     def end(self) -> None:
         for pid in self.processes():
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended meanwhile (a stub's reaper ends with its stub)
+                pass
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
@@ -134,8 +137,15 @@ def _gone(server: Serve, since: float) -> float:
         if not server.processes():
             return time.monotonic() - since
         time.sleep(0.1)
-    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")[:160]
-            for pid in server.processes()}
+    left = {}
+    for pid in server.processes():  # the program, the model's file (a stub's first argument) and its state
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            state = next((l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("State")), "")
+            waits = {t.name: (t / "wchan").read_text() for t in Path(f"/proc/{pid}/task").iterdir()}
+        except OSError:  # gone meanwhile
+            continue
+        left[pid] = f"{Path(args[0]).name} {args[1] if len(args) > 1 else ''} {state}; its threads wait in {waits}"
     pytest.fail(f"{len(left)} process(es) of the server outlived it by {GONE_WITHIN:.0f}s: {left}")
 
 
@@ -231,3 +241,20 @@ def test_requests_on_a_dead_model_process_get_an_error(repos):
             pytest.fail("the restarted server did not answer within 120 s")
     # stopped idle, after the restart: no model process crashed on the way out
     assert "Segfault encountered" not in Path(server.log_file).read_text(errors="replace")
+
+
+def test_code_about_to_call_a_dead_server_ends_the_process_first(tmp_path):
+    """``forge_glue.exit_if_orphaned``: with the watched process gone, the caller's process exits (status 1,
+    one line saying why) before it can block on the dead server; with it alive, nothing happens."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    code = ("import sys, time\n"
+            "from forge.served import forge_glue\n"
+            "forge_glue.exit_with_parent(also=[int(sys.argv[1])], interval=3600, what='test process')\n"
+            "forge_glue.exit_if_orphaned()\n"
+            "print('still here')\n")
+    alive = subprocess.run([sys.executable, "-c", code, str(os.getpid())], capture_output=True, text=True, timeout=60)
+    assert alive.returncode == 0 and alive.stdout.strip() == "still here", alive.stderr
+    gone = subprocess.run([sys.executable, "-c", code, str(dead.pid)], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and "still here" not in gone.stdout
+    assert "forge: test process" in gone.stderr and f"exits: process {dead.pid} exited" in gone.stderr

@@ -156,6 +156,20 @@ def run_each(requests, handle: Callable[[Any], Any], where: str = "") -> list:
 
 #: How often the parent-death watch looks (seconds): a stub outlives its server by about this much.
 WATCH_INTERVAL = 0.25
+_orphan_check = None  # (gone, exit_now) of the running watch
+
+
+def exit_if_orphaned() -> None:
+    """End this process now, as the parent-death watch would, if the server it talks to is gone.
+
+    For code about to talk to the server (a model's ``finalize``, a sender thread): a call into a dead
+    server can block, and the watch thread cannot end the process while another thread holds the GIL.
+    """
+    if _orphan_check is not None:
+        gone, exit_now = _orphan_check
+        reason = gone()
+        if reason is not None:
+            exit_now(reason)
 
 
 def _stub_shm_region() -> str | None:
@@ -197,24 +211,56 @@ def exit_with_parent(also: Iterable[int] = (), interval: float = WATCH_INTERVAL,
                 pass
         return None
 
+    def exit_now(reason: str) -> None:
+        try:
+            sys.stderr.write(f"forge: {what or 'model process'} {os.getpid()} exits: {reason}\n")
+            sys.stderr.flush()
+            if region and "/" not in region:
+                os.unlink(f"/dev/shm/{region}")
+        except OSError:
+            pass
+        finally:
+            os._exit(1)
+
     def watch() -> None:
         while True:
             reason = gone()
             if reason is not None:
-                try:
-                    sys.stderr.write(f"forge: {what or 'model process'} {os.getpid()} exits: {reason}\n")
-                    sys.stderr.flush()
-                    if region and "/" not in region:
-                        os.unlink(f"/dev/shm/{region}")
-                except OSError:
-                    pass
-                finally:
-                    os._exit(1)
+                exit_now(reason)
             time.sleep(interval)
 
+    global _orphan_check
+    _orphan_check = (gone, exit_now)
+    _reaper(([parent] if parent > 1 else []) + others, region)
     thread = threading.Thread(target=watch, name="forge-parent-watch", daemon=True)
     thread.start()
     return thread
+
+
+#: Seconds the reaper gives the watch thread before it kills a process whose watched process is gone.
+REAPER_GRACE_S = 2.0
+
+
+def _reaper(watched: list[int], region: str | None) -> None:
+    """A shell loop beside this process that kills it (SIGKILL) when a watched process is gone and it has not
+    exited REAPER_GRACE_S later. The watch thread needs the GIL, and a thread blocked in a call into the dead
+    server can hold it (seen: every thread of a decoder's process waiting on a futex after its server was
+    killed); the shell needs nothing of this process. It ends when this process does."""
+    import shlex
+    import subprocess
+
+    me = os.getpid()
+    alive = " && ".join(f"kill -0 {pid} 2>/dev/null" for pid in watched)
+    unlink = f"rm -f {shlex.quote('/dev/shm/' + region)}; " if region and "/" not in region else ""
+    # only a process still there after the grace: one the watch thread ended has removed its region itself,
+    # and a restarted server may have made a region of the same name since
+    script = (f"while kill -0 {me} 2>/dev/null; do if ! {{ {alive}; }}; then sleep {REAPER_GRACE_S}; "
+              f"kill -0 {me} 2>/dev/null && {{ {unlink}kill -9 {me}; }}; exit 0; fi; sleep 0.5; done")
+    try:
+        subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, close_fds=True)
+    except OSError:  # no shell: the watch thread alone
+        pass
 
 
 if pb_utils is not None:  # inside tritonserver's python stub

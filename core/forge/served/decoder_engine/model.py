@@ -273,6 +273,7 @@ class TritonPythonModel:
 
     def _send_loop(self) -> None:
         while (item := self.outbox.get()) is not None:
+            forge_glue.exit_if_orphaned()
             request, seq, update, progress = item
             try:
                 request.deliver(seq, update, progress)
@@ -339,7 +340,9 @@ class TritonPythonModel:
         sender thread sends what the engine reported (bounded wait), whatever is still pending gets its error now, and every response sender and metric is released while the
         stub's channels still work (one destroyed during interpreter teardown crashes the stub). A request's
         sender is then a closed one: an engine thread still inside a step sends nothing after this returns."""
+        forge_glue.exit_if_orphaned()  # a dead server: nothing to answer, and calls into it can block
         ended = self.engine.stop(timeout=5.0)
+        forge_glue.exit_if_orphaned()
         self.outbox.put(None)  # the sender answers what the engine reported up to here, then stops
         sent = _joined(self.sender, 5.0)
         ended = ended and sent
