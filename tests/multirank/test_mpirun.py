@@ -143,11 +143,11 @@ def test_llama_tp2_answers_like_tp1_and_a_dead_rank_stops_the_server_naming_it(r
 def test_deploy_shell_script_runs_the_ranks_and_sigterm_stops_them(repos, reference, tmp_path):
     """``forge deploy shell --container-image none``: the script itself serves, as written."""
     from forge.cli import main
-    from forge.serving.server import free_port
+    from forge.serving.server import free_ports
 
     need_mpirun()
     repo = repos["gpt-tp2"]
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)
     script = tmp_path / "serve.sh"
     assert main(["deploy", "shell", str(repo), "--container-image", "none", "--host", "127.0.0.1",
                  "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]),

@@ -53,9 +53,9 @@ def _stub(repo, model: str) -> int | None:
 
 def _submit(slurm, repo, tmp_path):
     """``forge deploy slurm --container-image none`` of ``repo`` on free ports, submitted: (job, log, HTTP)."""
-    from forge.serving.server import free_port
+    from forge.serving.server import free_ports
 
-    http_port, grpc_port, metrics_port, rendezvous = (free_port() for _ in range(4))
+    http_port, grpc_port, metrics_port, rendezvous = free_ports(4)
     script = tmp_path / "serve.sbatch"
     extra = ["--rendezvous-port", str(rendezvous)] if repo.name.endswith("tp2") else []
     assert main(["deploy", "slurm", str(repo), "--container-image", "none", "--host", "127.0.0.1",

@@ -97,9 +97,9 @@ def _forge(*args: str, **kw) -> subprocess.Popen:
 
 
 def test_serve_runs_in_the_foreground_and_stops_everything_on_sigterm(repos, tmp_path):
-    from forge.serving.server import free_port
+    from forge.serving.server import free_ports
 
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(port) for port in free_ports(3)]
     log = tmp_path / "server.log"
     proc = _forge("serve", str(repos[""]), "--http-port", ports[0], "--grpc-port", ports[1],
                   "--metrics-port", ports[2], "--log-file", str(log), start_new_session=True)

@@ -255,6 +255,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` different free ports (two picks in a row can return the same port once it is released)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 @dataclass
 class TritonServer:
     """A tritonserver process serving ``repo``; use as a context manager.
@@ -351,8 +361,10 @@ class TritonServer:
                   if not getattr(self, name)]
         attempts = _PORT_ATTEMPTS
         while True:
+            picked = iter(free_ports(len(chosen), self._client_host))
             for name in chosen:
-                setattr(self, name, 0 if name == "rendezvous_port" else free_port(self._client_host))
+                port = next(picked)
+                setattr(self, name, 0 if name == "rendezvous_port" else port)
             attempts -= 1
             try:
                 return self._launch()
