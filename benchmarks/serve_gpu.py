@@ -136,16 +136,54 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
                           count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
     bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
-    before = engine_counters(server, engine_model)
+    before, models_before = engine_counters(server, engine_model), model_durations(server)
     samples, wall = bench.run(server.grpc_url, target, items, concurrency=concurrency)
-    return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall)}
+    return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall),
+            "triton_ms": per_request_ms(models_before, model_durations(server))}
+
+
+#: Triton's per-model counters (microseconds summed over requests) that split a request's time
+DURATIONS = ("request_duration", "queue_duration", "compute_input_duration", "compute_infer_duration",
+             "compute_output_duration")
+
+
+def model_durations(server) -> dict[str, dict[str, float]]:
+    """Each model's Triton counters: successful requests and the summed durations of DURATIONS (µs)."""
+    import re
+    import urllib.request
+
+    url = server.metrics_url if "://" in server.metrics_url else f"http://{server.metrics_url}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, dict[str, float]] = {}
+    for name, labels, value in re.findall(r'^nv_inference_(\w+?)(?:_us)?\{([^}]*)\} (\S+)$', text, re.M):
+        model = re.search(r'model="([^"]+)"', labels)
+        if model and (name in DURATIONS or name == "request_success"):
+            entry = found.setdefault(model.group(1), {})
+            entry[name] = entry.get(name, 0.0) + float(value)
+    return found
+
+
+def per_request_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Mean ms per successful request of each model that served requests between two snapshots: the time
+    Triton counted in its queue, in the model (compute_infer: for a model answering through its response
+    sender, until ``execute`` returned) and in all (request)."""
+    out = {}
+    for model, now in after.items():
+        then = before.get(model, {})
+        done = now.get("request_success", 0) - then.get("request_success", 0)
+        if done > 0:
+            out[model] = {"requests": int(done), **{key.replace("_duration", ""): round(
+                (now.get(key, 0) - then.get(key, 0)) / done / 1000, 3) for key in DURATIONS}}
+    return out
 
 
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
-                 forms=(("false", None), ("true", "matmul"), ("true", "sdpa"))) -> list[dict]:
+                 forms=(("false", None, "false"), ("true", "sdpa", "false"), ("true", "sdpa", "auto"))) -> list[dict]:
     """Decode ms/step of forge's engine alone at each row count (prompts of 32 tokens), per step form:
     ``-o cuda_graphs=false`` (the Hugging Face forward) and ``true`` (CUDA graphs over the static KV cache)
-    with each attention form of graphs.ATTENTION."""
+    with an attention form of graphs.ATTENTION, its layers eager or compiled (``-o torch_compile``; the
+    seconds ``use_graphs`` took, compiling included, are ``setup_s``)."""
     import torch
 
     from forge.served.decoder_engine.forge_decoder import graphs
@@ -156,11 +194,13 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     default = graphs.ATTENTION
     results = []
-    for mode, attention in forms:
+    for mode, attention, compiled in forms:
         graphs.ATTENTION = attention or default
         for rows in rows_list:
             engine = Engine(model, Limits(model.config.vocab_size, 512, 1024), max_rows=rows)
-            engine.use_graphs(mode)
+            setup = time.perf_counter()
+            chosen = engine.use_graphs(mode, compile=compiled)
+            setup = time.perf_counter() - setup
             engine.submit([Sequence(GenerationRequest(list(range(100 + i, 132 + i)), steps + 8), lambda s, u: None)
                            for i in range(rows)])
             with torch.inference_mode():
@@ -173,9 +213,11 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
                     engine.step()
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - start) / steps * 1000
-            results.append({"cuda_graphs": mode, "attention": attention, "rows": rows, "ms_per_step": round(ms, 3),
+            results.append({"cuda_graphs": mode, "attention": attention, "torch_compile": compiled, "chosen": chosen,
+                            "setup_s": round(setup, 1), "rows": rows, "ms_per_step": round(ms, 3),
                             "tokens_per_s": round(rows / ms * 1000, 1)})
-            print(f"  engine alone, cuda_graphs={mode} attention={attention}, {rows} rows: {ms:.3f} ms/step", flush=True)
+            print(f"  engine alone, cuda_graphs={mode} attention={attention} torch_compile={compiled}, {rows} rows: "
+                  f"{ms:.3f} ms/step ({chosen}; set up in {setup:.1f} s)", flush=True)
             del engine
     graphs.ATTENTION = default
     del model
@@ -194,9 +236,15 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     default, counts = graphs.ATTENTION, {}
-    for attention in ("matmul", "sdpa"):
+    for attention, compiled in (("matmul", False), ("sdpa", False), ("sdpa", True)):
         graphs.ATTENTION = attention
         decoder = graphs.decoder_for(model, 1, 1024, capture=False)
+        if compiled:
+            try:
+                decoder.use_compile("true")  # the count's decoder is not captured: auto would stay eager
+            except ValueError as exc:
+                print(f"  {exc}", flush=True)
+                continue
         with torch.inference_mode():
             decoder.prefill(torch.arange(100, 132, device="cuda")[None], [32])
             decoder.step([5], [32])
@@ -206,7 +254,7 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
                 torch.cuda.synchronize()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.name.lower().startswith(("memcpy", "memset"))]
-        counts[attention] = len(kernels)
+        counts[attention + ("+compile" if compiled else "")] = len(kernels)
         del decoder
     graphs.ATTENTION = default
     layers = int(model.config.num_hidden_layers)
@@ -228,17 +276,19 @@ def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     eager = graphs.decoder_for(model, max(counts), 1024, capture=False)
     captured = graphs.decoder_for(model, max(counts), 1024)
+    compiled = graphs.decoder_for(model, max(counts), 1024)
+    compiled.use_compile("auto")
     out = []
     with torch.inference_mode():
         for n in counts:
             ids = (torch.arange(length, device="cuda")[None] + 100 + torch.arange(n, device="cuda")[:, None])
             timings = {}
-            for form in ("graph", "static", "hf"):
+            for form in ("graph", "compiled", "static", "hf"):
                 for i in range(repeats + 1):
                     torch.cuda.synchronize()
                     start = time.perf_counter()
                     if form != "hf":
-                        decoder = captured if form == "graph" else eager
+                        decoder = {"graph": captured, "compiled": compiled, "static": eager}[form]
                         decoder.reset()
                         decoder.prefill(ids, [length] * n)
                     else:
@@ -248,11 +298,13 @@ def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32
                     if i:  # the first is a warm-up
                         timings.setdefault(form, []).append((time.perf_counter() - start) * 1000)
             row = {"prompts": n, "tokens": length, "graph_ms": round(min(timings["graph"]), 3),
+                   "compiled_graph_ms": round(min(timings["compiled"]), 3),
                    "static_ms": round(min(timings["static"]), 3), "hf_forward_ms": round(min(timings["hf"]), 3)}
             out.append(row)
-            print(f"  prefill of {n} × {length} tokens: static, captured {row['graph_ms']} ms; static, eager "
+            print(f"  prefill of {n} × {length} tokens: static, captured {row['graph_ms']} ms (layers compiled: "
+                  f"{row['compiled_graph_ms']} ms); static, eager "
                   f"{row['static_ms']} ms; Hugging Face forward {row['hf_forward_ms']} ms", flush=True)
-    del eager, captured, decoder, model
+    del eager, captured, compiled, decoder, model
     torch.cuda.empty_cache()
     return out
 
@@ -334,7 +386,9 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, help="a SmolLM2 directory (config + tokenizer); needed to serve")
     parser.add_argument("--shapes", default="smollm2,tinyllama")
     parser.add_argument("--dtype", default="float16", help="the build's --dtype")
-    parser.add_argument("--requests", type=int, default=64, help="requests per forge load point (≥ concurrency)")
+    parser.add_argument("--waves", type=int, default=16,
+                        help="requests per forge load cell, as a multiple of its concurrency (a steady state: "
+                             "one wave measures mostly the ramp)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--bandwidth-tbs", type=float, default=3.35, help="the GPU's memory bandwidth, TB/s")
     parser.add_argument("--forge-args", default="", help="extra forge build arguments (default: none, the default build)")
@@ -402,13 +456,14 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                                              False)):
             engine_model = None if name.startswith("seed") else model.replace("ensemble", "tensorrt_llm")
             for c in levels:
-                count = max(2 * c, 8) if name.startswith("seed") else max(args.requests, c)
+                count = max(2 * c, 8) if name.startswith("seed") else args.waves * c
                 summary = load(server, model, tokenizer, c, count, args.max_tokens, stream=stream,
                                engine_model=engine_model)
                 summary.update({"run": f"{shape} {name}, c={c}", "concurrency": c, "server": name})
                 rows.append(summary)
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "
-                      f"{json.dumps({k: v for k, v in summary.items() if k.startswith('engine_')})}", flush=True)
+                      f"{json.dumps({k: v for k, v in summary.items() if k.startswith('engine_')})}; Triton ms "
+                      f"per request {json.dumps(summary['triton_ms'])}", flush=True)
     print(format_table(rows, label="run"))
     print(f"{shape}: forge default build chose {json.dumps(runtime)}")
     by = {(r["server"], r["concurrency"]): r["tokens_per_s"] for r in rows}
@@ -444,7 +499,13 @@ def engine_share(before: dict, after: dict, wall_s: float) -> dict:
         return {}
     steps = after["decode_steps"] - before["decode_steps"]
     busy = after["step_seconds"] - before["step_seconds"]
-    return {"engine_busy": round(busy / wall_s, 3),
+    admitted = after.get("admitted", 0) - before.get("admitted", 0)
+    extra = {}
+    if admitted:
+        extra = {"engine_queued_ms": round((after["queued_seconds"] - before["queued_seconds"]) / admitted * 1000, 3),
+                 "engine_prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / busy, 3)
+                 if busy else None}
+    return {**extra, "engine_busy": round(busy / wall_s, 3),
             "engine_mean_rows": round((after["decoded_rows"] - before["decoded_rows"]) / steps, 1) if steps else None,
             "engine_ms_per_step": round(busy / steps * 1000, 3) if steps else None}
 
@@ -455,7 +516,8 @@ def served_share(entry: dict) -> list[dict]:
     from forge.served.decoder_engine.forge_decoder import graphs
 
     engine = {r["rows"]: r["tokens_per_s"] for r in entry.get("engine", [])
-              if r["cuda_graphs"] == "true" and r["attention"] == graphs.ATTENTION}
+              if r["cuda_graphs"] == "true" and r["attention"] == graphs.ATTENTION
+              and r.get("torch_compile", "auto") == "auto"}
     shares = []
     for row in entry.get("rows", []):
         if row["server"] == "forge default build" and row["concurrency"] in engine and row["tokens_per_s"]:

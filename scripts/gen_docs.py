@@ -226,6 +226,14 @@ def _f(value: object, fmt: str = ".1f") -> str:
     return "—" if value is None else format(value, fmt) if isinstance(value, (int, float)) else _cell(value)
 
 
+def _compiled(engine_row: dict) -> str:
+    """The engine row's ``-o torch_compile`` and what it chose (older results: not recorded)."""
+    if "torch_compile" not in engine_row:
+        return "—"
+    chosen = str(engine_row.get("chosen", ""))
+    return "yes" if "torch.compile on" in chosen else "no"
+
+
 def _serve_gpu_matches(data: dict) -> bool:
     return isinstance(data.get("shapes"), dict) and "gpu" in data
 
@@ -263,22 +271,33 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
                 f"c={s['concurrency']}: **{s['share']:.0%}**" for s in shares) + ".\n")
         engine = entry.get("engine") or []
         if engine:
-            table = [[_code(e.get("cuda_graphs")), _code(e.get("attention") or "—"), e.get("rows", "—"),
+            table = [[_code(e.get("cuda_graphs")), _code(e.get("attention") or "—"), _compiled(e), e.get("rows", "—"),
                       _f(e.get("ms_per_step"), ".2f"), _f(e.get("tokens_per_s")), _f(e.get("bandwidth_floor_ms"), ".2f"),
                       _f(e.get("x_above_floor"), ".1f")] for e in engine]
             out += [f"**{shape}, the engine alone** (no Triton; decode ms per step, sampling included):\n",
-                    _table(["`-o cuda_graphs`", "attention", "rows", "ms/step", "tok/s", "bandwidth floor ms",
-                            "× floor"], table)]
+                    _table(["`-o cuda_graphs`", "attention", "layers compiled", "rows", "ms/step", "tok/s",
+                            "bandwidth floor ms", "× floor"], table)]
+        cells = [r for r in rows if r.get("triton_ms")]
+        if cells:
+            models = sorted({m for r in cells for m in r["triton_ms"]}, key=lambda m: (not m.endswith("ensemble"), m))
+            table = [[_cell(r.get("run", "")), _f((r.get("latency_ms") or {}).get("p50"), ".0f"),
+                      _f(r.get("engine_queued_ms"), ".1f"),
+                      *[_f((r["triton_ms"].get(m) or {}).get("request"), ".1f") for m in models]] for r in cells]
+            out += [f"**{shape}, where a request's time goes** (mean ms per request that Triton counted in each model, "
+                    "beside the client's p50 and the mean wait in the engine's queue; a model that answers through its "
+                    "response sender counts until its `execute` returns):\n",
+                    _table(["cell", "client p50 ms", "engine queue ms", *[f"`{m}` ms" for m in models]], table)]
         kernels = entry.get("kernels_per_step")
         if kernels:
             out.append(f"CUDA kernels per decoding step at one row ({kernels['layers']} layers): " + ", ".join(
                 f"{form} attention {count}" for form, count in kernels["kernels"].items()) + ".\n")
         prefill = entry.get("prefill") or []
         if prefill:
-            table = [[p.get("prompts"), p.get("tokens"), _f(p.get("graph_ms"), ".2f"), _f(p.get("static_ms"), ".2f"),
-                      _f(p.get("hf_forward_ms"), ".2f")] for p in prefill]
+            table = [[p.get("prompts"), p.get("tokens"), _f(p.get("graph_ms"), ".2f"), _f(p.get("compiled_graph_ms"), ".2f"),
+                      _f(p.get("static_ms"), ".2f"), _f(p.get("hf_forward_ms"), ".2f")] for p in prefill]
             out += [f"**{shape}, prefill** (ms for the prompts at once):\n",
-                    _table(["prompts", "tokens each", "captured", "eager", "Hugging Face forward"], table)]
+                    _table(["prompts", "tokens each", "captured", "captured, layers compiled", "eager",
+                            "Hugging Face forward"], table)]
         for p in entry.get("parity") or []:
             out.append(f"Greedy ids, engine with CUDA graphs ({_cell(p.get('cuda_graphs'))}) vs transformers "
                        f"`generate`, {p.get('dtype')}: {p.get('rows_all_equal')} of {p.get('rows')} rows equal "

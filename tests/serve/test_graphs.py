@@ -65,12 +65,13 @@ def outputs(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]
     return [s.output for s in seqs]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("attention, compiled", [("sdpa", None), ("matmul", None), ("sdpa", "eager")])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_static_cache_step_equals_transformers_generate(kind, attention, monkeypatch):
+def test_static_cache_step_equals_transformers_generate(kind, attention, compiled, monkeypatch):
     """Five prompts of different lengths through 3 slots (rows join late and leave early), column buckets
     of 8 so caches cross buckets: every row's greedy ids equal its own ``generate``, with either form of the
-    step's attention."""
+    step's attention, and with the layers' pieces traced by torch.compile (``Fused``; the eager backend here:
+    its arithmetic, not the fused kernels)."""
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     monkeypatch.setattr(graphs, "ATTENTION", attention)
     model = _model(kind)
@@ -78,7 +79,10 @@ def test_static_cache_step_equals_transformers_generate(kind, attention, monkeyp
     prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
     lengths = [12, 5, 20, 9, 15]
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3)
-    assert engine.use_graphs("auto", capture=False) == "static KV cache, eager (no capture)"
+    assert engine.use_graphs("auto", capture=False, compile="auto") == \
+        "static KV cache, eager (no capture; torch.compile off (the step is not captured on a GPU))"
+    if compiled:
+        assert engine.graphs.use_compile("true", backend=compiled) == f"on ({compiled})"
     outputs: dict[int, list[int]] = {}
     seqs = [Sequence(GenerationRequest(p, n), lambda s, u: outputs.setdefault(id(s), []).extend(u.tokens))
             for p, n in zip(prompts, lengths)]
@@ -91,15 +95,19 @@ def test_static_cache_step_equals_transformers_generate(kind, attention, monkeyp
         assert outputs[id(seq)] == _generate(reference, prompt, n), prompt
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gpt2"])
-def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind):
+@pytest.mark.parametrize("kind, compiled", [("llama", None), ("qwen2", None), ("qwen3", None), ("gpt2", None),
+                                            ("llama", "eager"), ("qwen2", "eager"), ("qwen3", "eager")])
+def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind, compiled):
     """Three prompts of different lengths in one prefill, right-padded, into slots 1-3 (slot 0 is taken):
     every position's logits equal transformers' forward of that prompt alone in float32, each slot's keys
-    and values equal that forward's cache, and the argmax picks equal the last position's argmax."""
+    and values equal that forward's cache, and the argmax picks equal the last position's argmax; the same
+    with the layers' pieces traced by torch.compile."""
     from forge.served.decoder_engine.forge_decoder import kvcache
 
     model, reference = _model(kind), _model(kind)
     decoder = graphs.decoder_for(model, 4, 64, capture=False)
+    if compiled:
+        decoder.use_compile("true", backend=compiled)
     decoder.used = 1
     prompts = [[5, 17, 30, 4], list(range(40, 63)), [9]]
     ids = torch.zeros((3, 23), dtype=torch.long)
@@ -202,6 +210,37 @@ def test_what_cannot_decode_through_graphs_says_why():
     assert llama.use_graphs("false") == "off (-o cuda_graphs=false)"
     with pytest.raises(ValueError, match="-o cuda_graphs='maybe': expected auto, true or false"):
         llama.use_graphs("maybe")  # a hand-edited config.pbtxt: refused at load, not read as auto
+    with pytest.raises(ValueError, match="-o torch_compile=true compiles the CUDA-graph decoder's layers"):
+        llama.use_graphs("false", compile="true")
+    with pytest.raises(ValueError, match="-o torch_compile=true: the CUDA-graph decoder is off: the model runs on"):
+        llama.use_graphs("auto", compile="true")
+    with pytest.raises(ValueError, match="-o torch_compile='yes': expected auto, true or false"):
+        llama.use_graphs("auto", compile="yes")
+    gpt2 = graphs.decoder_for(_model("gpt2"), 2, 64, capture=False)
+    with pytest.raises(ValueError, match="-o torch_compile=true: cannot compile .*GPT2Decoder has no compiled"):
+        gpt2.use_compile("true")
+
+
+def test_compiled_pieces_fuse_kernels_and_keep_the_logits():
+    """The layers' pieces compiled by inductor (the fused kernels a GPU runs; C++ kernels on a CPU): a step of
+    3 rows and a prefill of 2 prompts give the eager pieces' logits in float32, and the compiled functions
+    serve every layer without recompiling (one form per leading shape)."""
+    model = _model("qwen3")
+    plain = graphs.decoder_for(model, 3, 64, capture=False)
+    fused = graphs.decoder_for(model, 3, 64, capture=False)
+    from torch._dynamo.utils import counters
+
+    assert fused.use_compile("true") == "on (inductor)"
+    compiled = counters["stats"]["unique_graphs"]
+    ids = torch.tensor([[5, 17, 30, 4, 0], [9, 8, 7, 6, 5]])
+    with torch.inference_mode():
+        expected = [plain.prefill(ids, [4, 5]), plain.step([11, 12], [4, 5]), plain.prefill(ids[:1, :3], [3]),
+                    plain.step([1, 2, 3], [5, 6, 3]), plain.step([4], [7])]
+        got = [fused.prefill(ids, [4, 5]), fused.step([11, 12], [4, 5]), fused.prefill(ids[:1, :3], [3]),
+               fused.step([1, 2, 3], [5, 6, 3]), fused.step([4], [7])]
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == compiled  # the warm-up compiled every form these use
 
 
 def test_steps_with_a_lora_adapter_run_through_the_hooked_modules():

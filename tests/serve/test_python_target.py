@@ -216,7 +216,11 @@ def test_concurrent_requests_of_mixed_lengths(server, tokenizer, hf_model):
     steps = metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="decode_steps")
     rows = metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="decoded_rows")
     assert steps >= max(lengths) - 1 and steps <= rows <= 8 * steps  # the first token comes from the prefill
-    assert metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="step_seconds") > 0
+    step_s = metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="step_seconds")
+    assert 0 < metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="prefill_seconds") < step_s
+    # every request admitted once (previous tests of this server counted too), each having waited >= 0
+    assert metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="admitted") >= len(jobs)
+    assert metric(server, "forge_decoder_engine_total", model="tensorrt_llm", kind="queued_seconds") >= 0
 
 
 def seed_input(merged_repo, model="tensorrt_llm") -> str:

@@ -76,6 +76,10 @@ FORGE = (
     Option("cuda_graphs", "choice", "python target: decoding steps as CUDA graphs over a static KV cache (auto: on a GPU "
            "for Llama-style and GPT-2 models at tp 1; true: that or fail to load; false: the Hugging Face "
            "forward)", "auto", PYTHON, choices=("auto", "true", "false")),
+    Option("torch_compile", "choice", "python target: the CUDA-graph decoder's Llama-style layers compiled by "
+           "torch.compile into fused kernels at load (auto: where the step is captured on a GPU and compiling works, "
+           "else eager with the reason logged; true: that or fail to load; false: eager)", "false", PYTHON,
+           choices=("auto", "true", "false")),
 )
 
 # An option that names no target is read by the targets with the text models, not by hf-pipeline.

@@ -76,9 +76,13 @@ def check_spec(spec) -> None:
                          hint="drop --instances")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
-    if spec.tp > 1 and spec.options.get("cuda_graphs") == "true":
-        raise UsageError(f"--target python at --tp {spec.tp} decodes through the Hugging Face forward on every "
-                         "rank; -o cuda_graphs=true needs --tp 1", hint="drop -o cuda_graphs, or build at --tp 1")
+    for option in ("cuda_graphs", "torch_compile"):
+        if spec.tp > 1 and spec.options.get(option) == "true":
+            raise UsageError(f"--target python at --tp {spec.tp} decodes through the Hugging Face forward on every "
+                             f"rank; -o {option}=true needs --tp 1", hint=f"drop -o {option}, or build at --tp 1")
+    if spec.options.get("cuda_graphs") == "false" and spec.options.get("torch_compile") == "true":
+        raise UsageError("-o torch_compile=true compiles the CUDA-graph decoder's layers, and -o cuda_graphs=false "
+                         "turns that decoder off", hint="drop one of the two")
 
 
 def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
@@ -164,6 +168,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_num_sequences": spec.limits.max_batch_size,
         "inflight_sequences": ctx.option("inflight_sequences", 0),
         "cuda_graphs": ctx.option("cuda_graphs", "auto"),
+        "torch_compile": ctx.option("torch_compile", "false"),
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),

@@ -33,6 +33,7 @@ from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E40
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often while it has work
+ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds")
 
 
 def _parameter(config: dict, key: str, default: str = "") -> str:
@@ -187,11 +188,13 @@ class TritonPythonModel:
         self.loras = lora_mod.from_parameters(model, lambda key, default: _parameter(config, key, default),
                                               dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
         self.engine.lora = None if self.loras is None else self.loras.modules
-        graphs = _parameter(config, "cuda_graphs", "auto")
+        graphs, compiled = _parameter(config, "cuda_graphs", "auto"), _parameter(config, "torch_compile", "false")
         if tp == 1:
-            graphs = self.engine.use_graphs(graphs)
-        elif graphs_mod.mode(graphs) == "true":  # every rank repeats rank 0's Hugging Face forward (distributed.py)
-            raise ValueError("-o cuda_graphs=true: tensor-parallel ranks decode through the Hugging Face forward")
+            graphs = self.engine.use_graphs(graphs, compile=compiled)
+        elif "true" in (graphs_mod.mode(graphs), graphs_mod.mode_of("torch_compile", compiled)):
+            # every rank repeats rank 0's Hugging Face forward (distributed.py)
+            raise ValueError("-o cuda_graphs=true / torch_compile=true: tensor-parallel ranks decode through the "
+                             "Hugging Face forward")
         else:
             graphs = "off (tensor-parallel ranks decode through the Hugging Face forward)"
         self.requests: dict[int, _Request] = {}
@@ -236,11 +239,12 @@ class TritonPythonModel:
             kind=pb_utils.MetricFamily.COUNTER)
         self.metric_engine = pb_utils.MetricFamily(
             name="forge_decoder_engine_total", description="the engine thread: seconds inside steps "
-            "(kind=step_seconds), decoding steps (kind=decode_steps) and rows summed over them (kind=decoded_rows)",
-            kind=pb_utils.MetricFamily.COUNTER)
+            "(kind=step_seconds) and prefills (kind=prefill_seconds), decoding steps (kind=decode_steps) and rows "
+            "summed over them (kind=decoded_rows), sequences admitted (kind=admitted) and their seconds waited in "
+            "the engine's queue (kind=queued_seconds)", kind=pb_utils.MetricFamily.COUNTER)
         labels = {"model": self.name}
         self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind})
-                                for kind in ("step_seconds", "decode_steps", "decoded_rows")}
+                                for kind in ENGINE_COUNTERS}
         self.published_engine = {kind: 0.0 for kind in self.engine_counters}
         self.engine_published_at = 0.0
         self.unpublished_tokens = 0
@@ -265,8 +269,10 @@ class TritonPythonModel:
         if busy and now - self.engine_published_at < ENGINE_METRICS_S:
             return
         self.engine_published_at = now
-        values = {"step_seconds": self.engine.step_ns / 1e9, "decode_steps": float(self.engine.decode_steps),
-                  "decoded_rows": float(self.engine.decoded_rows)}
+        engine = self.engine
+        values = {"step_seconds": engine.step_ns / 1e9, "decode_steps": float(engine.decode_steps),
+                  "decoded_rows": float(engine.decoded_rows), "prefill_seconds": engine.prefill_ns / 1e9,
+                  "admitted": float(engine.admitted), "queued_seconds": engine.queued_ns / 1e9}
         for kind, value in values.items():
             self.engine_counters[kind].increment(value - self.published_engine[kind])
             self.published_engine[kind] = value

@@ -183,20 +183,28 @@ class Engine:
         self.step_ns = 0  # time inside ``step`` (the rest of the engine thread's time it waits for work)
         self.decoded_rows = 0  # rows summed over decoding steps (÷ decoding steps: the mean batch)
         self.decode_steps = 0
+        self.prefill_ns = 0  # time inside prefills (part of step_ns)
+        self.admitted = 0  # sequences admitted, and their waits from submit to admission summed:
+        self.queued_ns = 0  # queued_ns / admitted is the mean wait in the engine's queue
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
         self.admit_wait_ns = int(ADMIT_WAIT_S * 1e9) if self.device.type == "cuda" else 0  # see ADMIT_SHARE
 
-    def use_graphs(self, mode: str = "auto", *, capture: bool = True) -> str:
+    def use_graphs(self, mode: str = "auto", *, capture: bool = True, compile: str = "false") -> str:
         """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
 
         ``auto``: on a GPU where the model allows it (a Llama-style or GPT-2 model, its KV cache for every row at
         max_seq_len within half the free GPU memory; steps with a LoRA adapter in the batch run eagerly);
         ``true``: the same or an error saying why not; ``false``: the Hugging Face forward; anything else is an
-        error. Call before ``start`` and after ``lora``.
+        error. ``compile``: ``-o torch_compile`` for the static decoder's layers (``GraphDecoder.use_compile``);
+        ``true`` needs the static decoder. Call before ``start`` and after ``lora``.
         """
         mode = graphs.mode(mode)
+        compile = graphs.mode_of("torch_compile", compile)
         if mode == "false":
+            if compile == "true":
+                raise ValueError("-o torch_compile=true compiles the CUDA-graph decoder's layers; it needs "
+                                 "-o cuda_graphs=auto or true")
             return "off (-o cuda_graphs=false)"
         reason = graphs.unsupported(self.model, self.limits.max_seq_len)
         if reason is None and capture and self.device.type != "cuda":
@@ -211,11 +219,14 @@ class Engine:
         if reason is not None:
             if mode == "true":
                 raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
+            if compile == "true":
+                raise ValueError(f"-o torch_compile=true: the CUDA-graph decoder is off: {reason}")
             return f"off ({reason})"
         self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture)
         self.graphs.log = self.log
-        return (f"on ({self.graphs.nbytes / 2**20:.0f} MiB static KV cache)" if self.graphs.capture
-                else "static KV cache, eager (no capture)")
+        compiled = self.graphs.use_compile(compile)
+        return (f"on ({self.graphs.nbytes / 2**20:.0f} MiB static KV cache; torch.compile {compiled})"
+                if self.graphs.capture else f"static KV cache, eager (no capture; torch.compile {compiled})")
 
     # -- public, thread-safe ----------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -272,7 +283,11 @@ class Engine:
         self._check_cancelled()
         admitted = self._admit()
         if admitted:
+            now = time.time_ns()
+            self.admitted += len(admitted)
+            self.queued_ns += sum(now - s.arrival_ns for s in admitted)
             self._prefill(admitted)
+            self.prefill_ns += time.perf_counter_ns() - started
         if self._active:
             self.decoded_rows += len(self._active)
             self.decode_steps += 1

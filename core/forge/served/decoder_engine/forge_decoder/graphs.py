@@ -42,14 +42,19 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
 FIRST_PREFILL_COLUMNS = 16  # prefill widths are captured in buckets 16, 32, 64, ...
 PREFILL_GRAPH_TOKENS = 8192  # larger prefills (prompts × width bucket) run eagerly: launches no longer matter
-MODES = ("auto", "true", "false")  # -o cuda_graphs
+MODES = ("auto", "true", "false")  # -o cuda_graphs, -o torch_compile
 
 
 def mode(value: str | None) -> str:
     """The ``-o cuda_graphs`` value of a model's config (empty: auto); anything else is an error."""
+    return mode_of("cuda_graphs", value)
+
+
+def mode_of(option: str, value: str | None) -> str:
+    """An auto/true/false ``-o option`` value of a model's config (empty: auto); anything else is an error."""
     chosen = (value or "auto").lower()
     if chosen not in MODES:
-        raise ValueError(f"-o cuda_graphs={value!r}: expected auto, true or false")
+        raise ValueError(f"-o {option}={value!r}: expected auto, true or false")
     return chosen
 
 
@@ -78,17 +83,29 @@ def unsupported(model, max_len: int) -> str | None:
 
 def _norm(module, x: torch.Tensor) -> torch.Tensor:
     """A Llama RMSNorm (float32 statistics, weight applied in the input dtype) as few kernels."""
-    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
-    return module.weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    return _rms(x, module.weight, _eps(module))
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def _eps(module) -> float:
+    return getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
 
 
 def _add_linear(residual: torch.Tensor, x: torch.Tensor, linear) -> torch.Tensor:
     """``residual + linear(x)``, one GEMM with the addition folded in where the layer has no bias
     (any leading dimensions: the GEMM sees them flattened)."""
     if linear.bias is None:
-        flat = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
-        return flat.view(residual.shape)
+        return _addmm(residual, x, linear.weight)
     return F.linear(x, linear.weight, linear.bias) + residual
+
+
+def _addmm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``residual + x @ weight.T`` as one GEMM (any leading dimensions)."""
+    flat = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
+    return flat.view(residual.shape)
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -173,6 +190,7 @@ class GraphDecoder:
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
         self.prefill_capture = self.capture  # off after a capture that failed (then prefill runs eagerly)
         self.log = print
+        self.fused: Fused | None = None  # the layers' pieces compiled (use_compile)
         self.picks: torch.Tensor | None = None  # [rows, 2]: each row's argmax token and its log-probability
         self.pool = None
         self.used = 0  # slots holding running sequences
@@ -200,6 +218,32 @@ class GraphDecoder:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     # -- the slots ----------------------------------------------------------------------------------
+    def use_compile(self, mode: str = "false", *, backend: str = "inductor") -> str:
+        """Run the layers' pieces compiled by ``torch.compile`` (``-o torch_compile``): fewer, fused kernels per
+        step and prefill. ``auto``: on when the step is captured on a GPU and compiling works here (it needs
+        Triton and a C compiler; a failure is logged and the pieces stay eager); ``true``: the same, wherever
+        the decoder runs, or an error; ``false``: eager. Returns what was chosen, for the log."""
+        chosen = mode_of("torch_compile", mode)
+        if chosen == "false":
+            return "off (-o torch_compile=false)"
+        reason = "the step is not captured on a GPU" if chosen == "auto" and not self.capture else None
+        reason = reason or self._uncompilable()
+        if reason is None:
+            try:
+                self.fused = Fused(self, backend=backend)
+                self.fused.warm_up()
+            except Exception as exc:  # no compiler, an unsupported op: the eager pieces are correct too
+                self.fused = None
+                reason = f"compiling failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if reason is not None:
+            if chosen == "true":
+                raise ValueError(f"-o torch_compile=true: cannot compile the decoder's layers: {reason}")
+            return f"off ({reason})"
+        return f"on ({backend})"
+
+    def _uncompilable(self) -> str | None:
+        return f"{type(self).__name__} has no compiled pieces"
+
     def keep(self, rows: list[int]) -> None:
         """Keep only the slots ``rows`` (in that order), packed to the front.
 
@@ -417,8 +461,8 @@ class LlamaDecoder(GraphDecoder):
         ids, pos, at, bias = self._step_inputs(rows, columns)
         cos, sin = self.cos[pos], self.sin[pos]  # [b, heads + kv, dim]
         h = self.embed(ids)
-        for i, layer in enumerate(self.layers):
-            qk, v = self._rotated_qkv(i, _norm(layer.input_layernorm, h), cos, sin, modules)
+        for i in range(len(self.layers)):
+            qk, v = self._rotated_qkv(i, h, cos, sin, modules)
             out = self._attend(i, qk[:, :self.heads], qk[:, self.heads:], v, at, bias, columns)
             h = self._rest_of_layer(i, h, out, modules)
         return self._picks(self.head(_norm(self.norm, h)))
@@ -426,12 +470,21 @@ class LlamaDecoder(GraphDecoder):
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return _norm(self.norm, h)
 
+    def _uncompilable(self) -> str | None:
+        for layer in self.layers:
+            mlp = layer.mlp
+            if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+                return f"its MLP's activation is {type(mlp.act_fn).__name__}, not SiLU"
+            if any(m.bias is not None for m in (layer.self_attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+                return "its output or MLP projections have biases"
+        return None
+
     def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
         n, width = h.shape[:2]
         heads, dim = self.heads, self.head_dim
         cos, sin = self.cos[:width], self.sin[:width]  # [width, heads + kv, dim]: position = column
-        for i, layer in enumerate(self.layers):
-            qk, v = self._rotated_qkv(i, _norm(layer.input_layernorm, h), cos, sin, modules)
+        for i in range(len(self.layers)):
+            qk, v = self._rotated_qkv(i, h, cos, sin, modules)
             q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
             self.keys[i][:, :, :width].index_copy_(0, slots, k)
             self.values[i][:, :, :width].index_copy_(0, slots, v)
@@ -440,10 +493,13 @@ class LlamaDecoder(GraphDecoder):
         return h
 
     # -- the pieces of a layer that the step and the prefill share (any leading dimensions) --------------
-    def _rotated_qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _rotated_qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      modules: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s queries and keys [..., heads + kv, dim] (RoPE applied, queries scaled) and values
-        [..., kv, dim] of the normed input ``x`` [..., hidden]."""
+        [..., kv, dim] of the hidden state ``h`` [..., hidden] (normed here)."""
+        if self.fused is not None and not modules:
+            return self.fused.qkv(h, *self.fused.layer_in[i], cos, sin)
+        x = _norm(self.layers[i].input_layernorm, h)
         attn, heads, kv, dim = self.layers[i].self_attn, self.heads, self.kv_heads, self.head_dim
         if modules:
             qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
@@ -458,6 +514,8 @@ class LlamaDecoder(GraphDecoder):
 
     def _rest_of_layer(self, i: int, h: torch.Tensor, out: torch.Tensor, modules: bool) -> torch.Tensor:
         """Layer ``i`` after attention: the output projection and the gated MLP, each with its residual."""
+        if self.fused is not None and not modules:
+            return self.fused.mlp(h, out, *self.fused.layer_out[i])
         layer = self.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         if modules:
@@ -513,3 +571,68 @@ class GPT2Decoder(GraphDecoder):
             h = h + layer.attn.c_proj(_causal(q, k, v, self.scales[i]).transpose(1, 2).reshape(n, width, heads * dim))
             h = h + layer.mlp(layer.ln_2(h))
         return h
+
+
+class Fused:
+    """A Llama-style layer's pieces around attention as two functions compiled by ``torch.compile``.
+
+    ``qkv``: input RMSNorm, the fused q/k/v GEMM, Qwen3's q/k norms and RoPE (queries scaled);
+    ``mlp``: the output projection with its residual, RMSNorm, the fused gate/up GEMM, SiLU·mul and the down
+    projection with its residual. The same arithmetic as ``LlamaDecoder._rotated_qkv`` / ``_rest_of_layer``
+    (float32 norm statistics, a residual folded into its GEMM); the compiler fuses the elementwise work
+    around the GEMMs, so a step launches about half the kernels. Weights are arguments: one compiled
+    function serves every layer; leading dimensions become dynamic after the warm-up's second size.
+    """
+
+    def __init__(self, decoder: "LlamaDecoder", *, backend: str = "inductor"):
+        heads, kv, dim = decoder.heads, decoder.kv_heads, decoder.head_dim
+        first = decoder.layers[0]
+        eps = _eps(first.input_layernorm)
+        qk_eps = _eps(first.self_attn.q_norm) if hasattr(first.self_attn, "q_norm") else eps
+
+        def qkv(h, norm_w, qkv_w, qkv_b, q_norm_w, k_norm_w, cos, sin):
+            x = F.linear(_rms(h, norm_w, eps), qkv_w, qkv_b).unflatten(-1, (heads + 2 * kv, dim))
+            qk, v = x[..., : heads + kv, :], x[..., heads + kv:, :]
+            if q_norm_w is not None:
+                qk = torch.cat([_rms(qk[..., :heads, :], q_norm_w, qk_eps), _rms(qk[..., heads:, :], k_norm_w, qk_eps)],
+                               dim=-2)
+            swapped = qk.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)
+            return torch.addcmul(qk * cos, swapped, sin), v
+
+        def mlp(h, out, o_w, norm_w, gate_up_w, down_w):
+            h = _addmm(h, out, o_w)
+            gate, up = F.linear(_rms(h, norm_w, eps), gate_up_w).chunk(2, dim=-1)
+            return _addmm(h, F.silu(gate) * up, down_w)
+
+        if backend == "inductor":  # compile in this process: no pool of compile workers beside a served model
+            import torch._inductor.config
+
+            torch._inductor.config.compile_threads = 1
+        self.qkv = torch.compile(qkv, backend=backend)
+        self.mlp = torch.compile(mlp, backend=backend)
+        self.decoder = decoder
+        self.layer_in, self.layer_out = [], []
+        for i, layer in enumerate(decoder.layers):
+            attn = layer.self_attn
+            norms = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
+            self.layer_in.append((layer.input_layernorm.weight, *decoder.qkv[i], *norms))
+            gate_up, _bias = decoder.gate_up[i]
+            self.layer_out.append((attn.o_proj.weight, layer.post_attention_layernorm.weight, gate_up,
+                                   layer.mlp.down_proj.weight))
+
+    def warm_up(self) -> None:
+        """Compile every form the step and the prefill use: 1 and several rows, 1 and several prompts."""
+        d = self.decoder
+        hidden = d.embed.weight.shape[1]
+        with torch.inference_mode():  # as the engine steps: tensors made here are inference tensors there too
+            for lead in ((1,), (2,), (3,), (1, 16), (1, 32), (2, 16), (3, 32)):
+                h = torch.zeros((*lead, hidden), dtype=d.dtype, device=d.device)
+                if len(lead) == 1:  # a step: each row's tables at its position
+                    pos = torch.zeros(lead, dtype=torch.long, device=d.device)
+                    cos, sin = d.cos[pos], d.sin[pos]
+                else:  # a prefill: position = column
+                    cos, sin = d.cos[: lead[1]], d.sin[: lead[1]]
+                self.qkv(h, *self.layer_in[0], cos, sin)
+                self.mlp(h, torch.zeros((*lead, d.heads * d.head_dim), dtype=d.dtype, device=d.device),
+                         *self.layer_out[0])
+
