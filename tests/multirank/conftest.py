@@ -12,7 +12,6 @@ would show within a few tokens; in float32 greedy ids agree.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -109,21 +108,7 @@ def reference(single_rank_repo) -> dict[str, dict[str, str]]:
 
 
 def leftovers(repo: Path) -> list[str]:
-    """Live processes whose command line or environment names ``repo`` (ranks, stubs, followers)."""
-    needle = str(repo).encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            if stat[stat.rfind(")") + 2:].startswith("Z"):
-                continue  # a zombie holds nothing; its parent reaps it
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in cmdline or needle in environ:
-            command = cmdline.replace(b"\0", b" ").decode(errors="replace")
-            found.append(f"{entry.name}: {command[:120]}")
-    return found
+    """``PID: command`` of each live process serving from ``repo`` (ranks, stubs, followers, mpirun)."""
+    from forge.serving.server import describe_process, repository_processes
+
+    return [describe_process(pid) for pid in repository_processes(repo)]

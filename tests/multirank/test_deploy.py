@@ -91,8 +91,15 @@ def test_shell_script_without_container_uses_this_installation(repos, tmp_path):
 
     out = tmp_path / "serve.sh"
     assert deploy("shell", repos["gpt-tp2"], "--container-image", "none", "--out", out) == 0
-    last = out.read_text().splitlines()[-1]
-    assert last.startswith("exec mpirun --allow-run-as-root") and f"{sys.executable} -m forge_decoder.follower" in last
+    text = out.read_text()
+    start = next(line for line in text.splitlines() if line.startswith("setsid mpirun"))
+    assert start.startswith("setsid mpirun --allow-run-as-root") and start.endswith(" &")
+    assert f"{sys.executable} -m forge_decoder.follower" in start
+    # ready when the probe says so, on 127.0.0.1 (the script's machine); a dead model process stops every rank
+    wait = next(line for line in text.splitlines() if line.startswith("until "))
+    assert wait.startswith(f'until {sys.executable} "$PROBE" "http://127.0.0.1:8000" ')
+    assert "forge: ready: gpt-tp2 on http://127.0.0.1:8000" in text and "; stopping the server" in text
+    assert "trap 'stop_server; exit 143' TERM" in text.splitlines()
     assert out.stat().st_mode & 0o100
 
 

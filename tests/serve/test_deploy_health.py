@@ -80,3 +80,38 @@ def test_compose_healthcheck_fails_when_a_model_process_dies_though_triton_says_
         assert "tensorrt_llm (0 of 1)" in done.stdout
     done = _run(argv)  # and nothing answering at all is not ready either
     assert done.returncode == 1 and "is not ready" in done.stdout
+
+
+@pytest.mark.heavy
+def test_shell_script_stops_the_server_when_a_model_process_dies_though_triton_says_ready(repo, tmp_path):
+    """``forge deploy shell --container-image none``: ready after the probe; ``kill -9`` of a model process ends
+    the script with status 1 and a line naming the model, and nothing of the server is left."""
+    from forge.serving.server import describe_process, free_ports, python_stubs, repository_processes
+
+    ports = free_ports(3)
+    script = tmp_path / "serve.sh"
+    assert main(["deploy", "shell", str(repo), "--container-image", "none", "--host", "127.0.0.1",
+                 *(str(a) for a in ("--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2])),
+                 "--out", str(script)]) == 0
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen(["bash", str(script)], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "forge: ready:" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        os.kill(python_stubs(repository_processes(repo))["tensorrt_llm"], signal.SIGKILL)
+        killed = time.monotonic()
+        status = process.wait(60)
+        took = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    text = log.read_text()
+    assert status == 1, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("forge: error:")]
+    assert len(errors) == 1 and "tensorrt_llm (0 of 1); stopping the server" in errors[0], text[-3000:]
+    assert [describe_process(p) for p in repository_processes(repo)] == []
+    print(f"the script exited {took:.1f} s after the kill: {errors[0]}")

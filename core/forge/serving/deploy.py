@@ -163,6 +163,41 @@ def rank_programs(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints
     return lines
 
 
+def _probe_file(also: str = "") -> list[str]:
+    """Script lines writing :func:`probe`'s source to a temporary ``$PROBE`` (removed on exit, with ``also``)."""
+    return ['PROBE="$(mktemp "${TMPDIR:-/tmp}/forge-probe.XXXXXX")"',
+            f"trap 'rm -f {also}\"$PROBE\" \"$PROBE.out\"' EXIT",
+            "# the readiness probe (forge.serving.deploy.probe): tritonserver's /v2/health/ready stays 200 when a",
+            "# python model's process died; this also asks that every python model has its processes",
+            "cat > \"$PROBE\" <<'FORGE_PROBE'", "import sys", "", inspect.getsource(probe).rstrip(), "",
+            "raise SystemExit(probe(sys.argv[1:]))", "FORGE_PROBE"]
+
+
+def _readiness(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, address: str, server: str, *,
+               ending: str, stop: str, why: str) -> list[str]:
+    """Script lines: wait for the probe, say ``forge: ready``, then probe on; a dead model process runs ``stop``.
+
+    ``$server`` is the pid of what serves (srun, mpirun, tritonserver): when it ends the script ends with its status.
+    """
+    models = " ".join(shlex.quote(f"{m}={n}") for m, n in python_processes(repo).items())
+    check = f'{shlex.quote(rt.python)} "$PROBE" "http://{address}:{ends.http_port}" {shlex.quote(str(repo))} {models}'
+    alive = f'kill -0 "${server}" 2>/dev/null'
+    return [f"until {check.rstrip()} > \"$PROBE.out\"; do",
+            f'  {alive} || {{ echo "forge: error: the server ended before it was ready: $(cat "$PROBE.out")"; '
+            f"{stop}; exit 1; }}",
+            "  sleep 2 & wait $!", "done",
+            f'echo "forge: ready: {repo.name} on http://{address}:{ends.http_port} '
+            f'(gRPC {address}:{ends.grpc_port}), {world.world_size} rank(s)"',
+            f"# tritonserver keeps a dead python model's process dead: {why}",
+            f"while {alive}; do",
+            f"  status=0; {check.rstrip()} > \"$PROBE.out\" || status=$?",
+            '  if [ "$status" = 2 ]; then',
+            f'    echo "forge: error: $(cat "$PROBE.out"); {ending}"',
+            f"    {stop}; exit 1",
+            "  fi", "  sleep 5 & wait $!", "done",
+            f'wait "${server}"']
+
+
 def slurm_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, *, nodes: int = 1,
                  gpus_per_node: int | None = None, partition: str | None = None, time_limit: str | None = None,
                  job_name: str | None = None, output: str | None = None, mpi: str = "pmix") -> str:
@@ -208,16 +243,11 @@ def slurm_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints,
              'export MASTER_ADDR="${MASTER_ADDR:-$FIRST_NODE}"',
              f"export MASTER_PORT={ends.rendezvous_port}",
              'RANKS="$(mktemp "${TMPDIR:-/tmp}/forge-ranks.XXXXXX")"',
-             'PROBE="$(mktemp "${TMPDIR:-/tmp}/forge-probe.XXXXXX")"',
-             "trap 'rm -f \"$RANKS\" \"$PROBE\" \"$PROBE.out\"' EXIT",
+             *_probe_file('"$RANKS" '),
              "# srun --multi-prog: task ids, then the program of those ranks",
              "cat > \"$RANKS\" <<'FORGE_RANKS'"]
     body += [f"{ids} {shlex.join(argv)}" for ids, argv in rank_programs(repo, world, rt, ends)]
-    body += ["FORGE_RANKS",
-             "# the readiness probe (forge.serving.deploy.probe): tritonserver's /v2/health/ready stays 200 when a",
-             "# python model's process died; this also asks that every python model has its processes",
-             "cat > \"$PROBE\" <<'FORGE_PROBE'", "import sys", "", inspect.getsource(probe).rstrip(), "",
-             "raise SystemExit(probe(sys.argv[1:]))", "FORGE_PROBE"]
+    body.append("FORGE_RANKS")
     srun = ["srun", f"--mpi={mpi}", f"--ntasks={world.world_size}", f"--ntasks-per-node={per_node}",
             "--kill-on-bad-exit=1", "--label"]
     if rt.image:
@@ -225,28 +255,19 @@ def slurm_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints,
     body += [shlex.join(srun) + ' --multi-prog "$RANKS" &', 'SRUN=$!']
     # this script runs on the first node, rank 0's: the probe sees its processes in /proc
     address = "$MASTER_ADDR" if ends.host in ("0.0.0.0", "::", "") else ends.host
-    models = " ".join(shlex.quote(f"{m}={n}") for m, n in python_processes(repo).items())
-    check = f'{shlex.quote(rt.python)} "$PROBE" "http://{address}:{ends.http_port}" {shlex.quote(str(repo))} {models}'
-    body += [f"until {check.rstrip()} > \"$PROBE.out\"; do",
-             '  kill -0 "$SRUN" 2>/dev/null || { echo "forge: error: the ranks ended before the server was ready: '
-             '$(cat "$PROBE.out")"; wait "$SRUN"; exit 1; }',
-             "  sleep 2", "done",
-             f'echo "forge: ready: {repo.name} on http://{address}:{ends.http_port} '
-             f'(gRPC {address}:{ends.grpc_port}), {world.world_size} rank(s)"',
-             "# tritonserver keeps a dead python model's process dead: end the job (requeue or resubmit it)",
-             'while kill -0 "$SRUN" 2>/dev/null; do',
-             f"  status=0; {check.rstrip()} > \"$PROBE.out\" || status=$?",
-             '  if [ "$status" = 2 ]; then',
-             '    echo "forge: error: $(cat "$PROBE.out"); ending the job"',
-             '    kill -TERM "$SRUN"; wait "$SRUN" || true; exit 1',
-             "  fi", "  sleep 5", "done",
-             'wait "$SRUN"']
+    body += _readiness(repo, world, rt, ends, address, "SRUN", ending="ending the job",
+                       stop='kill -TERM "$SRUN" 2>/dev/null || true; wait "$SRUN" || true',
+                       why="end the job (requeue or resubmit it)")
     return "\n".join(header + body) + "\n"
 
 
 def shell_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, *, gpus: str = "all",
                  shm_size: str = launch.DEFAULT_SHM_SIZE) -> str:
-    """A bash script serving ``repo`` on one machine: ``docker run`` of the container, or mpirun/tritonserver."""
+    """A bash script serving ``repo`` on one machine: ``docker run`` of the container, or mpirun/tritonserver.
+
+    Like the Slurm script it waits for :func:`probe`, says ``forge: ready``, and stops the server and exits 1
+    when a python model's process dies; SIGTERM or Ctrl-C stops the server (every rank) before the script ends.
+    """
     repo = repo.resolve()
     lines = ["#!/bin/bash", f"# written by forge deploy shell: {repo}, {world.world_size} rank(s)",
              f"# runtime: {rt.label}" + (f" (tensorrtllm_backend {rt.version})" if rt.version else ""),
@@ -255,19 +276,37 @@ def shell_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints,
         argv = launch.docker_command(repo, world, rt.image, host=ends.host, http_port=ends.http_port,
                                      grpc_port=ends.grpc_port, metrics_port=ends.metrics_port, shm_size=shm_size,
                                      gpus=gpus)
-        return "\n".join(lines + ["exec " + shlex.join(argv)]) + "\n"
-    lines += [f"export {key}={shlex.quote(value)}" for key, value in rt.environment]
-    extra = [f"--backend-directory={rt.backend_directory}"] if rt.backend_directory else []
-    if world.world_size > 1:
-        argv = launch.mpirun_command(rt.tritonserver, repo, world, host=ends.host, http_port=ends.http_port,
-                                     grpc_port=ends.grpc_port, metrics_port=ends.metrics_port, extra=extra,
-                                     python=rt.python, options=["--oversubscribe", "--bind-to", "none", "--noprefix"],
-                                     rendezvous=("127.0.0.1", ends.rendezvous_port))
+        start = ["# docker passes SIGTERM on to the container", shlex.join(argv) + " &"]
     else:
-        argv = [rt.tritonserver, *launch.tritonserver_args(
-            repo, rank=0, world=world, host=ends.host, http_port=ends.http_port, grpc_port=ends.grpc_port,
-            metrics_port=ends.metrics_port, shm_prefix="forge"), *extra]
-    return "\n".join(lines + ["exec " + shlex.join(argv)]) + "\n"
+        lines += [f"export {key}={shlex.quote(value)}" for key, value in rt.environment]
+        extra = [f"--backend-directory={rt.backend_directory}"] if rt.backend_directory else []
+        if world.world_size > 1:
+            argv = launch.mpirun_command(rt.tritonserver, repo, world, host=ends.host, http_port=ends.http_port,
+                                         grpc_port=ends.grpc_port, metrics_port=ends.metrics_port, extra=extra,
+                                         python=rt.python,
+                                         options=["--oversubscribe", "--bind-to", "none", "--noprefix"],
+                                         rendezvous=("127.0.0.1", ends.rendezvous_port))
+        else:
+            argv = [rt.tritonserver, *launch.tritonserver_args(
+                repo, rank=0, world=world, host=ends.host, http_port=ends.http_port, grpc_port=ends.grpc_port,
+                metrics_port=ends.metrics_port, shm_prefix="forge"), *extra]
+        # a session of its own: what is left of it (ranks, model processes) after a stop can be found and killed
+        start = ["# the server in a session of its own: stop_server ends everything in it",
+                 "setsid " + shlex.join(argv) + " &"]
+    lines += _probe_file()
+    lines += [*start, "SERVER=$!",
+              "stop_server() {  # SIGTERM (mpirun passes it to every rank), SIGKILL to what is left after 20 s",
+              '  kill -TERM "$SERVER" 2>/dev/null || true',
+              '  for _ in $(seq 40); do kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done',
+              *([] if rt.image else ['  pkill -KILL -s "$SERVER" 2>/dev/null || true']),
+              '  wait "$SERVER" 2>/dev/null || true',
+              "}",
+              "trap 'stop_server; exit 143' TERM",
+              "trap 'stop_server; exit 130' INT"]
+    address = "127.0.0.1" if ends.host in ("0.0.0.0", "::", "") else ends.host
+    lines += _readiness(repo, world, rt, ends, address, "SERVER", ending="stopping the server", stop="stop_server",
+                        why="stop the server and exit 1 (restart the script, or run forge serve, which restarts it)")
+    return "\n".join(lines) + "\n"
 
 
 def compose_file(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, *, gpus: str = "all",

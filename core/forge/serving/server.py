@@ -225,12 +225,10 @@ def _refers_to(pid: int, repo: str) -> bool:
     return any(p == repo or p.startswith(repo + os.sep) for p in paths.split(os.pathsep))
 
 
-def leftover_processes(repo: Path) -> list[int]:
-    """Processes left by an earlier server of ``repo`` whose owner is gone (Linux /proc).
+def repository_processes(repo: Path) -> list[int]:
+    """Live processes serving from ``repo`` (Linux /proc): tritonserver, mpirun, ranks, python stubs, followers.
 
-    A python stub whose tritonserver is gone (re-parented), or a tritonserver, mpirun or follower
-    re-parented to init (the forge that started it was killed). Servers whose parent still runs
-    (another ``forge serve`` of the same repository) are not leftovers.
+    What a stopped server must not leave behind; zombies (ended, not yet reaped) hold nothing and are not listed.
     """
     root = str(Path(repo).resolve())
     found = []
@@ -238,15 +236,52 @@ def leftover_processes(repo: Path) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         pid = int(entry.name)
+        if _state(pid) not in (None, "Z") and _refers_to(pid, root):
+            found.append(pid)
+    return sorted(found)
+
+
+def describe_process(pid: int) -> str:
+    """``PID: command line`` (cut at 120 characters), for messages about processes left behind."""
+    return f"{pid}: {' '.join(_cmdline(pid))[:120]}"
+
+
+def python_stubs(pids: "list[int]") -> dict[str, int]:
+    """The python-backend model processes among ``pids``: model name → pid (``<repo>/<model>/<version>/model.py``)."""
+    found = {}
+    for pid in pids:
+        args = _cmdline(pid)
+        if len(args) > 1 and os.path.basename(args[0]) == "triton_python_backend_stub":
+            found[Path(args[1]).parent.parent.name] = pid
+    return found
+
+
+def _state(pid: int) -> str | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:][:1]
+
+
+def leftover_processes(repo: Path) -> list[int]:
+    """Processes left by an earlier server of ``repo`` whose owner is gone (Linux /proc).
+
+    A python stub whose tritonserver is gone (re-parented), or a tritonserver, mpirun or follower
+    re-parented to init (the forge that started it was killed). Servers whose parent still runs
+    (another ``forge serve`` of the same repository) are not leftovers.
+    """
+    found = []
+    for pid in repository_processes(repo):
         stat = _stat(pid)
-        if stat is None or not _refers_to(pid, root):
+        if stat is None:
             continue
         args = _cmdline(pid)
         stub = bool(args) and os.path.basename(args[0]) == "triton_python_backend_stub"
         parent = _stat(stat[1]) if stat[1] > 1 else None
         if (stub and (parent is None or parent[0] != "tritonserver")) or (not stub and stat[1] == 1):
             found.append(pid)
-    return sorted(found)
+    return found
 
 
 def free_port(host: str = "127.0.0.1") -> int:
