@@ -41,6 +41,8 @@ SHAPES = {  # Llama shapes; the vocabulary is SmolLM2's so its tokenizer serves 
                     num_key_value_heads=3),
     "tinyllama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8),  # Llama-3-8B's layers (SmolLM2's vocabulary: ~7.2B parameters)
 }
 
 
@@ -64,8 +66,17 @@ def make_model(shape: str, tokenizer: Path | None, out: Path, dtype: str = "floa
                                                    "eos_token_id", "max_position_embeddings") if k in base},
                             **SHAPES[shape], "tie_word_embeddings": True, "torch_dtype": dtype})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a 7B model initialises in seconds on a GPU
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache() if device == "cuda" else None
     if tokenizer is None:
         return out
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -179,11 +190,13 @@ def per_request_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
-                 forms=(("false", None, "false"), ("true", "sdpa", "false"), ("true", "sdpa", "auto"))) -> list[dict]:
+                 forms=(("false", None, "false", "false"), ("true", "sdpa", "false", "false"),
+                        ("true", "sdpa", "auto", "false"), ("true", "sdpa", "false", "true"))) -> list[dict]:
     """Decode ms/step of forge's engine alone at each row count (prompts of 32 tokens), per step form:
     ``-o cuda_graphs=false`` (the Hugging Face forward) and ``true`` (CUDA graphs over the static KV cache)
     with an attention form of graphs.ATTENTION, its layers eager or compiled (``-o torch_compile``; the
-    seconds ``use_graphs`` took, compiling included, are ``setup_s``)."""
+    seconds ``use_graphs`` took, compiling included, are ``setup_s``), its KV cache static or paged
+    (``-o paged_kv_cache``)."""
     import torch
 
     from forge.served.decoder_engine.forge_decoder import graphs
@@ -194,12 +207,12 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     default = graphs.ATTENTION
     results = []
-    for mode, attention, compiled in forms:
+    for mode, attention, compiled, paged in forms:
         graphs.ATTENTION = attention or default
         for rows in rows_list:
             engine = Engine(model, Limits(model.config.vocab_size, 512, 1024), max_rows=rows)
             setup = time.perf_counter()
-            chosen = engine.use_graphs(mode, compile=compiled)
+            chosen = engine.use_graphs(mode, compile=compiled, paged=paged)
             setup = time.perf_counter() - setup
             engine.submit([Sequence(GenerationRequest(list(range(100 + i, 132 + i)), steps + 8), lambda s, u: None)
                            for i in range(rows)])
@@ -213,10 +226,12 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
                     engine.step()
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - start) / steps * 1000
-            results.append({"cuda_graphs": mode, "attention": attention, "torch_compile": compiled, "chosen": chosen,
+            results.append({"cuda_graphs": mode, "attention": attention, "torch_compile": compiled,
+                            "paged_kv_cache": paged, "chosen": chosen,
                             "setup_s": round(setup, 1), "rows": rows, "ms_per_step": round(ms, 3),
                             "tokens_per_s": round(rows / ms * 1000, 1)})
-            print(f"  engine alone, cuda_graphs={mode} attention={attention} torch_compile={compiled}, {rows} rows: "
+            print(f"  engine alone, cuda_graphs={mode} attention={attention} torch_compile={compiled} "
+                  f"paged_kv_cache={paged}, {rows} rows: "
                   f"{ms:.3f} ms/step ({chosen}; set up in {setup:.1f} s)", flush=True)
             del engine
     graphs.ATTENTION = default
@@ -517,7 +532,7 @@ def served_share(entry: dict) -> list[dict]:
 
     engine = {r["rows"]: r["tokens_per_s"] for r in entry.get("engine", [])
               if r["cuda_graphs"] == "true" and r["attention"] == graphs.ATTENTION
-              and r.get("torch_compile", "auto") == "auto"}
+              and r.get("torch_compile", "false") == "false" and r.get("paged_kv_cache", "false") == "false"}
     shares = []
     for row in entry.get("rows", []):
         if row["server"] == "forge default build" and row["concurrency"] in engine and row["tokens_per_s"]:

@@ -271,12 +271,13 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
                 f"c={s['concurrency']}: **{s['share']:.0%}**" for s in shares) + ".\n")
         engine = entry.get("engine") or []
         if engine:
-            table = [[_code(e.get("cuda_graphs")), _code(e.get("attention") or "—"), _compiled(e), e.get("rows", "—"),
+            table = [[_code(e.get("cuda_graphs")), _code(e.get("attention") or "—"), _compiled(e),
+                      _code(e.get("paged_kv_cache") or "—"), e.get("rows", "—"),
                       _f(e.get("ms_per_step"), ".2f"), _f(e.get("tokens_per_s")), _f(e.get("bandwidth_floor_ms"), ".2f"),
                       _f(e.get("x_above_floor"), ".1f")] for e in engine]
             out += [f"**{shape}, the engine alone** (no Triton; decode ms per step, sampling included):\n",
-                    _table(["`-o cuda_graphs`", "attention", "layers compiled", "rows", "ms/step", "tok/s",
-                            "bandwidth floor ms", "× floor"], table)]
+                    _table(["`-o cuda_graphs`", "attention", "layers compiled", "`-o paged_kv_cache`", "rows",
+                            "ms/step", "tok/s", "bandwidth floor ms", "× floor"], table)]
         cells = [r for r in rows if r.get("triton_ms")]
         if cells:
             models = sorted({m for r in cells for m in r["triton_ms"]}, key=lambda m: (not m.endswith("ensemble"), m))

@@ -10,12 +10,18 @@ from forge.cli import main
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-o", "enable_kv_cach_reuse=true"], "did you mean enable_kv_cache_reuse?"),
+    (["-o", "enable_kv_cach_reuse=true"], "did you mean enable_kv_cache_reuse"),
     (["-o", "triton_max_batch_size=8"], "unknown -o triton_max_batch_size for family gpt"),
-    (["--target", "python", "-o", "enable_kv_cache_reuse=true"],
-     "-o enable_kv_cache_reuse has no effect on --target python of family gpt; it is read by --target tensorrtllm"),
+    (["--target", "python", "-o", "kv_cache_host_memory_bytes=1000"],
+     "-o kv_cache_host_memory_bytes has no effect on --target python of family gpt; it is read by --target tensorrtllm"),
+    (["--target", "python", "-o", "paged_kv_cache=false", "-o", "enable_kv_cache_reuse=true"],
+     "-o enable_kv_cache_reuse=true shares blocks of a paged KV cache, and -o paged_kv_cache=false"),
+    (["--target", "python", "-o", "cuda_graphs=false", "-o", "paged_kv_cache=true"],
+     "-o paged_kv_cache=true belongs to the CUDA-graph decoder, and -o cuda_graphs=false turns"),
+    (["--target", "python", "--tp", "2", "-o", "paged_kv_cache=true"], "-o paged_kv_cache=true needs --tp 1"),
+    (["--target", "python", "-o", "kv_cache_free_gpu_mem_fraction=1.5"], "kv_cache_free_gpu_mem_fraction"),
     (["--target", "python", "-o", "batching_strategy=V1"], "-o batching_strategy has no effect on --target python"),
-    (["--target", "python", "-o", "kv_cache_free_gpu_mem_fraction=0.5"], "has no effect on --target python"),
+    (["--target", "python", "-o", "kv_cache_onboard_blocks=true"], "has no effect on --target python"),
     (["--target", "python", "--pp", "2"], "--target python runs tensor parallel only; --pp 2 applies to TensorRT-LLM"),
     (["-o", "batching_strategy=V2"], "-o batching_strategy=V2 is not valid; choose one of"),
     (["-o", "max_queue_delay_microseconds=soon"], "-o max_queue_delay_microseconds takes an integer"),
@@ -31,7 +37,7 @@ from forge.cli import main
     (["--target", "tensorrtllm", "-o", "cuda_graphs=true"], "-o cuda_graphs has no effect on --target tensorrtllm"),
     (["--target", "python", "--tp", "2", "-o", "torch_compile=true"], "-o torch_compile=true needs --tp 1"),
     (["--target", "python", "-o", "cuda_graphs=false", "-o", "torch_compile=true"],
-     "-o torch_compile=true compiles the CUDA-graph decoder's layers, and -o cuda_graphs=false turns"),
+     "-o torch_compile=true belongs to the CUDA-graph decoder, and -o cuda_graphs=false turns"),
     (["--target", "python", "-o", "torch_compile=always"], "-o torch_compile=always is not valid"),
     (["--target", "tensorrtllm", "-o", "torch_compile=true"], "-o torch_compile has no effect on --target tensorrtllm"),
     (["-o", "max_num_images=2"], "unknown -o max_num_images for family gpt"),
@@ -52,8 +58,9 @@ def test_undeclared_or_ignored_options_are_refused(tiny_gpt2, tmp_path, capsys, 
 def test_options_lists_fill_template_keys_per_target(capsys):
     assert main(["options", "--family", "llama", "--target", "python", "--json"]) == 0
     python = {row["name"] for row in json.loads(capsys.readouterr().out)}
-    assert {"exclude_input_in_output", "decoupled", "device", "end_id", "max_queue_delay_microseconds"} <= python
-    assert not {"enable_kv_cache_reuse", "batching_strategy", "kv_cache_free_gpu_mem_fraction"} & python
+    assert {"exclude_input_in_output", "decoupled", "device", "end_id", "max_queue_delay_microseconds",
+            "paged_kv_cache", "enable_kv_cache_reuse", "kv_cache_free_gpu_mem_fraction"} <= python
+    assert not {"batching_strategy", "kv_cache_onboard_blocks", "enable_chunked_context"} & python
     assert main(["options", "--family", "llama", "--target", "tensorrtllm", "--json"]) == 0
     engine = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert engine["batching_strategy"]["choices"] == ["inflight_fused_batching", "inflight_batching", "V1"]

@@ -18,6 +18,7 @@ from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence  #
 from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits  # noqa: E402
 
 VOCAB = 160
+PAGED = {"block": 4, "blocks": 40}  # blocks of 4 tokens; 40 blocks: fewer than 4 rows × 64 columns
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
 
@@ -80,7 +81,7 @@ def test_static_cache_step_equals_transformers_generate(kind, attention, compile
     lengths = [12, 5, 20, 9, 15]
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3)
     assert engine.use_graphs("auto", capture=False, compile="auto") == \
-        "static KV cache, eager (no capture; torch.compile off (the step is not captured on a GPU))"
+        "static KV cache of 0 MiB, eager (no capture; torch.compile off (the step is not captured on a GPU))"
     if compiled:
         assert engine.graphs.use_compile("true", backend=compiled) == f"on ({compiled})"
     outputs: dict[int, list[int]] = {}
@@ -95,17 +96,19 @@ def test_static_cache_step_equals_transformers_generate(kind, attention, compile
         assert outputs[id(seq)] == _generate(reference, prompt, n), prompt
 
 
-@pytest.mark.parametrize("kind, compiled", [("llama", None), ("qwen2", None), ("qwen3", None), ("gpt2", None),
-                                            ("llama", "eager"), ("qwen2", "eager"), ("qwen3", "eager")])
-def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind, compiled):
+@pytest.mark.parametrize("kind, compiled, paged", [
+    ("llama", None, None), ("qwen2", None, None), ("qwen3", None, None), ("gpt2", None, None),
+    ("llama", "eager", None), ("qwen2", "eager", None), ("qwen3", "eager", None), ("llama", None, PAGED),
+    ("gpt2", None, PAGED)])
+def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind, compiled, paged):
     """Three prompts of different lengths in one prefill, right-padded, into slots 1-3 (slot 0 is taken):
     every position's logits equal transformers' forward of that prompt alone in float32, each slot's keys
     and values equal that forward's cache, and the argmax picks equal the last position's argmax; the same
-    with the layers' pieces traced by torch.compile."""
+    with the layers' pieces traced by torch.compile, and into the blocks of a paged cache."""
     from forge.served.decoder_engine.forge_decoder import kvcache
 
     model, reference = _model(kind), _model(kind)
-    decoder = graphs.decoder_for(model, 4, 64, capture=False)
+    decoder = graphs.decoder_for(model, 4, 64, capture=False, paged=paged)
     if compiled:
         decoder.use_compile("true", backend=compiled)
     decoder.used = 1
@@ -121,17 +124,20 @@ def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind, compiled
             torch.testing.assert_close(logits[i, :len(prompt)], out.logits[0], atol=1e-4, rtol=1e-4)
             assert picks[i] == int(out.logits[0, -1].argmax())
             for layer, (k, v) in enumerate(kvcache.layers(out.past_key_values)):
-                torch.testing.assert_close(decoder.keys[layer][1 + i, :, :len(prompt)], k[0], atol=1e-5, rtol=1e-5)
-                torch.testing.assert_close(decoder.values[layer][1 + i, :, :len(prompt)], v[0], atol=1e-5, rtol=1e-5)
+                keys, values = decoder.cache.read_slot(layer, 1 + i, len(prompt))
+                torch.testing.assert_close(keys[0], k[0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(values[0], v[0], atol=1e-5, rtol=1e-5)
     assert decoder.used == 4
     with pytest.raises(RuntimeError, match="5 rows do not fit the 4 slots"):
         decoder.prefill(ids[:1], [4])
 
 
-def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch):
+@pytest.mark.parametrize("paged", [None, PAGED])
+def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch, paged):
     """The replay path of a captured prefill on the CPU, the CUDA graph stood in for by the captured function
     run on its static inputs: two prompts (widths 5 and 11) go in the (2, 16) bucket, a third alone in (1, 16);
-    logits, picks and slots equal the eager prefill's, and slots past the admitted ones stay untouched."""
+    logits, picks and slots equal the eager prefill's, and slots past the admitted ones stay untouched (paged:
+    the padding goes to the spare block, the fourth slot holds no block)."""
     model = _model("llama")
 
     class Replayed:
@@ -151,7 +157,7 @@ def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch):
         self.prefill_graphs[(rows, columns)] = (Replayed(run), (ids, slots, last), logits, picks)
 
     eager = graphs.decoder_for(model, 4, 64, capture=False)
-    captured = graphs.decoder_for(model, 4, 64, capture=False)
+    captured = graphs.decoder_for(model, 4, 64, capture=False, paged=paged)
     captured.prefill_capture = True
     monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill", capture)
     prompts = [[5, 17, 30, 4, 8], list(range(40, 51))], [[9, 9, 2]]
@@ -168,9 +174,12 @@ def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch):
     assert sorted(captured.prefill_graphs) == [(1, 16), (2, 16)]
     for layer in range(len(captured.keys)):
         for slot, length in enumerate((5, 11, 3)):  # past a prompt's length: padding nobody attends to
-            torch.testing.assert_close(captured.keys[layer][slot, :, :length], eager.keys[layer][slot, :, :length])
-            torch.testing.assert_close(captured.values[layer][slot, :, :length], eager.values[layer][slot, :, :length])
-        assert not captured.keys[layer][3].any()  # the fourth slot: nobody's
+            for got, want in zip(captured.cache.read_slot(layer, slot, length), eager.cache.read_slot(layer, slot, length)):
+                torch.testing.assert_close(got, want)
+        if paged:
+            assert captured.cache.slot_blocks[3] == []
+        else:
+            assert not captured.keys[layer][3].any()  # the fourth slot: nobody's
     assert captured.used == 3
 
 
@@ -210,7 +219,7 @@ def test_what_cannot_decode_through_graphs_says_why():
     assert llama.use_graphs("false") == "off (-o cuda_graphs=false)"
     with pytest.raises(ValueError, match="-o cuda_graphs='maybe': expected auto, true or false"):
         llama.use_graphs("maybe")  # a hand-edited config.pbtxt: refused at load, not read as auto
-    with pytest.raises(ValueError, match="-o torch_compile=true compiles the CUDA-graph decoder's layers"):
+    with pytest.raises(ValueError, match="-o torch_compile=true belongs to the CUDA-graph decoder; it needs"):
         llama.use_graphs("false", compile="true")
     with pytest.raises(ValueError, match="-o torch_compile=true: the CUDA-graph decoder is off: the model runs on"):
         llama.use_graphs("auto", compile="true")
@@ -274,3 +283,103 @@ def test_steps_with_a_lora_adapter_run_through_the_hooked_modules():
     plain, static = run(False), run(True)
     assert static == plain
     assert static[0][:6] != static[1]  # the adapter changed its row's tokens; row 0 ends without adapters
+
+
+def _run(engine: Engine, requests: list[GenerationRequest], late: int = 0) -> list[Sequence]:
+    """Submit ``requests`` (the last ``late`` of them after four steps) and run until idle."""
+    seqs = [Sequence(r, lambda s, u: None) for r in requests]
+    engine.submit(seqs[:len(seqs) - late])
+    for _ in range(4):
+        engine.step()
+    engine.submit(seqs[len(seqs) - late:])
+    engine.run_until_idle()
+    return seqs
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+def test_paged_cache_step_equals_transformers_generate(kind, monkeypatch):
+    """A paged KV cache of 12 blocks of 4 tokens for 3 rows of up to 48 tokens (static slots would take 36):
+    five prompts join late and leave early, a sequence waits for blocks when its prompt + max_tokens do not
+    fit beside the running ones, blocks go back as rows leave; every row's greedy ids equal its own
+    ``generate`` in float32, and every block is free at the end."""
+    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
+    monkeypatch.setattr(graphs, "BLOCK_TOKENS", 4)
+    model, reference = _model(kind), _model(kind)
+    prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
+    lengths = [12, 5, 20, 9, 15]
+    engine = Engine(model, Limits(VOCAB, 40, 48), max_rows=3)
+    chosen = engine.use_graphs("auto", capture=False, paged="true", blocks=12)
+    assert chosen.startswith("paged KV cache of 0 MiB: 12 blocks of 4 tokens, eager (no capture")
+    waited = []
+    real = engine.graphs.cache.room
+
+    def room(needs):  # record when admission holds a sequence back for blocks
+        fits = real(needs)
+        if not fits:
+            waited.append(needs)
+        return fits
+
+    monkeypatch.setattr(engine.graphs.cache, "room", room)
+    seqs = _run(engine, [GenerationRequest(p, n) for p, n in zip(prompts, lengths)], late=2)
+    for seq, prompt, n in zip(seqs, prompts, lengths):
+        assert seq.output == _generate(reference, prompt, n), prompt
+    assert waited  # 1 + 20 tokens (6 blocks) did not fit beside the first two (4 + 4) at first
+    cache = engine.graphs.cache
+    assert sorted(cache.free) == list(range(12)) and sum(cache.promised) == 0
+
+
+def test_paged_cache_reuses_a_shared_prompt_prefix(monkeypatch):
+    """-o enable_kv_cache_reuse: prompts sharing a 9-token prefix (2 full blocks of 4): the later ones
+    prefill only their own tokens, attending to the shared blocks (their keys and values equal a fresh
+    prefill's), while the first runs and after it finished; ids equal ``generate``. A prompt that differs in
+    the first block shares nothing; a pool under pressure gives the idle cached blocks back."""
+    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
+    monkeypatch.setattr(graphs, "BLOCK_TOKENS", 4)
+    model, reference = _model("llama"), _model("llama")
+    engine = Engine(model, Limits(VOCAB, 100, 64), max_rows=3)
+    engine.use_graphs("auto", capture=False, reuse=True, blocks=16)
+    cache = engine.graphs.cache
+    prefix = [5, 17, 30, 4, 9, 9, 2, 1, 33]
+    starts = []
+    real_admit = cache.admit
+    monkeypatch.setattr(cache, "admit", lambda slot, need, prompt=None: starts.append(real_admit(slot, need, prompt))
+                        or starts[-1])
+    first, second = _run(engine, [GenerationRequest(prefix + [40, 41], 6), GenerationRequest(prefix + [50], 8)], late=1)
+    assert starts == [0, 8]  # the second shares the first's two full blocks (it prefills positions 8-9)
+    third, = _run(engine, [GenerationRequest(prefix + [60, 61, 62], 5)])  # after both finished: idle blocks
+    other, = _run(engine, [GenerationRequest([6] + prefix[1:] + [40], 4)])  # differs in the first block
+    assert starts[2:] == [8, 0]
+    for seq, prompt, n in ((first, prefix + [40, 41], 6), (second, prefix + [50], 8),
+                           (third, prefix + [60, 61, 62], 5), (other, [6] + prefix[1:] + [40], 4)):
+        assert seq.output == _generate(reference, prompt, n), prompt
+    # pressure: a long request needs every block; the idle indexed ones give way, their index entries go
+    long, = _run(engine, [GenerationRequest(list(range(70, 120)), 14)])
+    assert long.output == _generate(reference, list(range(70, 120)), 14)
+    assert {key[1] for key in cache.index} == {tuple(range(70 + 4 * i, 74 + 4 * i)) for i in range(12)}
+    assert sorted(cache.free + list(cache.idle)) == list(range(16)) and not any(cache.refs)
+
+
+def test_a_paged_cache_admits_what_it_can_hold_and_no_request_waits_forever(monkeypatch):
+    """A pool of exactly one max_seq_len sequence: two requests that may each reach it run one after the other
+    (the second waits for the first's blocks, then gets its answer); a pool smaller than one sequence is
+    refused at load with the reason, and a request larger than a pool (as tests can make one) fails at once
+    with a clear error instead of waiting."""
+    monkeypatch.setattr(graphs, "BLOCK_TOKENS", 4)
+    engine = Engine(_model("llama"), Limits(VOCAB, 40, 40), max_rows=2)
+    with pytest.raises(ValueError, match="holds 9 blocks of 4 tokens, fewer than one 40-token sequence needs"):
+        engine.use_graphs("auto", capture=False, paged="true", blocks=9)
+    engine.use_graphs("auto", capture=False, paged="true", blocks=10)
+    updates = []
+    seqs = [Sequence(GenerationRequest([1, 2, 3], 37), lambda s, u: updates.append(u)) for _ in range(2)]
+    engine.submit(seqs)
+    engine.run_until_idle()
+    assert [len(s.output) for s in seqs] == [37, 37] and seqs[0].output == seqs[1].output
+    assert [u.reason for u in updates if u.finished] == ["length", "length"]
+    small = Engine(_model("llama"), Limits(VOCAB, 40, 40), max_rows=2)
+    small.use_graphs("auto", capture=False, paged="true", blocks=10)
+    small.graphs.cache.blocks = 5  # as if the pool were smaller than a sequence
+    failed = []
+    small.submit([Sequence(GenerationRequest([1, 2, 3], 30), lambda s, u: failed.append(u))])
+    small.run_until_idle()
+    assert failed[-1].reason == "error" and "may reach 33 tokens, more than the paged KV cache holds (5 blocks" \
+        in failed[-1].error

@@ -80,6 +80,10 @@ FORGE = (
            "torch.compile into fused kernels at load (auto: where the step is captured on a GPU and compiling works, "
            "else eager with the reason logged; true: that or fail to load; false: eager)", "false", PYTHON,
            choices=("auto", "true", "false")),
+    Option("paged_kv_cache", "choice", "python target: the CUDA-graph decoder's KV cache in blocks handed out as "
+           "sequences grow (auto: a static slot per row where that fits -o kv_cache_free_gpu_mem_fraction of the "
+           "free GPU memory, default 0.5, else blocks; true: blocks; false: static slots)", "auto", PYTHON,
+           choices=("auto", "true", "false")),
 )
 
 # An option that names no target is read by the targets with the text models, not by hf-pipeline.
@@ -96,7 +100,8 @@ _MULTIMODAL = {"hf_model_path", "max_num_images", "multimodal_model_path", "visu
 
 #: tensorrt_llm parameters the python target honours too (same name, same meaning).
 _PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms", "lora_cache_host_memory_bytes",
-                 "lora_cache_max_adapter_size", "lora_prefetch_dir"}
+                 "lora_cache_max_adapter_size", "lora_prefetch_dir", "enable_kv_cache_reuse",
+                 "kv_cache_free_gpu_mem_fraction"}
 
 
 def _from_parameters(versions: list[tuple[str, profiles.Parameter]]) -> Option:

@@ -61,6 +61,8 @@ def _message_outputs(outputs: Iterable[Any]) -> list:
 
 def check_spec(spec) -> None:
     """Refuse build options the python target cannot honour (before any file is written)."""
+    from ..interface import truthy
+
     if spec.quant:
         raise UsageError(f"--target python serves the checkpoint's own weights and cannot apply --quant "
                          f"{','.join(spec.quant)}", hint="drop --quant, or build --target tensorrtllm")
@@ -76,13 +78,17 @@ def check_spec(spec) -> None:
                          hint="drop --instances")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
-    for option in ("cuda_graphs", "torch_compile"):
+    for option in ("cuda_graphs", "torch_compile", "paged_kv_cache"):
         if spec.tp > 1 and spec.options.get(option) == "true":
             raise UsageError(f"--target python at --tp {spec.tp} decodes through the Hugging Face forward on every "
                              f"rank; -o {option}=true needs --tp 1", hint=f"drop -o {option}, or build at --tp 1")
-    if spec.options.get("cuda_graphs") == "false" and spec.options.get("torch_compile") == "true":
-        raise UsageError("-o torch_compile=true compiles the CUDA-graph decoder's layers, and -o cuda_graphs=false "
-                         "turns that decoder off", hint="drop one of the two")
+    for option in ("torch_compile", "paged_kv_cache"):
+        if spec.options.get("cuda_graphs") == "false" and spec.options.get(option) == "true":
+            raise UsageError(f"-o {option}=true belongs to the CUDA-graph decoder, and -o cuda_graphs=false turns "
+                             "that decoder off", hint="drop one of the two")
+    if spec.options.get("paged_kv_cache") == "false" and truthy(spec.options.get("enable_kv_cache_reuse", False)):
+        raise UsageError("-o enable_kv_cache_reuse=true shares blocks of a paged KV cache, and -o paged_kv_cache=false "
+                         "keeps static slots", hint="drop one of the two")
 
 
 def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
@@ -169,6 +175,9 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "inflight_sequences": ctx.option("inflight_sequences", 0),
         "cuda_graphs": ctx.option("cuda_graphs", "auto"),
         "torch_compile": ctx.option("torch_compile", "false"),
+        "paged_kv_cache": ctx.option("paged_kv_cache", "auto"),
+        "enable_kv_cache_reuse": bool(truthy(ctx.option("enable_kv_cache_reuse", False))),
+        "kv_cache_free_gpu_mem_fraction": ctx.option("kv_cache_free_gpu_mem_fraction"),
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),

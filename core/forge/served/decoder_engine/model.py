@@ -189,12 +189,20 @@ class TritonPythonModel:
                                               dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
         self.engine.lora = None if self.loras is None else self.loras.modules
         graphs, compiled = _parameter(config, "cuda_graphs", "auto"), _parameter(config, "torch_compile", "false")
+        paged = _parameter(config, "paged_kv_cache", "auto")
+        reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in ("true", "1", "yes")
+        fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
         if tp == 1:
-            graphs = self.engine.use_graphs(graphs, compile=compiled)
-        elif "true" in (graphs_mod.mode(graphs), graphs_mod.mode_of("torch_compile", compiled)):
+            graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse,
+                                            memory_fraction=fraction)
+        elif "true" in (graphs_mod.mode(graphs), graphs_mod.mode_of("torch_compile", compiled),
+                        graphs_mod.mode_of("paged_kv_cache", paged)):
             # every rank repeats rank 0's Hugging Face forward (distributed.py)
-            raise ValueError("-o cuda_graphs=true / torch_compile=true: tensor-parallel ranks decode through the "
-                             "Hugging Face forward")
+            raise ValueError("-o cuda_graphs=true / torch_compile=true / paged_kv_cache=true: tensor-parallel ranks "
+                             "decode through the Hugging Face forward")
+        if (reuse or fraction) and self.engine.graphs is None:
+            pb_utils.Logger.log_warn("-o enable_kv_cache_reuse / kv_cache_free_gpu_mem_fraction have no effect: "
+                                     "they apply to the CUDA-graph decoder, which is off here")
         else:
             graphs = "off (tensor-parallel ranks decode through the Hugging Face forward)"
         self.requests: dict[int, _Request] = {}

@@ -9,6 +9,7 @@ ones. Sequences of different prompt lengths, output lengths and sampling paramet
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import threading
 import time
@@ -104,6 +105,9 @@ def choose_dtype(device: torch.device, name: str, checkpoint: str = "float16") -
 ADMIT_SHARE = 4
 ADMIT_WAIT_S = 0.008
 GPU_ROWS = 64  # sequences in flight on a GPU by default: one decode step costs about the same at 1 and 64 rows
+#: The share of the free GPU memory the CUDA-graph decoder's KV cache may take when
+#: -o kv_cache_free_gpu_mem_fraction is not set (the rest: activations, graphs, the other models).
+DEFAULT_KV_FRACTION = 0.5
 
 
 def choose_rows(device: torch.device, requested: int, max_batch_size: int) -> int:
@@ -190,43 +194,77 @@ class Engine:
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
         self.admit_wait_ns = int(ADMIT_WAIT_S * 1e9) if self.device.type == "cuda" else 0  # see ADMIT_SHARE
 
-    def use_graphs(self, mode: str = "auto", *, capture: bool = True, compile: str = "false") -> str:
+    def use_graphs(self, mode: str = "auto", *, capture: bool = True, compile: str = "false", paged: str = "auto",
+                   reuse: bool = False, memory_fraction: float | None = None, blocks: int | None = None) -> str:
         """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
 
         ``auto``: on a GPU where the model allows it (a Llama-style or GPT-2 model, its KV cache for every row at
         max_seq_len within half the free GPU memory; steps with a LoRA adapter in the batch run eagerly);
         ``true``: the same or an error saying why not; ``false``: the Hugging Face forward; anything else is an
         error. ``compile``: ``-o torch_compile`` for the static decoder's layers (``GraphDecoder.use_compile``);
-        ``true`` needs the static decoder. Call before ``start`` and after ``lora``.
+        ``true`` needs the static decoder. ``paged`` (``-o paged_kv_cache``): ``auto`` keeps a static slot per row
+        where that fits ``memory_fraction`` of the free GPU memory (``-o kv_cache_free_gpu_mem_fraction``,
+        default 0.5) and takes blocks of a pool sized by that memory otherwise; ``true`` always blocks,
+        ``false`` never. ``reuse`` (``-o enable_kv_cache_reuse``) shares full prompt blocks between sequences:
+        blocks. ``blocks``: the pool's size instead of the memory's (tests). Call before ``start`` and after
+        ``lora``.
         """
         mode = graphs.mode(mode)
         compile = graphs.mode_of("torch_compile", compile)
+        paged = graphs.mode_of("paged_kv_cache", paged)
+        if paged == "false" and reuse:
+            raise ValueError("-o enable_kv_cache_reuse=true shares blocks of a paged KV cache; it needs "
+                             "-o paged_kv_cache=auto or true")
         if mode == "false":
-            if compile == "true":
-                raise ValueError("-o torch_compile=true compiles the CUDA-graph decoder's layers; it needs "
-                                 "-o cuda_graphs=auto or true")
+            for option, value in (("torch_compile", compile), ("paged_kv_cache", paged)):
+                if value == "true":
+                    raise ValueError(f"-o {option}=true belongs to the CUDA-graph decoder; it needs "
+                                     "-o cuda_graphs=auto or true")
             return "off (-o cuda_graphs=false)"
         reason = graphs.unsupported(self.model, self.limits.max_seq_len)
         if reason is None and capture and self.device.type != "cuda":
             reason = f"the model runs on {self.device.type}, not a GPU"
-        if reason is None and self.device.type == "cuda":
-            size = graphs.cache_bytes(self.model, self.max_rows, self.limits.max_seq_len)
-            free, _total = torch.cuda.mem_get_info(self.device)
-            if size > free // 2:
-                reason = (f"a static KV cache for {self.max_rows} rows × {self.limits.max_seq_len} tokens needs "
-                          f"{size / 2**30:.1f} GiB, more than half the free GPU memory ({free / 2**30:.1f} GiB); "
-                          "lower -o inflight_sequences or --max-seq-len")
+        layout = None
+        if reason is None:
+            layout, reason = self._layout(paged, reuse, memory_fraction, blocks)
         if reason is not None:
             if mode == "true":
                 raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
-            if compile == "true":
-                raise ValueError(f"-o torch_compile=true: the CUDA-graph decoder is off: {reason}")
+            for option, value in (("torch_compile", compile), ("paged_kv_cache", paged)):
+                if value == "true":
+                    raise ValueError(f"-o {option}=true: the CUDA-graph decoder is off: {reason}")
             return f"off ({reason})"
-        self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture)
+        self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture,
+                                         paged=layout)
         self.graphs.log = self.log
         compiled = self.graphs.use_compile(compile)
-        return (f"on ({self.graphs.nbytes / 2**20:.0f} MiB static KV cache; torch.compile {compiled})"
-                if self.graphs.capture else f"static KV cache, eager (no capture; torch.compile {compiled})")
+        return (f"on ({self.graphs.cache.describe()}; torch.compile {compiled})" if self.graphs.capture
+                else f"{self.graphs.cache.describe()}, eager (no capture; torch.compile {compiled})")
+
+    def _layout(self, paged: str, reuse: bool, fraction: float | None,
+                blocks: int | None) -> tuple[dict | None, str | None]:
+        """(paged layout or None for static slots, why neither fits) for use_graphs."""
+        rows, max_len = self.max_rows, self.limits.max_seq_len
+        static = graphs.cache_bytes(self.model, rows, max_len)
+        budget = None
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * (fraction or DEFAULT_KV_FRACTION))
+        if paged == "false" or (paged == "auto" and not reuse and (budget is None or static <= budget)):
+            if budget is not None and static > budget:
+                return None, (f"a static KV cache for {rows} rows × {max_len} tokens needs {static / 2**30:.1f} GiB, "
+                              f"more than {budget / 2**30:.1f} GiB of free GPU memory it may take; lower "
+                              "-o inflight_sequences or --max-seq-len, or let -o paged_kv_cache=auto page it")
+            return None, None
+        block = graphs.BLOCK_TOKENS
+        full = rows * math.ceil(max_len / block)  # every row at max_len: more never helps
+        if blocks is None:
+            blocks = full if budget is None else min(full, budget // graphs.block_bytes(self.model, block))
+        if blocks < math.ceil(max_len / block):
+            return None, (f"a paged KV cache in {budget / 2**30 if budget else 0:.1f} GiB holds {blocks} blocks of "
+                          f"{block} tokens, fewer than one {max_len}-token sequence needs; lower --max-seq-len or "
+                          "raise -o kv_cache_free_gpu_mem_fraction")
+        return {"block": block, "blocks": blocks, "reuse": reuse}, None
 
     # -- public, thread-safe ----------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -351,6 +389,10 @@ class Engine:
         return (len(self._pending) < enough
                 and time.time_ns() - self._pending[0].arrival_ns < self.admit_wait_ns)
 
+    def _need(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` can come to hold (what a paged cache promises it at admission)."""
+        return min(len(seq.tokens) + seq.request.max_new_tokens, self.limits.max_seq_len)
+
     def _admit(self) -> list[Sequence]:
         free = self.max_rows - len(self._active)
         admitted: list[Sequence] = []
@@ -366,6 +408,16 @@ class Engine:
                     continue
                 width = max(longest, len(seq.tokens))
                 if admitted and width * (len(admitted) + 1) > self.max_prefill_tokens:
+                    break
+                room = True if self.graphs is None else self.graphs.room([self._need(s) for s in admitted + [seq]])
+                if room is None:  # more than the whole pool: it would wait forever
+                    self._pending.popleft()
+                    self._finish(seq, Update([], [], [], True, "error", (
+                        f"the request may reach {self._need(seq)} tokens, more than the paged KV cache holds "
+                        f"({self.graphs.cache.blocks} blocks of {self.graphs.cache.block} tokens); lower its "
+                        "max_tokens, or raise -o kv_cache_free_gpu_mem_fraction")))
+                    continue
+                if not room:  # blocks free up as running sequences finish
                     break
                 longest = width
                 admitted.append(self._pending.popleft())
@@ -455,9 +507,13 @@ class Engine:
         adapters = self.lora is not None and any(s.request.lora is not None for s in admitted)
         if self.lora is not None:
             self.lora.select([s.request.lora for s in admitted] if adapters else None)
+        embeds = self._embed(ids, admitted)
+        shared = self.graphs.cache.paged and self.graphs.cache.reuse and embeds is None and not keep_all \
+            and not adapters
         try:
-            logits = self.graphs.prefill(ids, lengths, embeds=self._embed(ids, admitted), all_logits=keep_all,
-                                         modules=adapters)
+            logits = self.graphs.prefill(ids, lengths, embeds=embeds, all_logits=keep_all, modules=adapters,
+                                         needs=[self._need(s) for s in admitted],
+                                         prompts=[list(s.tokens) for s in admitted] if shared else None)
         except Exception as exc:
             self._prefill_failed(admitted, exc)
             return

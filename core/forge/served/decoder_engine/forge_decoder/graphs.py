@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kvlayout import PagedBlocks, StaticSlots
+
 
 #: scaled_dot_product_attention takes fewer query heads than key/value heads itself (torch >= 2.5)
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -42,6 +44,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
 FIRST_PREFILL_COLUMNS = 16  # prefill widths are captured in buckets 16, 32, 64, ...
 PREFILL_GRAPH_TOKENS = 8192  # larger prefills (prompts × width bucket) run eagerly: launches no longer matter
+BLOCK_TOKENS = 64  # tokens per block of a paged KV cache (a power of two dividing FIRST_COLUMNS)
 MODES = ("auto", "true", "false")  # -o cuda_graphs, -o torch_compile
 
 
@@ -108,15 +111,21 @@ def _addmm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
     return flat.view(residual.shape)
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q [n, heads, w, dim] over k, v [n, kv heads, w, dim] (kv heads divide heads)."""
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, start: int = 0) -> torch.Tensor:
+    """Causal attention of q [n, heads, w, dim] over k, v [n, kv heads, start + w, dim] (kv heads divide
+    heads): the queries are positions [start, start + w), the keys [0, start + w)."""
     heads, kv = q.shape[1], k.shape[1]
+    mask = None
+    if start:  # after a cached prefix: query i sees keys [0, start + i]
+        width = q.shape[2]
+        mask = torch.arange(start + width, device=q.device)[None, :] <= (start + torch.arange(width, device=q.device))[:, None]
+    extra = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if heads == kv:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, **extra)
     if _SDPA_GQA:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **extra)
     k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, **extra)
 
 
 def _fuse(modules) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -148,14 +157,23 @@ def cache_bytes(model, rows: int, max_len: int) -> int:
     """Bytes of the static KV cache a decoder for ``model`` allocates (keys and values, every layer; one
     spare slot for the padding of captured prefills)."""
     _, kv, dim = attention_shape(model.config)
-    return (2 * int(model.config.num_hidden_layers) * (rows + 1) * kv * (max_len + 1) * dim
-            * next(model.parameters()).element_size())
+    return StaticSlots.bytes_for(int(model.config.num_hidden_layers), rows, kv, dim, max_len,
+                                 next(model.parameters()).element_size())
 
 
-def decoder_for(model, rows: int, max_len: int, *, capture: bool = True) -> "GraphDecoder":
-    """The graph decoder of ``model``'s architecture (``unsupported`` says whether there is one)."""
+def block_bytes(model, block: int) -> int:
+    """Bytes of one block of ``block`` tokens of a paged KV cache for ``model`` (keys and values, every layer)."""
+    _, kv, dim = attention_shape(model.config)
+    return PagedBlocks.block_bytes(int(model.config.num_hidden_layers), kv, dim, block,
+                                   next(model.parameters()).element_size())
+
+
+def decoder_for(model, rows: int, max_len: int, *, capture: bool = True,
+                paged: dict | None = None) -> "GraphDecoder":
+    """The decoder for ``model``'s architecture; ``paged``: ``dict(block=, blocks=, reuse=)`` for a paged KV cache
+    (kvlayout.PagedBlocks), else static slots (``unsupported`` says whether there is a decoder)."""
     cls = GPT2Decoder if type(model).__name__ in GPT2_STYLE else LlamaDecoder
-    return cls(model, rows, max_len, capture=capture)
+    return cls(model, rows, max_len, capture=capture, paged=paged)
 
 
 class GraphDecoder:
@@ -166,7 +184,7 @@ class GraphDecoder:
     tests check against transformers on a machine without a GPU.
     """
 
-    def __init__(self, model, rows: int, max_len: int, *, capture: bool = True):
+    def __init__(self, model, rows: int, max_len: int, *, capture: bool = True, paged: dict | None = None):
         self._layout(model)
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -174,14 +192,12 @@ class GraphDecoder:
         self.attention = ATTENTION
         self.spare = max_len  # the column no row attends to
         self.spare_slot = rows  # the slot no row uses: padded prompts of a captured prefill write there
-        shape = (rows + 1, self.kv_heads, max_len + 1, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        shape = (len(self.layers), rows, self.kv_heads, self.head_dim, max_len, self.dtype, self.device)
+        self.cache = PagedBlocks(*shape, **paged) if paged else StaticSlots(*shape)
+        self.keys, self.values = self.cache.keys, self.cache.values
         self.columns = torch.arange(max_len + 1, device=self.device)
         with torch.no_grad():
             self._prepare(model)
-        self.heads_offset = (torch.arange(rows, device=self.device)[:, None] * self.kv_heads
-                             + torch.arange(self.kv_heads, device=self.device)[None, :]) * (max_len + 1)
         self.inputs = torch.zeros((2, rows), dtype=torch.long, device=self.device)  # ids, positions
         self.staging = torch.zeros((2, rows), dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.capture = capture and self.device.type == "cuda"
@@ -208,14 +224,23 @@ class GraphDecoder:
         modules (hooks apply) instead of fused weights."""
         raise NotImplementedError
 
-    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
+    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool, start: int = 0,
+                 slot: int | None = None) -> torch.Tensor:
         """The layers over prompts ``h`` [n, width, hidden] (token embeddings, right-padded), writing their
-        keys and values into ``slots`` [n] at columns [0, width); the final hidden states."""
+        keys and values into ``slots`` [n] at positions [start, start + width); the final hidden states. With
+        ``start`` (one prompt, in ``slot``), it attends to the slot's first ``start`` positions too."""
         raise NotImplementedError
+
+    def _written(self, layer: int, slots: torch.Tensor, start: int, slot: int | None, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a prefill's keys and values [n, kv, width, dim]; what its queries attend to: themselves, or
+        after a cached prefix the slot's keys and values from position 0."""
+        self.cache.write_prompt(layer, slots, start, k, v)
+        return (k, v) if not start else self.cache.read_slot(layer, slot, start + k.shape[2])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return self.cache.nbytes
 
     # -- the slots ----------------------------------------------------------------------------------
     def use_compile(self, mode: str = "false", *, backend: str = "inductor") -> str:
@@ -245,46 +270,96 @@ class GraphDecoder:
         return f"{type(self).__name__} has no compiled pieces"
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only the slots ``rows`` (in that order), packed to the front.
-
-        Only the slots that move are copied, and only their columns in use (not all max_seq_len of them:
-        at 64 rows × 8192 columns a whole copy would move gigabytes every time a sequence ends)."""
-        first = next((i for i, row in enumerate(rows) if row != i), len(rows))
-        if first < len(rows):
-            index = torch.tensor(rows[first:], dtype=torch.long, device=self.device)
-            for t in self.keys + self.values:
-                t[first:len(rows), :, :self.filled] = t[:, :, :self.filled].index_select(0, index)
+        """Keep only the slots ``rows`` (in that order), packed to the front (the layout's ``keep``)."""
+        self.cache.keep(rows, self.used, self.filled)
         self.used = len(rows)
         if not rows:
             self.filled = 0
 
     def reset(self) -> None:
+        self.cache.reset()
         self.used = self.filled = 0
+
+    def room(self, needs: list[int]) -> bool | None:
+        """Whether sequences that may reach ``needs`` tokens can be admitted now (None: the last never can)."""
+        return self.cache.room(needs)
 
     # -- the prefill --------------------------------------------------------------------------------
     def prefill(self, ids: torch.Tensor, lengths: list[int], *, embeds: torch.Tensor | None = None,
-                all_logits: bool = False, modules: bool = False) -> torch.Tensor:
+                all_logits: bool = False, modules: bool = False, needs: list[int] | None = None,
+                prompts: list[list[int]] | None = None) -> torch.Tensor:
         """Prompts ``ids`` [n, width] (right-padded; row i holds ``lengths[i]`` tokens) into the next free
         slots: logits of each prompt's last token [n, vocab] (``greedy`` has their argmax), or with
         ``all_logits`` every position's [n, width, vocab]. ``embeds`` [n, width, hidden] replaces the
         token embeddings (prompt tables); ``modules`` as in ``step``. Plain prefills replay a graph of their
-        bucket on a GPU."""
+        bucket on a GPU. ``needs``: the tokens each sequence may reach (a paged cache's blocks; default
+        max_len). ``prompts``: the prompts' tokens where their keys and values may be shared (a paged cache
+        with reuse; never with embeds, adapters or all_logits): a row whose prompt starts with cached full
+        blocks prefills only the rest."""
         n, width = ids.shape
         first = self.used
         if first + n > self.rows:
             raise RuntimeError(f"{first + n} rows do not fit the {self.rows} slots")
         if width >= self.max_len:
             raise RuntimeError(f"a prompt of {width} tokens does not fit {self.max_len} columns")
-        slots = torch.arange(first, first + n, device=self.device)
-        last = torch.tensor([length - 1 for length in lengths], device=self.device)
-        bucket = self._prefill_bucket(n, width)
-        if bucket is not None and embeds is None and not all_logits and not modules:
-            logits = self._replay_prefill(bucket, ids, slots, last)
-        else:
-            logits, self.picks = self._prefill_logits(ids, slots, last, embeds, all_logits, modules)
+        try:
+            logits = self._prefill_slots(ids, lengths, first, embeds, all_logits, modules, needs, prompts)
+        except BaseException:  # the slots' blocks go back; the engine fails these sequences
+            self.cache.keep(list(range(first)), first + n, self.filled)
+            raise
         self.used += n
         self.filled = max(self.filled, width)
         return logits
+
+    def _prefill_slots(self, ids: torch.Tensor, lengths: list[int], first: int, embeds: torch.Tensor | None,
+                       all_logits: bool, modules: bool, needs: list[int] | None,
+                       prompts: list[list[int]] | None) -> torch.Tensor:
+        n = ids.shape[0]
+        starts = []
+        for i, length in enumerate(lengths):
+            starts.append(self.cache.admit(first + i, needs[i] if needs else self.max_len,
+                                           prompts[i] if prompts else None))
+            self.cache.grow(first + i, length - 1)
+        self.cache.sync()
+        fresh = [i for i, start in enumerate(starts) if not start]
+        if len(fresh) == n:
+            logits = self._prefill_rows(ids, lengths, torch.arange(first, first + n, device=self.device), embeds,
+                                        all_logits, modules)
+        else:  # prompts after a reused prefix one by one (eagerly), the others together
+            parts = []
+            if fresh:
+                longest = max(lengths[i] for i in fresh)
+                parts.append((self._prefill_rows(ids[fresh, :longest], [lengths[i] for i in fresh],
+                                                 torch.tensor([first + i for i in fresh], device=self.device)),
+                              self.picks))
+            for i, start in enumerate(starts):
+                if start:
+                    parts.append(self._prefill_after(ids[i:i + 1, start:lengths[i]], first + i, start))
+            order = torch.tensor(fresh + [i for i, start in enumerate(starts) if start], device=self.device)
+            back = torch.empty_like(order)
+            back[order] = torch.arange(n, device=self.device)
+            logits = torch.cat([part[0] for part in parts])[back]
+            self.picks = torch.cat([part[1] for part in parts])[back]
+        for i, prompt in enumerate(prompts or []):
+            self.cache.published(first + i, prompt)
+        return logits
+
+    def _prefill_rows(self, ids: torch.Tensor, lengths: list[int], slots: torch.Tensor,
+                      embeds: torch.Tensor | None = None, all_logits: bool = False,
+                      modules: bool = False) -> torch.Tensor:
+        """Prompts from position 0 into ``slots``: a captured bucket's replay, or eagerly."""
+        last = torch.tensor([length - 1 for length in lengths], device=self.device)
+        bucket = self._prefill_bucket(*ids.shape)
+        if bucket is not None and embeds is None and not all_logits and not modules:
+            return self._replay_prefill(bucket, ids, slots, last)
+        logits, self.picks = self._prefill_logits(ids, slots, last, embeds, all_logits, modules)
+        return logits
+
+    def _prefill_after(self, ids: torch.Tensor, slot: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prompt's tokens [1, w] from position ``start`` (the slot holds the ones before): the last
+        token's logits and picks."""
+        h = self._prefill(self.embed(ids), torch.tensor([slot], device=self.device), False, start=start, slot=slot)
+        return self._picks(self.head(self._final_norm(h[:, -1])))
 
     def _prefill_logits(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
                         embeds: torch.Tensor | None = None, all_logits: bool = False,
@@ -364,6 +439,9 @@ class GraphDecoder:
             columns *= 2
         columns = min(columns, self.max_len)
         self.filled = max(self.filled, need)
+        for slot, position in enumerate(positions):
+            self.cache.grow(slot, position)
+        self.cache.sync()
         if self.capture and not modules and (rows, columns) not in self.graphs:
             self._capture(rows, columns)
         self.staging[0, :n] = torch.as_tensor(tokens)
@@ -405,7 +483,7 @@ class GraphDecoder:
     def _step_inputs(self, rows: int, columns: int):
         """This step's ids, positions, flat cache rows to write and the attention bias ``[b, 1, 1, columns]``."""
         ids, pos = self.inputs[0, :rows], self.inputs[1, :rows]
-        at = (self.heads_offset[:rows] + pos[:, None]).view(-1)  # each (row, kv head)'s column in the flat cache
+        at = self.cache.step_index(pos)  # each (row, kv head)'s row in the flat cache
         hidden = self.columns[:columns].unsqueeze(0) > pos.unsqueeze(1)  # [b, columns]: not attended
         bias = torch.zeros((rows, 1, 1, columns), dtype=self.dtype, device=self.device)
         return ids, pos, at, bias.masked_fill(hidden[:, None, None, :], float("-inf"))
@@ -415,17 +493,15 @@ class GraphDecoder:
         """Write this step's keys/values [b, kv, dim] into the cache, attend with q [b, heads, dim] (scaled
         already) over the first ``columns`` columns; returns [b, heads * dim]."""
         b, kv, dim = k.shape
-        keys, values = self.keys[layer], self.values[layer]
-        keys.view(-1, dim).index_copy_(0, at, k.reshape(b * kv, dim))
-        values.view(-1, dim).index_copy_(0, at, v.reshape(b * kv, dim))
+        self.cache.write_step(layer, at, k, v)
+        keys, values = self.cache.read(layer, b, columns)
         q = q.reshape(b, kv, self.heads // kv, dim)  # a key/value head's query group: SDPA's "query length"
         if self.attention == "sdpa":
-            out = F.scaled_dot_product_attention(q, keys[:b, :, :columns], values[:b, :, :columns], attn_mask=bias,
-                                                 scale=1.0)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
             return out.reshape(b, self.heads * dim)
-        scores = torch.matmul(q, keys[:b, :, :columns].transpose(-1, -2)) + bias  # [b, kv, group, columns]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) + bias  # [b, kv, group, columns]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-        return torch.matmul(probs, values[:b, :, :columns]).view(b, self.heads * dim)
+        return torch.matmul(probs, values).view(b, self.heads * dim)
 
     @staticmethod
     def _picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,16 +555,16 @@ class LlamaDecoder(GraphDecoder):
                 return "its output or MLP projections have biases"
         return None
 
-    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
+    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool, start: int = 0,
+                 slot: int | None = None) -> torch.Tensor:
         n, width = h.shape[:2]
         heads, dim = self.heads, self.head_dim
-        cos, sin = self.cos[:width], self.sin[:width]  # [width, heads + kv, dim]: position = column
+        cos, sin = self.cos[start:start + width], self.sin[start:start + width]  # [width, heads + kv, dim]
         for i in range(len(self.layers)):
             qk, v = self._rotated_qkv(i, h, cos, sin, modules)
             q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
-            self.keys[i][:, :, :width].index_copy_(0, slots, k)
-            self.values[i][:, :, :width].index_copy_(0, slots, v)
-            out = _causal(q, k, v, 1.0).transpose(1, 2).reshape(n, width, heads * dim)  # q carries the scale
+            k, v = self._written(i, slots, start, slot, k, v)
+            out = _causal(q, k, v, 1.0, start).transpose(1, 2).reshape(n, width, heads * dim)  # q carries the scale
             h = self._rest_of_layer(i, h, out, modules)
         return h
 
@@ -559,16 +635,17 @@ class GPT2Decoder(GraphDecoder):
             h = h + layer.mlp(layer.ln_2(h))
         return self._picks(self.head(self.norm(h)))
 
-    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool) -> torch.Tensor:
+    def _prefill(self, h: torch.Tensor, slots: torch.Tensor, modules: bool, start: int = 0,
+                 slot: int | None = None) -> torch.Tensor:
         n, width = h.shape[:2]
         heads, dim = self.heads, self.head_dim
-        h = h + self.positions(torch.arange(width, device=self.device))
+        h = h + self.positions(torch.arange(start, start + width, device=self.device))
         for i, layer in enumerate(self.layers):
             q, k, v = (t.transpose(1, 2) for t in
                        layer.attn.c_attn(layer.ln_1(h)).view(n, width, 3, heads, dim).unbind(2))
-            self.keys[i][:, :, :width].index_copy_(0, slots, k)
-            self.values[i][:, :, :width].index_copy_(0, slots, v)
-            h = h + layer.attn.c_proj(_causal(q, k, v, self.scales[i]).transpose(1, 2).reshape(n, width, heads * dim))
+            k, v = self._written(i, slots, start, slot, k, v)
+            out = _causal(q, k, v, self.scales[i], start).transpose(1, 2).reshape(n, width, heads * dim)
+            h = h + layer.attn.c_proj(out)
             h = h + layer.mlp(layer.ln_2(h))
         return h
 
@@ -605,9 +682,9 @@ class Fused:
             return _addmm(h, F.silu(gate) * up, down_w)
 
         if backend == "inductor":  # compile in this process: no pool of compile workers beside a served model
-            import torch._inductor.config
+            from torch._inductor import config as inductor
 
-            torch._inductor.config.compile_threads = 1
+            inductor.compile_threads = 1
         self.qkv = torch.compile(qkv, backend=backend)
         self.mlp = torch.compile(mlp, backend=backend)
         self.decoder = decoder
