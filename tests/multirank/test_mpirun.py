@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS, ask, leftovers, need_mpirun
+from forge.errors import ForgeError
 
 
 class Serve:
@@ -90,7 +91,7 @@ def grpc_answer(grpc_url: str, prompt: str) -> str:
 
 
 @pytest.mark.heavy
-def test_gpt_tp2_answers_like_tp1_over_http_and_grpc_and_sigterm_stops_every_rank(repos, reference, tmp_path):
+def test_gpt_tp2_answers_like_tp1_a_dead_follower_restarts_the_world_and_sigterm_stops_every_rank(repos, reference, tmp_path):
     need_mpirun()
     repo = repos["gpt-tp2"]
     server = Serve(repo, tmp_path / "server.log")
@@ -103,19 +104,31 @@ def test_gpt_tp2_answers_like_tp1_over_http_and_grpc_and_sigterm_stops_every_ran
             assert answer.startswith(prompt) and len(answer) > len(prompt)
         assert grpc_answer(server.info["grpc"], PROMPTS[0]) == reference["gpt"][PROMPTS[0]]
         assert "tp 2" in (tmp_path / "server.log").read_text()
+        # --restart on-failure (the default): a dead follower rank restarts the world, which answers again
+        os.kill(follower_pid(repo), signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.process.poll() is None and time.monotonic() < deadline, "not restarted"
+            try:
+                assert ask(http, "ensemble", PROMPTS[0]) == reference["gpt"][PROMPTS[0]]
+                break
+            except ForgeError:  # not served yet: refused, or failed while the world restarts
+                time.sleep(1)
         server.process.send_signal(signal.SIGTERM)
         status, stderr = server.finish()
     finally:
         server.stop()
     assert status == 0, stderr
+    assert "forge: rank 1 (the follower of model 'tensorrt_llm') exited on signal 9" in stderr
+    assert "restarting tritonserver" in stderr and "tritonserver is back after" in stderr
     assert wait_gone(repo) == []
 
 
 @pytest.mark.heavy
-def test_llama_tp2_answers_like_tp1_and_a_dead_rank_stops_the_server_naming_it(repos, reference, tmp_path):
+def test_llama_tp2_answers_like_tp1_and_under_restart_never_a_dead_rank_stops_the_server_naming_it(repos, reference, tmp_path):
     need_mpirun()
     repo = repos["llama-tp2"]
-    server = Serve(repo, tmp_path / "server.log")
+    server = Serve(repo, tmp_path / "server.log", "--restart", "never")
     try:
         http = server.info["http"].removeprefix("http://")
         for prompt in PROMPTS:
@@ -136,6 +149,7 @@ def test_llama_tp2_answers_like_tp1_and_a_dead_rank_stops_the_server_naming_it(r
     lines = [l for l in stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert lines[0].startswith("forge: error: rank 1 (the follower of model 'tensorrt_llm') exited on signal 9")
+    assert "; not restarting (--restart never)" in lines[0]
     assert wait_gone(repo) == []
 
 

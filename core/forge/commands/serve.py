@@ -78,39 +78,59 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop()
 
 
-def _supervise(server, policy: str, gave_up: list[str]):
-    """A supervisor of ``server``'s model processes: restart it when one dies (a bounded number of times)."""
-    import time
+class _Restarts:
+    """``--restart``: whether one more restart is allowed (at most RESTARTS in RESTART_WINDOW_S), and doing it.
 
-    from ..serving.supervisor import Supervisor
+    Two things ask: the supervisor when a model process dies, and ``run`` when the server itself ended (a dead
+    rank of a multi-rank world: mpirun stops every rank). ``gave_up`` holds the reason once it stops trying.
+    """
 
-    restarts: list[float] = []
+    def __init__(self, server, policy: str):
+        self.server, self.policy = server, policy
+        self.times: list[float] = []
+        self.gave_up: list[str] = []
 
-    def on_dead(models: list[str]) -> None:
+    def attempt(self, what: str, say: bool = True) -> bool:
+        """Restart after ``what`` (one line: what died); False (and ``gave_up`` set) when the policy says no.
+
+        ``say``: print the refusal at once (the caller that raises it as the error passes False).
+        """
+        import time
+
         now = time.monotonic()
-        restarts[:] = [t for t in restarts if now - t < RESTART_WINDOW_S]
-        names = ", ".join(repr(m) for m in models)
-        if policy == "never" or len(restarts) >= RESTARTS:
-            why = "--restart never" if policy == "never" else (
+        self.times[:] = [t for t in self.times if now - t < RESTART_WINDOW_S]
+        if self.policy == "never" or len(self.times) >= RESTARTS:
+            why = "--restart never" if self.policy == "never" else (
                 f"{RESTARTS} restarts within {RESTART_WINDOW_S // 60} minutes already")
-            gave_up.append(f"the process of model {names} died; not restarting ({why})")
-            print(f"forge: {gave_up[0]}", file=sys.stderr, flush=True)
-            server.stop(timeout=5)
-            return
-        restarts.append(now)
-        print(f"forge: the process of model {names} died; restarting tritonserver (requests in flight fail, "
-              "new ones are served once its models are READY)", file=sys.stderr, flush=True)
+            self.gave_up.append(f"{what}; not restarting ({why})")
+            if say:
+                print(f"forge: {self.gave_up[0]}", file=sys.stderr, flush=True)
+            return False
+        self.times.append(now)
+        print(f"forge: {what}; restarting tritonserver (requests in flight fail, new ones are served once its "
+              "models are READY)", file=sys.stderr, flush=True)
+
         def again(attempt: int, exc: Exception) -> None:
             print(f"forge: tritonserver did not start again ({exc}); trying again ({attempt + 1} of "
                   f"{START_ATTEMPTS})", file=sys.stderr, flush=True)
 
         try:
-            server.restart(1.0, attempts=START_ATTEMPTS, on_retry=again)
+            self.server.restart(1.0, attempts=START_ATTEMPTS, on_retry=again)
         except Exception as exc:  # noqa: BLE001 - reported; server.wait() then returns the failure
-            gave_up.append(f"tritonserver did not start again after model {names} died: {exc}")
-            print(f"forge: {gave_up[-1]}", file=sys.stderr, flush=True)
-            return
-        print(f"forge: model {names} back after {time.monotonic() - now:.1f} s", file=sys.stderr, flush=True)
+            self.gave_up.append(f"tritonserver did not start again after {what}: {exc}")
+            print(f"forge: {self.gave_up[-1]}", file=sys.stderr, flush=True)
+            return False
+        print(f"forge: tritonserver is back after {time.monotonic() - now:.1f} s", file=sys.stderr, flush=True)
+        return True
+
+
+def _supervise(server, restarts: _Restarts):
+    """A supervisor of ``server``'s model processes: restart it when one dies (while ``restarts`` allows)."""
+    from ..serving.supervisor import Supervisor
+
+    def on_dead(models: list[str]) -> None:
+        if not restarts.attempt(f"the process of model {', '.join(repr(m) for m in models)} died"):
+            server.stop(timeout=5)
 
     return Supervisor(server, on_dead=on_dead)
 
@@ -184,10 +204,10 @@ def run(args: argparse.Namespace) -> int:
                           exit_timeout=int(args.drain_timeout) + 10)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     front = supervisor = None
-    gave_up: list[str] = []
+    restarts = _Restarts(server, args.restart)
     try:
         server.start()
-        supervisor = _supervise(server, args.restart, gave_up).start()
+        supervisor = _supervise(server, restarts).start()
         models = [m for m in server.models() if m.get("state") == "READY"]
         info = {"http": f"http://{server.http_url}", "grpc": server.grpc_url, "metrics": server.metrics_url,
                 "log": str(server.log_file), "world_size": world.world_size,
@@ -223,10 +243,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"  log      {info['log']}")
             print("press Ctrl-C to stop", flush=True)
         sys.stdout.flush()
-        server.wait()
-        if gave_up:
-            raise ForgeError(gave_up[0], hint=f"full log: {server.log_file}")
-        raise ForgeError(server.exit_message(), hint=f"full log: {server.log_file}")
+        while True:
+            server.wait()
+            if restarts.gave_up:
+                raise ForgeError(restarts.gave_up[0], hint=f"full log: {server.log_file}")
+            # ended by itself, not by a model process the supervisor saw die: a rank of a multi-rank world
+            # (mpirun then stops every rank) or tritonserver itself
+            if server.stopping or not restarts.attempt(server.exit_message(), say=False):
+                raise ForgeError(restarts.gave_up[0] if restarts.gave_up else server.exit_message(),
+                                 hint=f"full log: {server.log_file}")
     except (_Stop, KeyboardInterrupt):
         if server.process is None or server.process.poll() is not None:
             print("stopping tritonserver", file=sys.stderr)
