@@ -62,7 +62,21 @@ class Catalog:
         return [self.model_id, *sorted(self.adapters)]
 
 
-def _configs(repo: Path) -> dict[str, tuple[ModelInputs, dict[str, str], Path, dict[str, list[int]]]]:
+@dataclass
+class _Config:
+    """One model of the repository as its ``config.pbtxt`` says it."""
+
+    inputs: ModelInputs
+    platform: str  # "ensemble", "python", "tensorrtllm", ...
+    directory: Path
+    output_dims: dict[str, list[int]]
+
+    @property
+    def parameters(self) -> dict[str, str]:
+        return self.inputs.parameters
+
+
+def _configs(repo: Path) -> dict[str, _Config]:
     from google.protobuf import json_format
 
     from ...tritonconfig import read
@@ -76,30 +90,28 @@ def _configs(repo: Path) -> dict[str, tuple[ModelInputs, dict[str, str], Path, d
         as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True)
         as_dict.setdefault("name", config_file.parent.name)
         inputs = ModelInputs.from_config(as_dict)
-        inputs.parameters["__platform__"] = config.platform or config.backend
         dims = {o["name"]: [int(d) for d in o.get("dims", [])] for o in as_dict.get("output", [])}
-        found[inputs.name] = (inputs, dict(inputs.parameters), config_file.parent, dims)
+        found[inputs.name] = _Config(inputs, config.platform or config.backend, config_file.parent, dims)
     return found
 
 
-def _prefer(names: list[str], configs) -> str | None:
+def _prefer(names: list[str], configs: dict[str, _Config]) -> str | None:
     """Ensembles first, then the one named like tensorrtllm_backend's entry point."""
     def rank(name: str) -> tuple:
-        platform = configs[name][0].parameters.get("__platform__")
-        return (platform != "ensemble", not name.endswith("ensemble"), name != "ensemble", len(name), name)
+        return (configs[name].platform != "ensemble", not name.endswith("ensemble"), name != "ensemble", len(name),
+                name)
 
     return min(names, key=rank) if names else None
 
 
-def _tokenizer_of(model: str, configs) -> tuple[Any, bool, dict[str, str]]:
+def _tokenizer_of(model: str, configs: dict[str, _Config]) -> tuple[Any, bool, dict[str, str]]:
     """The tokenizer of the first step of ``model`` (or ``model`` itself) that names a ``tokenizer_dir``."""
     from ...served import forge_text
 
-    inputs = configs[model][0]
-    for name in [model, *inputs.steps]:
+    for name in [model, *configs[model].inputs.steps]:
         if name not in configs:
             continue
-        _, params, directory, _ = configs[name]
+        params, directory = configs[name].parameters, configs[name].directory
         value = params.get("tokenizer_dir")
         if params.get("max_length") and (directory / "1" / params.get("tokenizer_file", "tokenizer.json")).is_file():
             from ...served.encoder import tokenizer as encoder_tokenizer  # an encoder tower's tokenizer model
@@ -113,6 +125,9 @@ def _tokenizer_of(model: str, configs) -> tuple[Any, bool, dict[str, str]]:
                 params.get("trust_remote_code"), False))
         except Exception as exc:  # noqa: BLE001 - said once at start-up, the API still serves what it can
             raise UsageError(f"the OpenAI API cannot load the tokenizer of model {name!r} ({path}): {exc}") from None
+        # the first encode may reset the truncation and padding that tokenizer.json sets; done here, it cannot
+        # race an encode of another request on a worker thread ("Already borrowed")
+        forge_text.token_ids("", tokenizer, False)
         return tokenizer, forge_text.parse_bool(params.get("add_special_tokens"), True), params
     return None, True, {}
 
@@ -128,17 +143,17 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
     configs = _configs(repo)
     catalog = Catalog(served_name or repo.name, int(repo.stat().st_mtime))
 
-    generators = [n for n, (i, *_) in configs.items() if {"text_input", "max_tokens"} <= set(i.inputs)]
+    generators = [n for n, c in configs.items() if {"text_input", "max_tokens"} <= set(c.inputs.inputs)]
     name = _prefer(generators, configs)
     if name is not None:
         tokenizer, special, params = _tokenizer_of(name, configs)
-        catalog.generator = TextModel(configs[name][0], tokenizer, special, params)
+        catalog.generator = TextModel(configs[name].inputs, tokenizer, special, params)
         # an ensemble streams when one of its steps is decoupled (its own config cannot say so)
-        steps = [configs[s][0] for s in configs[name][0].steps if s in configs]
-        catalog.generator.inputs.decoupled = catalog.generator.inputs.decoupled or any(s.decoupled for s in steps)
-        catalog.stopper = next((s for s in steps if "stop" in s.inputs and "input_ids" in s.inputs), None)
+        steps = [configs[s] for s in configs[name].inputs.steps if s in configs]
+        catalog.generator.inputs.decoupled |= any(s.inputs.decoupled for s in steps)
+        catalog.stopper = next((s.inputs for s in steps if {"stop", "input_ids"} <= set(s.inputs.inputs)), None)
         catalog.max_input_len = _int(params, "max_input_len")
-        limits = [_int(p, "max_seq_len") for n, (_, p, *_) in configs.items() if n in configs[name][0].steps]
+        limits = [_int(c.parameters, "max_seq_len") for n, c in configs.items() if n in configs[name].inputs.steps]
         catalog.max_seq_len = next((v for v in limits if v), None)
         if params.get("image_token_id"):
             catalog.image_placeholder = params.get("image_placeholder") or "<image>"
@@ -147,12 +162,12 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
         except UsageError:
             catalog.adapters = {}  # not a forge repository: no manifest, no adapters
 
-    embedders = [n for n, (i, *_) in configs.items() if "text_input" in i.inputs and "embedding" in i.outputs]
+    embedders = [n for n, c in configs.items() if "text_input" in c.inputs.inputs and "embedding" in c.inputs.outputs]
     name = _prefer(embedders, configs)
     if name is not None:
         tokenizer, special, params = _tokenizer_of(name, configs)
-        catalog.embedder = TextModel(configs[name][0], tokenizer, special, params)
-        dims = configs[name][3].get("embedding") or []
+        catalog.embedder = TextModel(configs[name].inputs, tokenizer, special, params)
+        dims = configs[name].output_dims.get("embedding") or []
         catalog.embedding_dim = dims[-1] if dims and dims[-1] > 0 else None
     if catalog.generator is None and catalog.embedder is None:
         raise UsageError(f"{repo} has no model the OpenAI API can serve (none takes text_input)",
