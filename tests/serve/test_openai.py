@@ -215,6 +215,37 @@ def test_malformed_json_huge_prompt_unknown_model_and_ignored_fields(served):
     assert status == 200 and answer["choices"][0]["message"]["content"]
 
 
+def test_a_chat_template_held_up_keeps_no_other_request_waiting(served, client, monkeypatch):
+    """The chat template and the tokenizer run off the event loop: while one request's prompt is being made
+    (held up here until the other request is answered), another chat request is answered."""
+    import threading
+
+    tokenizer = served[2].catalog.generator.tokenizer
+    template = tokenizer.apply_chat_template
+    entered, release = threading.Event(), threading.Event()
+
+    def held(turns, **kwargs):
+        if turns[-1]["content"] == "hold this one":
+            entered.set()
+            release.wait(120)
+        return template(turns, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", held)
+    slow: list = []
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hold this one"}], "max_tokens": 2}
+    thread = threading.Thread(target=lambda: slow.append(post(f"{served[2].url}/chat/completions", body)))
+    thread.start()
+    try:
+        assert entered.wait(60)
+        answer = client.with_options(timeout=60).chat.completions.create(model="smollm2", messages=QUESTION,
+                                                                         temperature=0, max_tokens=4)
+        assert answer.choices[0].message.content and thread.is_alive()
+    finally:
+        release.set()
+        thread.join(120)
+    assert slow and slow[0][0] == 200, slow
+
+
 def test_api_key_and_an_unreachable_tritonserver(served):
     from forge.serving.openai import OpenAIServer
 
