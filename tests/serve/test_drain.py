@@ -84,19 +84,26 @@ def _status(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
         return exc.code, dict(exc.headers), json.loads(exc.read())
 
 
-def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(long_repo):
-    serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(long_repo),
+def _serve(repo: Path, drain_timeout: int) -> tuple[subprocess.Popen, dict]:
+    """``forge serve --json`` of ``repo`` on free ports: the process and its endpoints once it printed them."""
+    serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo),
                               "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                              "--drain-timeout", "20", "--json"],
+                              "--drain-timeout", str(drain_timeout), "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    text = ""
+    for line in serve.stdout:
+        text += line
+        if line.rstrip() == "}":
+            break
+    if not text:
+        serve.kill()
+        pytest.fail(f"forge serve did not start: {serve.stderr.read()}")
+    return serve, json.loads(text)
+
+
+def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(long_repo):
+    serve, info = _serve(long_repo, 20)
     try:
-        text = ""
-        for line in serve.stdout:
-            text += line
-            if line.rstrip() == "}":
-                break
-        assert text, serve.stderr.read()
-        info = json.loads(text)
         base = info["openai"].removesuffix("/v1")
         model = info["openai_models"][0]
         chat_body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "temperature": 0,
@@ -136,6 +143,74 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(long_repo):
         assert status == 0 and "drained and stopped" in stderr, stderr
         print(f"the chat stream ended {chat.ended - refused:.1f} s after a new request was refused; {stderr}")
     finally:
+        if serve.poll() is None:
+            import os
+
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+
+
+class Reconnecting:
+    """A client sending short Triton ``generate_stream`` requests back to back, reconnecting after each.
+
+    Outcomes: ``done`` (the stream's last event came), ``refused`` (no connection, or an error before any event)
+    and ``cut`` (the stream began and then broke off: what a drain must never do).
+    """
+
+    def __init__(self, http: str):
+        self.http = http
+        self.outcomes = {"done": 0, "refused": 0, "cut": []}
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.halt.is_set():
+            stream = Stream(f"{self.http}/v2/models/ensemble/generate_stream",
+                            {"text_input": "hello", "max_tokens": 40, "temperature": 0.0, "stream": True})
+            stream.thread.join(120)
+            last = json.loads(stream.events[-1]) if stream.events else {}
+            if stream.error is None and last.get("num_output_tokens") == 40:
+                self.outcomes["done"] += 1
+            elif not stream.events:
+                self.outcomes["refused"] += 1
+                time.sleep(0.1)
+            else:
+                self.outcomes["cut"].append((len(stream.events), stream.error))
+
+
+@pytest.mark.heavy
+def test_sigterm_waits_for_tritons_own_streams_while_clients_keep_reconnecting(long_repo):
+    """A long stream straight to Triton's HTTP port, while clients keep reconnecting: the stream runs to its end (a
+    stopping tritonserver keeps its open HTTP connections served before it stops its schedulers), every new
+    connection is refused rather than cut off mid-stream, and forge serve exits 0 long before its drain timeout."""
+    serve, info = _serve(long_repo, 30)
+    clients: list[Reconnecting] = []
+    try:
+        clients = [Reconnecting(info["http"]) for _ in range(3)]
+        long = Stream(f"{info['http']}/v2/models/ensemble/generate_stream",
+                      {"text_input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True})
+        long.wait_started()
+        signalled = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        long.thread.join(60)
+        status = serve.wait(60)
+        stopped = time.monotonic()
+        stderr = serve.stderr.read()
+        for client in clients:
+            client.halt.set()
+            client.thread.join(60)
+        assert long.error is None and json.loads(long.events[-1])["num_output_tokens"] == MAX_TOKENS, long.error
+        assert long.ended > signalled + 1, "the long stream ended before the drain was tested"
+        assert [c.outcomes["cut"] for c in clients] == [[], [], []]
+        assert all(c.outcomes["refused"] for c in clients), [c.outcomes for c in clients]
+        assert status == 0 and "drained and stopped" in stderr, stderr
+        assert stopped - signalled < 25, "the drain ran to its timeout"
+        print(f"the long stream ended {long.ended - signalled:.1f} s after SIGTERM; "
+              f"{[c.outcomes for c in clients]}; {stderr.strip().splitlines()[-1]}")
+    finally:
+        for client in clients:
+            client.halt.set()
         if serve.poll() is None:
             import os
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.serving.server import session_processes
+from forge.serving.server import python_stubs, repository_processes, session_processes
 
 GONE_WITHIN = 15.0
 PROMPT = "hello world"
@@ -81,9 +81,11 @@ class Serve:
     """``forge serve REPO`` as a subprocess of its own session, its endpoints and its tritonserver's pid."""
 
     def __init__(self, repo: Path):
+        self.repo = repo
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo), "--http-port", "0",
-             "--grpc-port", "0", "--metrics-port", "0", "--no-openai", "--json"],
+             "--grpc-port", "0", "--metrics-port", "0", "--no-openai", "--json",
+             "--restart", "never"],  # a killed tritonserver ends forge serve (on-failure would restart it)
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         text = ""
         for line in self.proc.stdout:  # --json: one indented object, when every model is READY
@@ -101,15 +103,7 @@ class Serve:
         return session_processes(self.triton)
 
     def stubs(self) -> dict[str, int]:
-        found = {}
-        for pid in self.processes():
-            try:
-                args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            except OSError:
-                continue
-            if Path(args[0]).name == "triton_python_backend_stub":
-                found[Path(args[1]).parent.parent.name] = pid
-        return found
+        return python_stubs(self.processes())
 
     def end(self) -> None:
         for pid in self.processes():
@@ -180,6 +174,7 @@ def test_no_process_outlives_its_server(repos, handover, end):
         took = _gone(server, started)
         print(f"{end.__name__}: no process of the server left after {took:.1f}s")
         assert server.proc.wait(GONE_WITHIN) is not None
+        assert repository_processes(server.repo) == [], "a process serving from the repository outlived its server"
         load.wait_ended(10)
         assert len(load.ended) == len(load.threads), "a client still waits after its server ended"
         # the python backend prints a stub's crash into the server's log (issue 36: a stop under load crashed it)
