@@ -2,8 +2,11 @@
 
 Rank 0 generates greedily for sequences of different prompt and output lengths (joining the batch at
 different steps) with the plain engine on the whole model, then with the tensor-parallel engine while
-ranks 1..N-1 follow; it prints ``EQUAL`` when every sequence's ids agree, else both results.
-Usage: mpirun -n N python engine_ranks.py RUNTIME_DIR MODEL_DIR (MASTER_ADDR/MASTER_PORT set).
+ranks 1..N-1 follow; it prints ``EQUAL`` when every sequence's ids agree, else both results. DECODER picks
+how the tensor-parallel engine decodes: ``hf`` (the Hugging Face forward, default), ``static`` or ``paged``
+(the CUDA-graph decoder, eager here, on every rank with its all-reduces; columns in buckets of 8 and blocks
+of 4 tokens so caches cross both).
+Usage: mpirun -n N python engine_ranks.py RUNTIME_DIR MODEL_DIR [DECODER] (MASTER_ADDR/MASTER_PORT set).
 """
 
 import sys
@@ -11,14 +14,19 @@ import sys
 import torch
 
 sys.path.insert(0, sys.argv[1])
-from forge_decoder import distributed, engine  # noqa: E402
+from forge_decoder import distributed, engine, graphs  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits  # noqa: E402
 
 PROMPTS = [[5, 9, 13, 40], [7, 3], [11, 12, 13, 14, 15, 16, 17], [20, 21]]
+DECODER = sys.argv[3] if len(sys.argv) > 3 else "hf"
+graphs.FIRST_COLUMNS, graphs.BLOCK_TOKENS = 8, 4  # every rank: the step's buckets must agree
 
 
-def generate(model, make_engine) -> dict:
+def generate(model, make_engine, decoder: str = "hf") -> dict:
     eng = make_engine(model, Limits(1000, 64, 128), max_rows=2)
+    if decoder != "hf":
+        chosen = eng.use_graphs("auto", capture=False, paged="true" if decoder == "paged" else "false")
+        assert chosen.startswith(f"{decoder} KV cache"), chosen  # not the Hugging Face forward after all
     outputs = {}
 
     def done(seq, update):
@@ -46,7 +54,7 @@ def main() -> None:
     whole = engine.load_model(weights, torch.device("cpu"), torch.float32)
     model, make_engine = distributed.lead(size, weights, torch.device("cpu"), torch.float32, 1)
     single = generate(whole, engine.Engine)
-    parallel = generate(model, make_engine)
+    parallel = generate(model, make_engine, DECODER)
     make_engine.keywords["group"].send(distributed.Command("stop"))
     make_engine.keywords["group"].close()
     print("EQUAL" if single == parallel else f"DIFFERENT tp1 {single} tp{size} {parallel}", flush=True)

@@ -191,9 +191,13 @@ def test_deploy_shell_script_runs_the_ranks_and_sigterm_stops_them(repos, refere
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("family, ranks", [("llama", 4)])
-def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks):
-    """Four ranks on the engine alone (no server): the 2 KV heads of the tiny Llama are copied over 4 ranks."""
+@pytest.mark.parametrize("family, ranks, decoder", [("llama", 4, "hf"), ("llama", 4, "static"), ("llama", 2, "paged"),
+                                                    ("gpt", 2, "static")])
+def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks, decoder):
+    """Ranks on the engine alone (no server): the 2 KV heads of the tiny Llama are copied over 4 ranks; the
+    tensor-parallel engine decodes through the Hugging Face forward or the CUDA-graph decoder (eager on a
+    CPU: the arithmetic and the commands a captured step replays, all-reduces inside the layers), static or
+    paged."""
     import forge.served as served
     from forge.serving.server import free_port
 
@@ -201,7 +205,8 @@ def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks):
     result = subprocess.run(
         ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--noprefix", "-n", str(ranks),
          "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}", sys.executable,
-         str(Path(__file__).parent / "engine_ranks.py"), str(served.DECODER_RUNTIME.parent), str(models[family])],
+         str(Path(__file__).parent / "engine_ranks.py"), str(served.DECODER_RUNTIME.parent), str(models[family]),
+         decoder],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "EQUAL" in result.stdout.splitlines(), result.stdout[-3000:]

@@ -192,19 +192,18 @@ class TritonPythonModel:
         paged = _parameter(config, "paged_kv_cache", "auto")
         reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in ("true", "1", "yes")
         fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
-        if tp == 1:
+        if tp == 1 or graphs_mod.mode(graphs) == "true":  # tp > 1: every rank builds rank 0's decoder
             graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse,
                                             memory_fraction=fraction)
-        elif "true" in (graphs_mod.mode(graphs), graphs_mod.mode_of("torch_compile", compiled),
-                        graphs_mod.mode_of("paged_kv_cache", paged)):
-            # every rank repeats rank 0's Hugging Face forward (distributed.py)
-            raise ValueError("-o cuda_graphs=true / torch_compile=true / paged_kv_cache=true: tensor-parallel ranks "
-                             "decode through the Hugging Face forward")
+        elif "true" in (graphs_mod.mode_of("torch_compile", compiled), graphs_mod.mode_of("paged_kv_cache", paged)):
+            raise ValueError("-o torch_compile=true / paged_kv_cache=true: tensor-parallel ranks decode through the "
+                             "Hugging Face forward unless -o cuda_graphs=true")
+        else:  # every rank repeats rank 0's Hugging Face forward (distributed.py)
+            graphs = ("off (tensor-parallel ranks decode through the Hugging Face forward; -o cuda_graphs=true "
+                      "captures their steps)")
         if (reuse or fraction) and self.engine.graphs is None:
             pb_utils.Logger.log_warn("-o enable_kv_cache_reuse / kv_cache_free_gpu_mem_fraction have no effect: "
                                      "they apply to the CUDA-graph decoder, which is off here")
-        else:
-            graphs = "off (tensor-parallel ranks decode through the Hugging Face forward)"
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import engine as engine_mod
-from . import kvcache
+from . import graphs, kvcache
 
 # (rank variable, size variable) of each launcher, in the order they are trusted.
 RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK", "SLURM_NTASKS"),
@@ -96,6 +96,10 @@ class Group:
             dist.broadcast(torch.tensor([1, rows, width]), 0, group=self.control)
             dist.broadcast(torch.cat([cmd.ids, cmd.positions, cmd.mask], dim=1).to(torch.long), 0, group=self.control)
             return
+        if cmd.op == "gstep":  # the CUDA-graph decoder's step: tokens | positions
+            dist.broadcast(torch.tensor([2, cmd.ids.shape[0], 2]), 0, group=self.control)
+            dist.broadcast(torch.cat([cmd.ids, cmd.positions], dim=1).to(torch.long), 0, group=self.control)
+            return
         dist.broadcast(torch.tensor([0, 0, 0]), 0, group=self.control)
         self.broadcast(cmd)
 
@@ -110,6 +114,10 @@ class Group:
             step = torch.zeros((rows, width + 2), dtype=torch.long)
             dist.broadcast(step, 0, group=self.control)
             return Command("decode", ids=step[:, :1], positions=step[:, 1:2], mask=step[:, 2:])
+        if kind == 2:
+            step = torch.zeros((rows, width), dtype=torch.long)
+            dist.broadcast(step, 0, group=self.control)
+            return Command("gstep", ids=step[:, :1], positions=step[:, 1:2])
         return self.broadcast()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -291,7 +299,8 @@ def load_shard(weights, device: torch.device, dtype: torch.dtype, group: Group):
 class Command:
     """What every follower repeats: a forward pass or a change of the running batch's cache."""
 
-    op: str  # "settings", "prefill", "decode", "abort", "select", "reset", "stop"
+    op: str  # "settings", "prefill", "decode", "abort", "select", "reset", "stop"; the CUDA-graph decoder's:
+    #          "graphs" (build it), "gprefill", "gstep", "gkeep", "greset"
     ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -308,6 +317,20 @@ class LeaderEngine(engine_mod.Engine):
     def __init__(self, model, limits, *, group: Group, **kwargs):
         super().__init__(model, limits, **kwargs)
         self.group = group
+        self.reduce = group.all_reduce
+
+    def use_graphs(self, mode: str = "auto", **kwargs) -> str:
+        """The CUDA-graph decoder on every rank: rank 0 chooses (its free memory sizes the cache), the
+        followers build the same one, and every call that runs the layers or moves the slots is announced."""
+        chosen = super().use_graphs(mode, **kwargs)
+        if self.graphs is not None:
+            decoder = self.graphs
+            cache = decoder.cache
+            paged = {"block": cache.block, "blocks": cache.blocks, "reuse": cache.reuse} if cache.paged else None
+            self.group.send(Command("graphs", settings={
+                "rows": decoder.rows, "max_len": decoder.max_len, "capture": decoder.capture, "paged": paged}))
+            self.graphs = Announced(decoder, self.group)
+        return chosen
 
     def _forward(self, ids, mask, positions, cache, keep_all=False, embeds=None, rows=None):
         decode = self._batch is not None and cache is self._batch.cache
@@ -327,12 +350,12 @@ class LeaderEngine(engine_mod.Engine):
 
     def _drop_finished(self) -> None:
         keep = [i for i, s in enumerate(self._active) if not s.finished]
-        if len(keep) != len(self._active):
+        if len(keep) != len(self._active) and self.graphs is None:  # the graph decoder announces its own keep
             self.group.send(Command("select", rows=keep) if keep else Command("reset"))
         super()._drop_finished()
 
     def _fail_all(self, message: str, pending: bool = False) -> None:
-        if self._active:
+        if self._active and self.graphs is None:
             self.group.send(Command("reset"))
         super()._fail_all(message, pending)
 
@@ -348,6 +371,40 @@ class LeaderEngine(engine_mod.Engine):
         return True
 
 
+class Announced:
+    """Rank 0's CUDA-graph decoder: what runs the layers (their all-reduces meet the followers') or moves the
+    slots is announced to the followers first; everything else is the decoder's own."""
+
+    def __init__(self, decoder: graphs.GraphDecoder, group: Group):
+        self._decoder, self._group = decoder, group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._decoder, name)
+
+    def step(self, tokens: list[int], positions: list[int], *, modules: bool = False) -> torch.Tensor:
+        self._group.send(Command("gstep", ids=torch.tensor(tokens)[:, None], positions=torch.tensor(positions)[:, None]))
+        return self._decoder.step(tokens, positions, modules=modules)
+
+    def prefill(self, ids: torch.Tensor, lengths: list[int], **kwargs) -> torch.Tensor:
+        first = self._decoder.used
+        embeds = kwargs.get("embeds")
+        self._group.send(Command("gprefill", ids=ids.cpu(), embeds=None if embeds is None else embeds.cpu(),
+                                 settings={"lengths": lengths, **{k: v for k, v in kwargs.items() if k != "embeds"}}))
+        try:
+            return self._decoder.prefill(ids, lengths, **kwargs)
+        except Exception:  # the followers' slots go back as rank 0's did
+            self._group.send(Command("gkeep", rows=list(range(first))))
+            raise
+
+    def keep(self, rows: list[int]) -> None:
+        self._group.send(Command("gkeep", rows=rows))
+        self._decoder.keep(rows)
+
+    def reset(self) -> None:
+        self._group.send(Command("greset"))
+        self._decoder.reset()
+
+
 class Follower:
     """A rank > 0: repeats rank 0's forward passes on its shard and keeps its cache in step."""
 
@@ -355,6 +412,7 @@ class Follower:
         self.model = model
         self.group = group
         self.runner = engine_mod.Engine(model, engine_mod.Limits(0, 0, 0), log=lambda _m: None)
+        self.graphs: graphs.GraphDecoder | None = None  # rank 0's "graphs" command builds it
         self.batch: kvcache.BatchCache | None = None
         self.pending: tuple[kvcache.BatchCache, bool] | None = None  # a prefill not yet joined to the batch
         self.steps = 0
@@ -396,7 +454,29 @@ class Follower:
                     self.batch.mask = cmd.mask.to(device)
                     self.runner._forward(cmd.ids.to(device), self.batch.mask, cmd.positions.to(device),
                                          self.batch.cache)
+                elif cmd.op.startswith("g") or cmd.op == "graphs":
+                    self._graphs(cmd, device)
                 self.steps += 1
+
+    def _graphs(self, cmd: Command, device: torch.device) -> None:
+        """Rank 0's CUDA-graph decoder commands, repeated on this rank's decoder."""
+        if cmd.op == "graphs":
+            s = cmd.settings
+            self.graphs = graphs.decoder_for(self.model, s["rows"], s["max_len"], capture=s["capture"],
+                                             paged=s["paged"], reduce=self.group.all_reduce)
+        elif cmd.op == "gstep":
+            self.graphs.step(cmd.ids[:, 0].tolist(), cmd.positions[:, 0].tolist())
+        elif cmd.op == "gprefill":
+            s = dict(cmd.settings)
+            try:  # a refusal (a slot or width check) happens on rank 0 too, which then sends gkeep
+                self.graphs.prefill(cmd.ids.to(device), s.pop("lengths"),
+                                    embeds=None if cmd.embeds is None else cmd.embeds.to(device), **s)
+            except RuntimeError:
+                pass
+        elif cmd.op == "gkeep":
+            self.graphs.keep(cmd.rows)
+        elif cmd.op == "greset":
+            self.graphs.reset()
 
 
 def watch_leader(settings: dict[str, Any]) -> None:

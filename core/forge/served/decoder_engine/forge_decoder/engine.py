@@ -193,6 +193,7 @@ class Engine:
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
         self.admit_wait_ns = int(ADMIT_WAIT_S * 1e9) if self.device.type == "cuda" else 0  # see ADMIT_SHARE
+        self.reduce = None  # a tensor-parallel rank's all-reduce, for the CUDA-graph decoder (distributed.py)
 
     def use_graphs(self, mode: str = "auto", *, capture: bool = True, compile: str = "false", paged: str = "auto",
                    reuse: bool = False, memory_fraction: float | None = None, blocks: int | None = None) -> str:
@@ -235,7 +236,7 @@ class Engine:
                     raise ValueError(f"-o {option}=true: the CUDA-graph decoder is off: {reason}")
             return f"off ({reason})"
         self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture,
-                                         paged=layout)
+                                         paged=layout, reduce=self.reduce)
         self.graphs.log = self.log
         compiled = self.graphs.use_compile(compile)
         return (f"on ({self.graphs.cache.describe()}; torch.compile {compiled})" if self.graphs.capture

@@ -153,27 +153,41 @@ def attention_shape(config) -> tuple[int, int, int]:
     return heads, kv, int(getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
+def local_shape(model) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) this process holds: ``attention_shape`` of the config, or a
+    tensor-parallel rank's share of it (distributed.shard cuts the projections; their sizes tell)."""
+    heads, kv, dim = attention_shape(model.config)
+    if type(model).__name__ in GPT2_STYLE:
+        local = model.transformer.h[0].attn.c_attn.weight.shape[1] // (3 * dim)
+        return local, local, dim
+    attn = model.model.layers[0].self_attn
+    return attn.q_proj.weight.shape[0] // dim, attn.k_proj.weight.shape[0] // dim, dim
+
+
 def cache_bytes(model, rows: int, max_len: int) -> int:
     """Bytes of the static KV cache a decoder for ``model`` allocates (keys and values, every layer; one
     spare slot for the padding of captured prefills)."""
-    _, kv, dim = attention_shape(model.config)
+    _, kv, dim = local_shape(model)
     return StaticSlots.bytes_for(int(model.config.num_hidden_layers), rows, kv, dim, max_len,
                                  next(model.parameters()).element_size())
 
 
 def block_bytes(model, block: int) -> int:
     """Bytes of one block of ``block`` tokens of a paged KV cache for ``model`` (keys and values, every layer)."""
-    _, kv, dim = attention_shape(model.config)
+    _, kv, dim = local_shape(model)
     return PagedBlocks.block_bytes(int(model.config.num_hidden_layers), kv, dim, block,
                                    next(model.parameters()).element_size())
 
 
-def decoder_for(model, rows: int, max_len: int, *, capture: bool = True,
-                paged: dict | None = None) -> "GraphDecoder":
+def decoder_for(model, rows: int, max_len: int, *, capture: bool = True, paged: dict | None = None,
+                reduce=None) -> "GraphDecoder":
     """The decoder for ``model``'s architecture; ``paged``: ``dict(block=, blocks=, reuse=)`` for a paged KV cache
-    (kvlayout.PagedBlocks), else static slots (``unsupported`` says whether there is a decoder)."""
+    (kvlayout.PagedBlocks), else static slots (``unsupported`` says whether there is a decoder). ``reduce``: a
+    tensor-parallel rank's all-reduce (in place), for a model distributed.shard has cut."""
     cls = GPT2Decoder if type(model).__name__ in GPT2_STYLE else LlamaDecoder
-    return cls(model, rows, max_len, capture=capture, paged=paged)
+    decoder = cls(model, rows, max_len, capture=capture, paged=paged)
+    decoder.reduce = reduce
+    return decoder
 
 
 class GraphDecoder:
@@ -207,6 +221,7 @@ class GraphDecoder:
         self.prefill_capture = self.capture  # off after a capture that failed (then prefill runs eagerly)
         self.log = print
         self.fused: Fused | None = None  # the layers' pieces compiled (use_compile)
+        self.reduce = None  # a tensor-parallel rank's all-reduce of row-parallel outputs (decoder_for)
         self.picks: torch.Tensor | None = None  # [rows, 2]: each row's argmax token and its log-probability
         self.pool = None
         self.used = 0  # slots holding running sequences
@@ -252,6 +267,7 @@ class GraphDecoder:
         if chosen == "false":
             return "off (-o torch_compile=false)"
         reason = "the step is not captured on a GPU" if chosen == "auto" and not self.capture else None
+        reason = reason or ("tensor-parallel ranks sum inside the layers" if self.reduce is not None else None)
         reason = reason or self._uncompilable()
         if reason is None:
             try:
@@ -517,7 +533,7 @@ class LlamaDecoder(GraphDecoder):
         inner, config = model.model, model.config
         self.rotary = inner.rotary_emb
         self.embed, self.layers, self.norm, self.head = inner.embed_tokens, list(inner.layers), inner.norm, model.lm_head
-        self.heads, self.kv_heads, self.head_dim = attention_shape(config)
+        self.heads, self.kv_heads, self.head_dim = local_shape(model)
         self.scale = float(getattr(self.layers[0].self_attn, "scaling", self.head_dim ** -0.5))
 
     def _prepare(self, model) -> None:
@@ -594,6 +610,10 @@ class LlamaDecoder(GraphDecoder):
             return self.fused.mlp(h, out, *self.fused.layer_out[i])
         layer = self.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
+        if self.reduce is not None and not modules:  # row-parallel: sum the ranks' parts, then add the residual
+            h = h + self.reduce(F.linear(out, attn.o_proj.weight, attn.o_proj.bias))  # biases: rank 0's alone
+            gate, up = F.linear(_norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
+            return h + self.reduce(F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias))
         if modules:
             h = h + attn.o_proj(out)
             x = _norm(layer.post_attention_layernorm, h)
@@ -611,7 +631,7 @@ class GPT2Decoder(GraphDecoder):
         inner, config = model.transformer, model.config
         self.embed, self.positions, self.layers = inner.wte, inner.wpe, list(inner.h)
         self.norm, self.head = inner.ln_f, model.lm_head
-        self.heads, self.kv_heads, self.head_dim = attention_shape(config)
+        self.heads, self.kv_heads, self.head_dim = local_shape(model)
 
     def _prepare(self, model) -> None:
         config = model.config
