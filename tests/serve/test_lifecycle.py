@@ -216,6 +216,10 @@ def test_requests_on_a_dead_model_process_get_an_error(repos):
         try:
             load.wait_busy()
             stub = next(pid for pid, model in stub_processes(server).items() if model == "tensorrt_llm")
+            deadline = time.monotonic() + 10
+            while stub not in supervisor.watching() and time.monotonic() < deadline:  # it polls every 0.25 s
+                time.sleep(0.05)
+            assert supervisor.watching().get(stub) == "tensorrt_llm", f"the supervisor sees {supervisor.watching()}"
             killed = time.monotonic()
             os.kill(stub, signal.SIGKILL)
             load.wait_ended(10)

@@ -14,6 +14,7 @@ from ..errors import ForgeError, ToolMissingError, UsageError
 
 RESTARTS, RESTART_WINDOW_S = 5, 600
 START_ATTEMPTS = 3  # tries of each restart's start: one can fail under load (a model process slow to come up)
+RANK_GRACE_S = 3.0  # a multi-rank world whose model processes died ends within this when a rank died
 HELP = "serve a Triton model repository with a real tritonserver (local, or the NGC container with --docker)"
 
 
@@ -90,11 +91,9 @@ class _Restarts:
         self.times: list[float] = []
         self.gave_up: list[str] = []
 
-    def attempt(self, what: str, say: bool = True) -> bool:
-        """Restart after ``what`` (one line: what died); False (and ``gave_up`` set) when the policy says no.
-
-        ``say``: print the refusal at once (the caller that raises it as the error passes False).
-        """
+    def attempt(self, what: str) -> bool:
+        """Restart after ``what`` (one line: what died); False (and ``gave_up`` set, which ``run`` raises as
+        the one error line) when the policy says no."""
         import time
 
         now = time.monotonic()
@@ -103,8 +102,6 @@ class _Restarts:
             why = "--restart never" if self.policy == "never" else (
                 f"{RESTARTS} restarts within {RESTART_WINDOW_S // 60} minutes already")
             self.gave_up.append(f"{what}; not restarting ({why})")
-            if say:
-                print(f"forge: {self.gave_up[0]}", file=sys.stderr, flush=True)
             return False
         self.times.append(now)
         print(f"forge: {what}; restarting tritonserver (requests in flight fail, new ones are served once its "
@@ -125,10 +122,22 @@ class _Restarts:
 
 
 def _supervise(server, restarts: _Restarts):
-    """A supervisor of ``server``'s model processes: restart it when one dies (while ``restarts`` allows)."""
+    """A supervisor of ``server``'s model processes: restart it when one dies (while ``restarts`` allows).
+
+    In a multi-rank world a dead rank makes mpirun end every rank, rank 0's model processes with them: when
+    the server itself ends within RANK_GRACE_S of their deaths, ``run`` handles that end (naming the rank)."""
+    import subprocess
+
     from ..serving.supervisor import Supervisor
 
     def on_dead(models: list[str]) -> None:
+        process = server.process
+        if server.world is not None and server.world.world_size > 1 and process is not None:
+            try:
+                process.wait(RANK_GRACE_S)
+                return  # the world ended: run's server.wait() returns and says which rank
+            except subprocess.TimeoutExpired:
+                pass
         if not restarts.attempt(f"the process of model {', '.join(repr(m) for m in models)} died"):
             server.stop(timeout=5)
 
@@ -249,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ForgeError(restarts.gave_up[0], hint=f"full log: {server.log_file}")
             # ended by itself, not by a model process the supervisor saw die: a rank of a multi-rank world
             # (mpirun then stops every rank) or tritonserver itself
-            if server.stopping or not restarts.attempt(server.exit_message(), say=False):
+            if server.stopping or not restarts.attempt(server.exit_message()):
                 raise ForgeError(restarts.gave_up[0] if restarts.gave_up else server.exit_message(),
                                  hint=f"full log: {server.log_file}")
     except (_Stop, KeyboardInterrupt):

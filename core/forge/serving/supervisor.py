@@ -68,6 +68,8 @@ class Supervisor:
         self.deaths: list[tuple[int, str]] = []  # (pid, model) of every death reported
         self._known: dict[int, str] = {}
         self._session: int | None = None
+        self._wanted: dict[str, int] | None = None  # python model → its processes (the repository's configs)
+        self._complete = False  # this session has had every wanted process at once
         self._halt = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,7 +78,7 @@ class Supervisor:
         process = self.server.process
         session = None if process is None else process.pid
         if process is None or process.poll() is not None or self.server.stopping or session != self._session:
-            self._known, self._session = {}, session  # stopped, exited or restarted: start over
+            self._known, self._session, self._complete = {}, session, False  # stopped, exited or restarted
             if process is None or process.poll() is not None or self.server.stopping:
                 return []
         current = stub_processes(self.server)
@@ -85,8 +87,32 @@ class Supervisor:
             return []
         dead = [(pid, model) for pid, model in self._known.items() if pid not in current]
         self._known = current
+        # and by count: a model with fewer processes than its instances, once this session had them all (a
+        # death between two polls of a process no poll had listed yet, say, is not missed)
+        counts: dict[str, int] = {}
+        for model in current.values():
+            counts[model] = counts.get(model, 0) + 1
+        short = [m for m, n in self._wanted_processes().items() if counts.get(m, 0) < n]
+        if not short:
+            self._complete = True
+        elif self._complete:
+            dead += [(0, m) for m in short if m not in {model for _pid, model in dead}]
         self.deaths += dead
         return sorted({model for _pid, model in dead})
+
+    def watching(self) -> dict[int, str]:
+        """The processes the last poll saw: pid → model."""
+        return dict(self._known)
+
+    def _wanted_processes(self) -> dict[str, int]:
+        if self._wanted is None:
+            from .deploy import python_processes
+
+            try:
+                self._wanted = python_processes(Path(self.server.repo))
+            except Exception:  # noqa: BLE001 - unreadable configs: the pids alone tell deaths
+                self._wanted = {}
+        return self._wanted
 
     def start(self) -> "Supervisor":
         self._halt.clear()
