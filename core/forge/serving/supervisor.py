@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -89,14 +90,13 @@ class Supervisor:
         self._known = current
         # and by count: a model with fewer processes than its instances, once this session had them all (a
         # death between two polls of a process no poll had listed yet, say, is not missed)
-        counts: dict[str, int] = {}
-        for model in current.values():
-            counts[model] = counts.get(model, 0) + 1
-        short = [m for m, n in self._wanted_processes().items() if counts.get(m, 0) < n]
+        counts = Counter(current.values())
+        short = [m for m, n in self._wanted_processes().items() if counts[m] < n]
         if not short:
             self._complete = True
         elif self._complete:
-            dead += [(0, m) for m in short if m not in {model for _pid, model in dead}]
+            seen = {model for _pid, model in dead}
+            dead += [(0, m) for m in short if m not in seen]
         self.deaths += dead
         return sorted({model for _pid, model in dead})
 

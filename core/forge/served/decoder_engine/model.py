@@ -177,7 +177,7 @@ class TritonPythonModel:
                              max_input_len=int(_parameter(config, "max_input_len", "1024")),
                              max_seq_len=int(_parameter(config, "max_seq_len", "2048")))
         self.guides = self._guides(config, here, weights, threads)
-        self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in ("true", "1", "yes")
+        self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in forge_glue.TRUE
         rows = engine_mod.choose_rows(device, int(_parameter(config, "inflight_sequences", "0") or 0),
                                       int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
         self.engine = make_engine(
@@ -190,7 +190,7 @@ class TritonPythonModel:
         self.engine.lora = None if self.loras is None else self.loras.modules
         graphs, compiled = _parameter(config, "cuda_graphs", "auto"), _parameter(config, "torch_compile", "false")
         paged = _parameter(config, "paged_kv_cache", "auto")
-        reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in ("true", "1", "yes")
+        reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
         fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
         if tp == 1 or graphs_mod.mode(graphs) == "true":  # tp > 1: every rank builds rank 0's decoder
             graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse,

@@ -216,11 +216,11 @@ class Engine:
         if paged == "false" and reuse:
             raise ValueError("-o enable_kv_cache_reuse=true shares blocks of a paged KV cache; it needs "
                              "-o paged_kv_cache=auto or true")
+        asked = [option for option, value in (("torch_compile", compile), ("paged_kv_cache", paged)) if value == "true"]
         if mode == "false":
-            for option, value in (("torch_compile", compile), ("paged_kv_cache", paged)):
-                if value == "true":
-                    raise ValueError(f"-o {option}=true belongs to the CUDA-graph decoder; it needs "
-                                     "-o cuda_graphs=auto or true")
+            if asked:
+                raise ValueError(f"-o {asked[0]}=true belongs to the CUDA-graph decoder; it needs "
+                                 "-o cuda_graphs=auto or true")
             return "off (-o cuda_graphs=false)"
         reason = graphs.unsupported(self.model, self.limits.max_seq_len)
         if reason is None and capture and self.device.type != "cuda":
@@ -231,9 +231,8 @@ class Engine:
         if reason is not None:
             if mode == "true":
                 raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
-            for option, value in (("torch_compile", compile), ("paged_kv_cache", paged)):
-                if value == "true":
-                    raise ValueError(f"-o {option}=true: the CUDA-graph decoder is off: {reason}")
+            if asked:
+                raise ValueError(f"-o {asked[0]}=true: the CUDA-graph decoder is off: {reason}")
             return f"off ({reason})"
         self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture,
                                          paged=layout, reduce=self.reduce)
@@ -397,6 +396,7 @@ class Engine:
     def _admit(self) -> list[Sequence]:
         free = self.max_rows - len(self._active)
         admitted: list[Sequence] = []
+        needs: list[int] = []  # each admitted sequence's _need, what a paged cache checks and promises
         longest = 0
         if self._gathering():
             return admitted
@@ -410,17 +410,19 @@ class Engine:
                 width = max(longest, len(seq.tokens))
                 if admitted and width * (len(admitted) + 1) > self.max_prefill_tokens:
                     break
-                room = True if self.graphs is None else self.graphs.room([self._need(s) for s in admitted + [seq]])
+                need = self._need(seq)
+                room = True if self.graphs is None or not self.graphs.cache.paged else self.graphs.room(needs + [need])
                 if room is None:  # more than the whole pool: it would wait forever
                     self._pending.popleft()
                     self._finish(seq, Update([], [], [], True, "error", (
-                        f"the request may reach {self._need(seq)} tokens, more than the paged KV cache holds "
+                        f"the request may reach {need} tokens, more than the paged KV cache holds "
                         f"({self.graphs.cache.blocks} blocks of {self.graphs.cache.block} tokens); lower its "
                         "max_tokens, or raise -o kv_cache_free_gpu_mem_fraction")))
                     continue
                 if not room:  # blocks free up as running sequences finish
                     break
                 longest = width
+                needs.append(need)
                 admitted.append(self._pending.popleft())
         return admitted
 
