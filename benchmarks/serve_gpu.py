@@ -46,6 +46,9 @@ SHAPES = {  # Llama shapes; the vocabulary is SmolLM2's so its tokenizer serves 
 }
 
 
+LONG_CONTEXT = ("tinyllama",)  # shapes whose engine report has the max_seq_len 8192 × 64 rows cells
+
+
 SMOLLM2 = dict(vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0, bos_token_id=1, eos_token_id=2,
                max_position_embeddings=8192)
 
@@ -240,6 +243,63 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
     return [dict(r, weight_bytes=weights) for r in results]
 
 
+def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 8192, steps: int = 32,
+                 prompt_lengths=(32, 2000)) -> list[dict]:
+    """The engine alone at ``max_len`` tokens per sequence with ``rows`` rows: which KV layout
+    ``-o paged_kv_cache=auto`` chooses on this GPU (and its ms/step), beside each layout forced, for prompts
+    of each length."""
+    import torch
+
+    from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model
+    from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits
+
+    model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
+    out = []
+    for paged in ("auto", "true", "false"):
+        for length in prompt_lengths:
+            engine = Engine(model, Limits(model.config.vocab_size, max_len - steps - 16, max_len), max_rows=rows)
+            try:
+                chosen = engine.use_graphs("true", paged=paged)
+            except ValueError as exc:
+                out.append({"paged_kv_cache": paged, "rows": rows, "max_seq_len": max_len, "prompt": length,
+                            "refused": str(exc)})
+                print(f"  long context, paged_kv_cache={paged}: {exc}", flush=True)
+                del engine
+                continue
+            engine.submit([Sequence(GenerationRequest([100 + (i + j) % 4000 for j in range(length)], steps + 8),
+                                    lambda s, u: None) for i in range(rows)])
+            with torch.inference_mode():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                while engine._pending:  # admissions (prefills) until every row runs or the cache is full
+                    before = len(engine._active)
+                    engine.step()
+                    if len(engine._active) == before:
+                        break
+                torch.cuda.synchronize()
+                prefill = time.perf_counter() - start
+                for _ in range(3):
+                    engine.step()
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - start) / steps * 1000
+            row = {"paged_kv_cache": paged, "rows": rows, "max_seq_len": max_len, "prompt": length, "chosen": chosen,
+                   "running": len(engine._active), "admit_s": round(prefill, 2), "ms_per_step": round(ms, 3),
+                   "tokens_per_s": round(rows / ms * 1000, 1),
+                   "gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+            out.append(row)
+            print(f"  long context: {json.dumps(row)}", flush=True)
+            del engine
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
 def kernels_per_step(model_dir: Path, dtype: str) -> dict:
     """CUDA kernels one decoding step launches (the static decoder run eagerly at 1 row: what a graph replays),
     per attention form, from the profiler."""
@@ -386,6 +446,7 @@ def engine_report(shape: str, model_dir: Path, dtype: str, bandwidth_tbs: float)
     kernels = kernels_per_step(model_dir, dtype)
     prefill = prefill_ms(model_dir, dtype)
     steps = engine_steps(model_dir, dtype)
+    long = long_context(model_dir, dtype) if shape in LONG_CONTEXT else []
     for s in steps:
         s["bandwidth_floor_ms"] = round(s["weight_bytes"] / (bandwidth_tbs * 1e12) * 1000, 3)
         s["x_above_floor"] = round(s["ms_per_step"] / s["bandwidth_floor_ms"], 1)
@@ -393,7 +454,7 @@ def engine_report(shape: str, model_dir: Path, dtype: str, bandwidth_tbs: float)
               f"{s['tokens_per_s']} tok/s; weights {s['weight_bytes'] / 1e6:.0f} MB → bandwidth floor "
               f"{s['bandwidth_floor_ms']} ms ({s['x_above_floor']}× above it)", flush=True)
     return {"parity": parity, "generate_tokens_per_s": round(rate, 1), "engine": steps, "kernels_per_step": kernels,
-            "prefill": prefill}
+            "prefill": prefill, "long_context": long}
 
 
 def main() -> int:
