@@ -523,7 +523,11 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
         shutil.copytree(root / "seed" / "seed_ensemble", repo / "seed_ensemble")
     runtime = find_note(manifest, "python_target").get("runtime", {})
     rows, served_dtype = [], runtime.get("on_this_machine", {}).get("compute_dtype", args.dtype)
+    started = time.perf_counter()
     with TritonServer(repo, startup_timeout=900) as server:
+        startup_s = round(time.perf_counter() - started, 1)
+        print(f"{shape}: tritonserver ready in {startup_s} s (every model loaded, the decoders' warm-up included)",
+              flush=True)
         greedy = check_greedy(server, model_dir, tokenizer, served_dtype)
         print(f"{shape}: served greedy ids vs transformers ({served_dtype}): {json.dumps(greedy)}", flush=True)
         for name, model, levels, stream in (("forge default build", "ensemble", (1, 16, 64), False),
@@ -547,7 +551,7 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
     ratio = by[("forge default build", 16)] / seed if seed else None
     if ratio is not None:
         print(f"{shape}: forge default / seed-000 model generated tok/s at concurrency 16: {ratio:.1f}x")
-    return {"greedy": greedy, "rows": rows, "ratio_c16": ratio, "runtime": runtime}
+    return {"greedy": greedy, "rows": rows, "ratio_c16": ratio, "runtime": runtime, "startup_s": startup_s}
 
 
 def engine_counters(server, model: str | None) -> dict[str, float]:
@@ -588,12 +592,12 @@ def engine_share(before: dict, after: dict, wall_s: float) -> dict:
 
 def served_share(entry: dict) -> list[dict]:
     """Served tok/s (non-streamed, default build) as a share of the engine alone's decode tok/s at the same
-    concurrency (the engine's default step form)."""
+    concurrency (the engine's default step form: CUDA graphs, static KV cache, torch.compile auto)."""
     from forge.served.decoder_engine.forge_decoder import graphs
 
     engine = {r["rows"]: r["tokens_per_s"] for r in entry.get("engine", [])
               if r["cuda_graphs"] == "true" and r["attention"] == graphs.ATTENTION
-              and r.get("torch_compile", "false") == "false" and r.get("paged_kv_cache", "false") == "false"}
+              and r.get("torch_compile", "false") == "auto" and r.get("paged_kv_cache", "false") == "false"}
     shares = []
     for row in entry.get("rows", []):
         if row["server"] == "forge default build" and row["concurrency"] in engine and row["tokens_per_s"]:

@@ -176,7 +176,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_num_sequences": spec.limits.max_batch_size,
         "inflight_sequences": ctx.option("inflight_sequences", 0),
         "cuda_graphs": ctx.option("cuda_graphs", "auto"),
-        "torch_compile": ctx.option("torch_compile", "false"),
+        "torch_compile": ctx.option("torch_compile", "auto"),
         "paged_kv_cache": ctx.option("paged_kv_cache", "auto"),
         "enable_kv_cache_reuse": bool(truthy(ctx.option("enable_kv_cache_reuse", False))),
         "kv_cache_free_gpu_mem_fraction": ctx.option("kv_cache_free_gpu_mem_fraction"),

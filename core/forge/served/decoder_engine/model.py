@@ -188,7 +188,7 @@ class TritonPythonModel:
         self.loras = lora_mod.from_parameters(model, lambda key, default: _parameter(config, key, default),
                                               dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
         self.engine.lora = None if self.loras is None else self.loras.modules
-        graphs, compiled = _parameter(config, "cuda_graphs", "auto"), _parameter(config, "torch_compile", "false")
+        graphs, compiled = _parameter(config, "cuda_graphs", "auto"), _parameter(config, "torch_compile", "auto")
         paged = _parameter(config, "paged_kv_cache", "auto")
         reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
         fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None

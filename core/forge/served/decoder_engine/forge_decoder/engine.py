@@ -195,7 +195,7 @@ class Engine:
         self.admit_wait_ns = int(ADMIT_WAIT_S * 1e9) if self.device.type == "cuda" else 0  # see ADMIT_SHARE
         self.reduce = None  # a tensor-parallel rank's all-reduce, for the CUDA-graph decoder (distributed.py)
 
-    def use_graphs(self, mode: str = "auto", *, capture: bool = True, compile: str = "false", paged: str = "auto",
+    def use_graphs(self, mode: str = "auto", *, capture: bool = True, compile: str = "auto", paged: str = "auto",
                    reuse: bool = False, memory_fraction: float | None = None, blocks: int | None = None) -> str:
         """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
 
