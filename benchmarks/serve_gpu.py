@@ -470,6 +470,8 @@ def main() -> int:
     parser.add_argument("--forge-args", default="", help="extra forge build arguments (default: none, the default build)")
     parser.add_argument("--no-seed", action="store_true", help="skip the hf-pipeline model (measured before)")
     parser.add_argument("--engine-only", action="store_true", help="only the engine alone (no tritonserver)")
+    parser.add_argument("--no-engine", action="store_true", help="only the served cells (the engine alone measured "
+                                                                  "before: no served share)")
     parser.add_argument("--soak", type=float, default=0, help="seconds of load for the soak (0: no soak)")
     parser.add_argument("--soak-concurrency", type=int, default=64)
     parser.add_argument("--soak-timeout", type=float, default=120, help="seconds after which a request counts as hung")
@@ -493,7 +495,8 @@ def main() -> int:
             root = Path(scratch)
             model_dir = make_model(shape, args.tokenizer, root / "model", args.dtype)
             entry = {} if args.engine_only else serve(shape, model_dir, root, args)
-            entry.update(engine_report(shape, model_dir, args.dtype, args.bandwidth_tbs))
+            if not args.no_engine:
+                entry.update(engine_report(shape, model_dir, args.dtype, args.bandwidth_tbs))
             entry["served_share"] = served_share(entry)
             report["shapes"][shape] = entry
             if args.json_out:  # after every shape: a run cut short keeps what it measured

@@ -89,13 +89,17 @@ class _Request:
 
     def on_update(self, seq: engine_mod.Sequence, update: engine_mod.Update) -> None:
         """Engine callback (engine thread): queue the update for the sender thread with what it reads of the
-        sequence as of now (the engine goes on appending to it)."""
+        sequence as of now (the engine goes on appending to it). A request that does not stream has nothing
+        to send before its sequence ends: its tokens are counted then, and the sender thread (which shares
+        the GIL with the engine) is not woken for each of them."""
+        if not (self.streaming or update.finished):
+            return
         self.model.outbox.put((self, seq, update, _Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns,
                                                             len(seq.output))))
 
     def deliver(self, seq: engine_mod.Sequence, update: engine_mod.Update, progress: "_Progress") -> None:
         """Sender thread: send what the update completes."""
-        self.model.count(update)
+        self.model.count(update, len(update.tokens) if self.streaming else progress.output_tokens)
         with self.lock:
             if self.done:
                 return
@@ -260,10 +264,11 @@ class TritonPythonModel:
         self.finished = {reason: self.metric_finished.Metric(labels={**labels, "reason": reason})
                          for reason in ("length", "end_id", "stop_words", "cancelled", "error")}
 
-    def count(self, update: engine_mod.Update) -> None:
-        """Metrics are IPC calls to the server: count locally, publish when a sequence finishes (the engine's
-        counters at most every ENGINE_METRICS_S under load, and whenever it falls idle)."""
-        self.unpublished_tokens += len(update.tokens)
+    def count(self, update: engine_mod.Update, tokens: int) -> None:
+        """Metrics are IPC calls to the server: count ``tokens`` generated locally, publish when a sequence
+        finishes (the engine's counters at most every ENGINE_METRICS_S under load, and whenever it falls
+        idle)."""
+        self.unpublished_tokens += tokens
         if not update.finished:
             return
         self.token_counter.increment(self.unpublished_tokens)
