@@ -1,0 +1,140 @@
+"""The python target's engine alone (no Triton) at tp N vs tp 1: decode ms/step on the CUDA-graph decoder.
+
+For each model shape (random weights, float16): tp 1 on GPU 0 (torch.compile off and auto), then tp N under
+``mpirun -n N`` (one GPU per rank, NCCL; rank 0 leads, the others follow every step as served ranks do), at
+1 / 16 / 64 rows of 32-token prompts. What a served tp N build adds on top (Triton, the ensemble, host work
+per request) is ``serve_tp.py``'s to measure.
+
+    python benchmarks/engine_tp.py [--shapes tinyllama,llama8b] [--tp 2] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROWS = (1, 16, 64)
+STEPS = 32
+
+
+def runtime_path() -> str:
+    """The directory holding ``forge_decoder`` (what a served repository ships beside model.py); nothing
+    else of forge is imported, so this runs on any Python with torch and transformers."""
+    return str(Path(__file__).resolve().parents[1] / "core" / "forge" / "served" / "decoder_engine")
+
+
+def measure(engine_factory, model, device, *, compile: str = "false") -> list[dict]:
+    """ms per decoding step at each row count, on one engine (graphs captured per row count)."""
+    import torch
+
+    from forge_decoder.engine import Sequence
+    from forge_decoder.request import GenerationRequest, Limits
+
+    engine = engine_factory(model, Limits(model.config.vocab_size, 512, 1024), max_rows=max(ROWS))
+    capture = device.type == "cuda"
+    chosen = engine.use_graphs("true" if capture else "auto", capture=capture, compile=compile, paged="false")
+    out = []
+    with torch.inference_mode():
+        for rows in ROWS:
+            engine.submit([Sequence(GenerationRequest(list(range(100 + i, 132 + i)), STEPS + 8), lambda s, u: None)
+                           for i in range(rows)])
+            for _ in range(4):  # the prefill, then steps that capture
+                engine.step()
+            torch.cuda.synchronize() if capture else None
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                engine.step()
+            torch.cuda.synchronize() if capture else None
+            ms = (time.perf_counter() - start) / STEPS * 1000
+            out.append({"rows": rows, "ms_per_step": round(ms, 3), "tokens_per_s": round(rows / ms * 1000, 1),
+                        "chosen": chosen})
+            engine.run_until_idle()
+    return out
+
+
+def worker(model_dir: str) -> None:
+    """One rank under mpirun: rank 0 measures (printing one json line), the others follow."""
+    import torch
+
+    from forge_decoder import distributed
+
+    rank, size = distributed.world_from_env()
+    device = distributed.rank_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if rank:
+        group = distributed.join(size)
+        settings = group.broadcast().settings
+        model = distributed.load_shard(settings["weights"], device, torch.float16 if device.type == "cuda"
+                                       else torch.float32, group)
+        distributed.Follower(model, group).run()
+        return
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model, make_engine = distributed.lead(size, model_dir, device, dtype, 1)
+    rows = measure(make_engine, model, device)
+    group = make_engine.keywords["group"]
+    group.send(distributed.Command("stop"))
+    group.close()
+    print("RESULT " + json.dumps(rows), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="tinyllama,llama8b")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank under mpirun: the model directory
+    args = parser.parse_args()
+    sys.path.insert(0, runtime_path())
+    if args.worker:
+        worker(args.worker)
+        return 0
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from forge_decoder.engine import Engine, load_model
+    from serve_gpu import make_model
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    report = {"command": "python benchmarks/engine_tp.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+              "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "gpus": torch.cuda.device_count(), "torch": torch.__version__, "shapes": {}}
+    print(json.dumps({k: report[k] for k in ("gpu", "gpus", "torch")}), flush=True)
+    for shape in args.shapes.split(","):
+        with tempfile.TemporaryDirectory(prefix=f"forge-engine-tp-{shape}-") as scratch:
+            model_dir = make_model(shape, None, Path(scratch) / "model", "float16")
+            entry: dict = {}
+            model = load_model(model_dir, device, dtype)
+            for compile in ("false", "auto"):
+                entry[f"tp1_compile_{compile}"] = measure(Engine, model, device, compile=compile)
+                print(f"{shape} tp 1, torch_compile={compile}: {json.dumps(entry[f'tp1_compile_{compile}'])}",
+                      flush=True)
+            del model
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
+                   "PYTHONPATH": os.pathsep.join(p for p in (runtime_path(), os.environ.get("PYTHONPATH")) if p)}
+            cmd = ["mpirun", "--allow-run-as-root", "-n", str(args.tp), "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
+                   "-x", "PYTHONPATH", sys.executable, __file__, "--worker", str(model_dir)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode or not found:
+                print(f"{shape} tp {args.tp}: mpirun exited {done.returncode}\n{done.stdout[-3000:]}\n"
+                      f"{done.stderr[-3000:]}", flush=True)
+                entry[f"tp{args.tp}"] = {"error": (done.stderr or done.stdout)[-2000:]}
+            else:
+                entry[f"tp{args.tp}"] = json.loads(found[0].removeprefix("RESULT "))
+                print(f"{shape} tp {args.tp}: {json.dumps(entry[f'tp{args.tp}'])}", flush=True)
+            report["shapes"][shape] = entry
+        if args.json_out:
+            args.json_out.write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
