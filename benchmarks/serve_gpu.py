@@ -271,11 +271,11 @@ def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 819
             with torch.inference_mode():
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                while engine._pending:  # admissions (prefills) until every row runs or the cache is full
+                idle = 0  # steps that admitted nothing: the engine gathers arrivals, or the cache is full
+                while engine._pending and idle < 64:  # admissions (prefills) until every row runs or none can
                     before = len(engine._active)
                     engine.step()
-                    if len(engine._active) == before:
-                        break
+                    idle = 0 if len(engine._active) > before else idle + 1
                 torch.cuda.synchronize()
                 prefill = time.perf_counter() - start
                 for _ in range(3):

@@ -303,6 +303,18 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
             out.append(f"Greedy ids, engine with CUDA graphs ({_cell(p.get('cuda_graphs'))}) vs transformers "
                        f"`generate`, {p.get('dtype')}: {p.get('rows_all_equal')} of {p.get('rows')} rows equal "
                        f"over {p.get('tokens')} tokens.\n")
+        long = entry.get("long_context") or []
+        if long:
+            table = [[_code(r.get("paged_kv_cache")), r.get("rows"), r.get("max_seq_len"), r.get("prompt"),
+                      _cell(r.get("chosen") or r.get("refused", "")), r.get("running", "—"), _f(r.get("ms_per_step"), ".2f"),
+                      _f(r.get("tokens_per_s")), _f(r.get("gpu_memory_gib"), ".1f")] for r in long]
+            out += [f"**{shape}, long context** (the engine alone; `-o paged_kv_cache=auto` chooses by the free GPU "
+                    "memory, the other two force a layout; rows admitted until the cache or the prefill budget is full):\n",
+                    _table(["`-o paged_kv_cache`", "rows", "max_seq_len", "prompt tokens", "chosen", "running",
+                            "ms/step", "tok/s", "peak GPU GiB"], table)]
+        if entry.get("startup_s") is not None:
+            out.append(f"tritonserver was ready {entry['startup_s']} s after its start (every model loaded, the "
+                       "decoders' warm-up and compiling included).\n")
         greedy = entry.get("greedy")
         if greedy:
             out.append(f"Served greedy ids vs transformers ({greedy.get('dtype')}): equal for "
@@ -319,6 +331,51 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
                 f"Stop: {soak['stop_s']} s, tritonserver exit status {soak['exit_status']}; crash lines in the server "
                 f"log: {len(soak['log_crash_lines'])}; new segfault or trap lines in the kernel log: "
                 f"{len(soak['kernel_log_new'])}.\n"]
+    return out
+
+
+def _serve_tp_matches(data: dict) -> bool:
+    return str(data.get("command", "")).startswith("python benchmarks/serve_tp.py") and isinstance(data.get("shapes"), dict)
+
+
+def _serve_tp_render(name: str, data: dict, meta: dict) -> list[str]:
+    out = []
+    for shape, entry in data["shapes"].items():
+        parity = entry.get("parity")
+        if parity:
+            out.append(f"**{shape}**: greedy ids of the tp {max(int(k[2:]) for k in parity if k.startswith('tp'))} "
+                       f"build vs tp 1 ({parity['dtype']}), equal prefix per prompt over {parity['tokens']} tokens: "
+                       f"{', '.join(str(n) for n in parity['equal_prefix'])}.\n")
+        table = [[r.get("tp"), _code(r.get("build")), r.get("concurrency"), r.get("requests"), _f(r.get("tokens_per_s")),
+                  _f((r.get("latency_ms") or {}).get("p50"), ".0f"), _f((r.get("latency_ms") or {}).get("p99"), ".0f"),
+                  _f(r.get("engine_ms_per_step"), ".2f"), _f(r.get("engine_mean_rows"), ".1f"), r.get("errors", "—")]
+                 for r in entry.get("rows") or []]
+        if table:
+            out += [f"**{shape}, served** (each build alone in its `forge serve`; closed loop through the ensemble):\n",
+                    _table(["tp", "build", "concurrency", "requests", "generated tok/s", "p50 ms", "p99 ms",
+                            "engine ms/step", "engine's mean batch", "errors"], table)]
+        if entry.get("ratio"):
+            out.append("tok/s of tp N over tp 1: " + ", ".join(f"c={c}: **{r}×**" for c, r in entry["ratio"].items())
+                       + ".\n")
+    return out
+
+
+def _engine_tp_matches(data: dict) -> bool:
+    return str(data.get("command", "")).startswith("python benchmarks/engine_tp.py") and isinstance(data.get("shapes"), dict)
+
+
+def _engine_tp_render(name: str, data: dict, meta: dict) -> list[str]:
+    out = []
+    for shape, entry in data["shapes"].items():
+        forms = [k for k in entry if isinstance(entry[k], list)]
+        by = {k: {r["rows"]: r for r in entry[k]} for k in forms}
+        rows = sorted({n for k in forms for n in by[k]})
+        table = [[n, *[_f((by[k].get(n) or {}).get("ms_per_step"), ".2f") for k in forms]] for n in rows]
+        out += [f"**{shape}, the engine alone** (decode ms per step, CUDA graphs over a static cache):\n",
+                _table(["rows", *[_code(k.replace("_", " ")) for k in forms]], table)]
+        failed = [k for k in entry if isinstance(entry[k], dict) and "error" in entry[k]]
+        if failed:
+            out.append(f"Not measured: {', '.join(failed)} (the run failed; its error is in the file).\n")
     return out
 
 
@@ -355,6 +412,8 @@ def _table_render(name: str, data: dict, meta: dict) -> list[str]:
 
 #: (name, title, matches, render): the shapes a results file may have, tried in this order
 READERS: list[tuple[str, str, Callable[[dict], bool], Callable[[str, dict, dict], list[str]]]] = [
+    ("serve_tp", "Tensor parallel, served (`benchmarks/serve_tp.py`)", _serve_tp_matches, _serve_tp_render),
+    ("engine_tp", "Tensor parallel, the engine alone (`benchmarks/engine_tp.py`)", _engine_tp_matches, _engine_tp_render),
     ("serve_gpu", "Decoder serving on a GPU (`benchmarks/serve_gpu.py`)", _serve_gpu_matches, _serve_gpu_render),
     ("openai_front", "The OpenAI API front (`benchmarks/openai_front.py`)", _openai_front_matches, _openai_front_render),
     ("table", "Measurements", _table_matches, _table_render),
