@@ -5,7 +5,8 @@ different steps) with the plain engine on the whole model, then with the tensor-
 ranks 1..N-1 follow; it prints ``EQUAL`` when every sequence's ids agree, else both results. DECODER picks
 how the tensor-parallel engine decodes: ``hf`` (the Hugging Face forward, default), ``static`` or ``paged``
 (the CUDA-graph decoder, eager here, on every rank with its all-reduces; columns in buckets of 8 and blocks
-of 4 tokens so caches cross both).
+of 4 tokens so caches cross both), or ``compiled`` (static, its layers' pieces through ``torch.compile``'s
+tracing with the eager backend, the all-reduces between them).
 Usage: mpirun -n N python engine_ranks.py RUNTIME_DIR MODEL_DIR [DECODER] (MASTER_ADDR/MASTER_PORT set).
 """
 
@@ -20,13 +21,17 @@ from forge_decoder.request import GenerationRequest, Limits  # noqa: E402
 PROMPTS = [[5, 9, 13, 40], [7, 3], [11, 12, 13, 14, 15, 16, 17], [20, 21]]
 DECODER = sys.argv[3] if len(sys.argv) > 3 else "hf"
 graphs.FIRST_COLUMNS, graphs.BLOCK_TOKENS = 8, 4  # every rank: the step's buckets must agree
+graphs.COMPILE_BACKEND = "eager"  # traced as on a GPU, without compiling code on a small CPU
 
 
 def generate(model, make_engine, decoder: str = "hf") -> dict:
     eng = make_engine(model, Limits(1000, 64, 128), max_rows=2)
     if decoder != "hf":
-        chosen = eng.use_graphs("auto", capture=False, paged="true" if decoder == "paged" else "false")
-        assert chosen.startswith(f"{decoder} KV cache"), chosen  # not the Hugging Face forward after all
+        chosen = eng.use_graphs("auto", capture=False, paged="true" if decoder == "paged" else "false",
+                                compile="true" if decoder == "compiled" else "false")
+        layout = "static" if decoder == "compiled" else decoder
+        assert chosen.startswith(f"{layout} KV cache"), chosen  # not the Hugging Face forward after all
+        assert ("torch.compile on (eager)" in chosen) == (decoder == "compiled"), chosen
     outputs = {}
 
     def done(seq, update):

@@ -78,12 +78,10 @@ def check_spec(spec) -> None:
                          hint="drop --instances")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
-    if spec.tp > 1 and spec.options.get("torch_compile") == "true":
-        raise UsageError(f"--target python at --tp {spec.tp}: -o torch_compile=true needs --tp 1 (the ranks sum "
-                         "inside the compiled layers)", hint="drop -o torch_compile, or build at --tp 1")
-    if spec.tp > 1 and spec.options.get("paged_kv_cache") == "true" and spec.options.get("cuda_graphs") != "true":
-        raise UsageError(f"--target python at --tp {spec.tp} decodes through the Hugging Face forward unless "
-                         "-o cuda_graphs=true; -o paged_kv_cache=true needs it", hint="add -o cuda_graphs=true")
+    for option in ("torch_compile", "paged_kv_cache"):
+        if spec.tp > 1 and spec.options.get(option) == "true" and spec.options.get("cuda_graphs") != "true":
+            raise UsageError(f"--target python at --tp {spec.tp} decodes through the Hugging Face forward unless "
+                             f"-o cuda_graphs=true; -o {option}=true needs it", hint="add -o cuda_graphs=true")
     for option in ("torch_compile", "paged_kv_cache"):
         if spec.options.get("cuda_graphs") == "false" and spec.options.get(option) == "true":
             raise UsageError(f"-o {option}=true belongs to the CUDA-graph decoder, and -o cuda_graphs=false turns "

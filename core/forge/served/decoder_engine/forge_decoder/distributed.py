@@ -327,8 +327,10 @@ class LeaderEngine(engine_mod.Engine):
             decoder = self.graphs
             cache = decoder.cache
             paged = {"block": cache.block, "blocks": cache.blocks, "reuse": cache.reuse} if cache.paged else None
+            compiled = decoder.fused.backend if decoder.fused is not None else None
             self.group.send(Command("graphs", settings={
-                "rows": decoder.rows, "max_len": decoder.max_len, "capture": decoder.capture, "paged": paged}))
+                "rows": decoder.rows, "max_len": decoder.max_len, "capture": decoder.capture, "paged": paged,
+                "compile": compiled}))
             self.graphs = Announced(decoder, self.group)
         return chosen
 
@@ -464,6 +466,11 @@ class Follower:
             s = cmd.settings
             self.graphs = graphs.decoder_for(self.model, s["rows"], s["max_len"], capture=s["capture"],
                                              paged=s["paged"], reduce=self.group.all_reduce)
+            if s.get("compile"):  # as rank 0 did; where compiling fails here the eager pieces sum the same way
+                try:
+                    self.graphs.use_compile("true", backend=s["compile"])
+                except ValueError:
+                    pass
         elif cmd.op == "gstep":
             self.graphs.step(cmd.ids[:, 0].tolist(), cmd.positions[:, 0].tolist())
         elif cmd.op == "gprefill":

@@ -38,6 +38,8 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]
 LLAMA_STYLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 #: GPT-2's layers: pre-LayerNorm, one q/k/v projection (Conv1D), learned positions, GELU MLP.
 GPT2_STYLE = ("GPT2LMHeadModel",)
+#: torch.compile's backend for ``use_compile`` (tests on CPUs set "eager": the same tracing, no code generation)
+COMPILE_BACKEND = "inductor"
 #: the decoding step's attention: "sdpa" (one fused kernel) or "matmul" (scores, softmax, weighted sum)
 ATTENTION = "sdpa"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -258,16 +260,16 @@ class GraphDecoder:
         return self.cache.nbytes
 
     # -- the slots ----------------------------------------------------------------------------------
-    def use_compile(self, mode: str = "false", *, backend: str = "inductor") -> str:
+    def use_compile(self, mode: str = "false", *, backend: str | None = None) -> str:
         """Run the layers' pieces compiled by ``torch.compile`` (``-o torch_compile``): fewer, fused kernels per
         step and prefill. ``auto``: on when the step is captured on a GPU and compiling works here (it needs
         Triton and a C compiler; a failure is logged and the pieces stay eager); ``true``: the same, wherever
         the decoder runs, or an error; ``false``: eager. Returns what was chosen, for the log."""
         chosen = mode_of("torch_compile", mode)
+        backend = backend or COMPILE_BACKEND
         if chosen == "false":
             return "off (-o torch_compile=false)"
         reason = "the step is not captured on a GPU" if chosen == "auto" and not self.capture else None
-        reason = reason or ("tensor-parallel ranks sum inside the layers" if self.reduce is not None else None)
         reason = reason or self._uncompilable()
         if reason is None:
             try:
@@ -606,10 +608,16 @@ class LlamaDecoder(GraphDecoder):
 
     def _rest_of_layer(self, i: int, h: torch.Tensor, out: torch.Tensor, modules: bool) -> torch.Tensor:
         """Layer ``i`` after attention: the output projection and the gated MLP, each with its residual."""
-        if self.fused is not None and not modules:
-            return self.fused.mlp(h, out, *self.fused.layer_out[i])
         layer = self.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
+        if self.fused is not None and not modules:
+            if self.reduce is None:
+                return self.fused.mlp(h, out, *self.fused.layer_out[i])
+            # row-parallel: the ranks' sums sit between the compiled pieces (biases: rank 0's alone)
+            _o_w, norm_w, gate_up_w, _down_w = self.fused.layer_out[i]
+            h, act = self.fused.gated(h, self.reduce(F.linear(out, attn.o_proj.weight, attn.o_proj.bias)), norm_w,
+                                      gate_up_w)
+            return h + self.reduce(F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias))
         if self.reduce is not None and not modules:  # row-parallel: sum the ranks' parts, then add the residual
             h = h + self.reduce(F.linear(out, attn.o_proj.weight, attn.o_proj.bias))  # biases: rank 0's alone
             gate, up = F.linear(_norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
@@ -675,7 +683,9 @@ class Fused:
 
     ``qkv``: input RMSNorm, the fused q/k/v GEMM, Qwen3's q/k norms and RoPE (queries scaled);
     ``mlp``: the output projection with its residual, RMSNorm, the fused gate/up GEMM, SiLU·mul and the down
-    projection with its residual. The same arithmetic as ``LlamaDecoder._rotated_qkv`` / ``_rest_of_layer``
+    projection with its residual; on a tensor-parallel rank ``gated`` instead (the residual of the summed
+    output projection, RMSNorm, gate/up GEMM and SiLU·mul), the all-reduces and the row-parallel GEMMs between
+    the pieces. The same arithmetic as ``LlamaDecoder._rotated_qkv`` / ``_rest_of_layer``
     (float32 norm statistics, a residual folded into its GEMM); the compiler fuses the elementwise work
     around the GEMMs, so a step launches about half the kernels. Weights are arguments: one compiled
     function serves every layer; leading dimensions become dynamic after the warm-up's second size.
@@ -701,12 +711,19 @@ class Fused:
             gate, up = F.linear(_rms(h, norm_w, eps), gate_up_w).chunk(2, dim=-1)
             return _addmm(h, F.silu(gate) * up, down_w)
 
+        def gated(h, attended, norm_w, gate_up_w):  # a tensor-parallel rank's mlp between its two all-reduces
+            h = h + attended
+            gate, up = F.linear(_rms(h, norm_w, eps), gate_up_w).chunk(2, dim=-1)
+            return h, F.silu(gate) * up
+
         if backend == "inductor":  # compile in this process: no pool of compile workers beside a served model
             from torch._inductor import config as inductor
 
             inductor.compile_threads = 1
+        self.backend = backend
         self.qkv = torch.compile(qkv, backend=backend)
         self.mlp = torch.compile(mlp, backend=backend)
+        self.gated = torch.compile(gated, backend=backend) if decoder.reduce is not None else None
         self.decoder = decoder
         self.layer_in, self.layer_out = [], []
         for i, layer in enumerate(decoder.layers):
@@ -730,6 +747,9 @@ class Fused:
                 else:  # a prefill: position = column
                     cos, sin = d.cos[: lead[1]], d.sin[: lead[1]]
                 self.qkv(h, *self.layer_in[0], cos, sin)
-                self.mlp(h, torch.zeros((*lead, d.heads * d.head_dim), dtype=d.dtype, device=d.device),
-                         *self.layer_out[0])
+                if self.gated is None:
+                    self.mlp(h, torch.zeros((*lead, d.heads * d.head_dim), dtype=d.dtype, device=d.device),
+                             *self.layer_out[0])
+                else:  # no all-reduce inside: each rank compiles on its own
+                    self.gated(h, torch.zeros_like(h), *self.layer_out[0][1:3])
 
