@@ -227,11 +227,21 @@ def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, mo
     monkeypatch.setattr(checkpoint, "_CORES", cores)
     monkeypatch.setattr(checkpoint, "RELAY_BYTES", 1000)  # several pieces per block, rows not a divisor
     copied = _spy(monkeypatch, checkpoint.RankWriter, "copy")
-    relayed, relay, threads = [], checkpoint._relay, set()
-    monkeypatch.setattr(checkpoint, "_relay",
-                        lambda *a: relayed.append(a) or threads.add(threading.get_ident()) or relay(*a))
-    assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", str(tp)) == 0
+    relayed, relay, threads, lock = [], checkpoint._relay, set(), threading.Lock()
     lanes = min(tp, cores)
+    together = threading.Event()  # the lanes share one queue: a free lane could take a tiny model's every job
+
+    def spied(*args):
+        with lock:
+            relayed.append(args)
+            threads.add(threading.get_ident())
+            if len(threads) >= lanes:
+                together.set()
+        together.wait(5)  # each lane's first job waits until every lane has one (or 5 s)
+        return relay(*args)
+
+    monkeypatch.setattr(checkpoint, "_relay", spied)
+    assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", str(tp)) == 0
     assert bool(copied) == (lanes == 1)
     assert bool(relayed) == (tp > 1)  # row-parallel weights are split along columns only at tp > 1
     whole = [rows for _, targets, _, rows, *_ in relayed if all(width == rows.stride for *_, width in targets)]
