@@ -2,8 +2,8 @@
 
 For each model shape (random weights, float16): tp 1 on GPU 0 (torch.compile off and auto), then tp N under
 ``mpirun -n N`` (one GPU per rank, NCCL; rank 0 leads, the others follow every step as served ranks do), at
-1 / 16 / 64 rows of 32-token prompts. What a served tp N build adds on top (Triton, the ensemble, host work
-per request) is ``serve_tp.py``'s to measure.
+1 / 16 / 64 rows of 32-token prompts; tp N with ``-o torch_compile=auto``, the default. What a served tp N
+build adds on top (Triton, the ensemble, host work per request) is ``serve_tp.py``'s to measure.
 
     python benchmarks/engine_tp.py [--shapes tinyllama,llama8b] [--tp 2] [--json-out FILE]
 """
@@ -75,7 +75,7 @@ def worker(model_dir: str) -> None:
         return
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     model, make_engine = distributed.lead(size, model_dir, device, dtype, 1)
-    rows = measure(make_engine, model, device)
+    rows = measure(make_engine, model, device, compile="auto")  # the default build's -o torch_compile
     group = make_engine.keywords["group"]
     group.send(distributed.Command("stop"))
     group.close()

@@ -192,6 +192,20 @@ def per_request_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def timed_steps(engine, steps: int, warm: int = 3) -> float:
+    """ms per engine step over ``steps`` steps, after ``warm`` steps (the first decoding steps capture)."""
+    import torch
+
+    for _ in range(warm):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1000
+
+
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
                  forms=(("false", None, "false", "false"), ("true", "sdpa", "false", "false"),
                         ("true", "sdpa", "auto", "false"), ("true", "sdpa", "false", "true"))) -> list[dict]:
@@ -221,14 +235,7 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
                            for i in range(rows)])
             with torch.inference_mode():
                 engine.step()  # prefill
-                for _ in range(3):
-                    engine.step()  # the first decoding steps capture the graphs
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                torch.cuda.synchronize()
-            ms = (time.perf_counter() - start) / steps * 1000
+                ms = timed_steps(engine, steps)
             results.append({"cuda_graphs": mode, "attention": attention, "torch_compile": compiled,
                             "paged_kv_cache": paged, "chosen": chosen,
                             "setup_s": round(setup, 1), "rows": rows, "ms_per_step": round(ms, 3),
@@ -278,17 +285,11 @@ def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 819
                     idle = 0 if len(engine._active) > before else idle + 1
                 torch.cuda.synchronize()
                 prefill = time.perf_counter() - start
-                for _ in range(3):
-                    engine.step()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                torch.cuda.synchronize()
-            ms = (time.perf_counter() - start) / steps * 1000
+                running = len(engine._active)  # the rows measured (all of them unless admission stopped)
+                ms = timed_steps(engine, steps)
             row = {"paged_kv_cache": paged, "rows": rows, "max_seq_len": max_len, "prompt": length, "chosen": chosen,
-                   "running": len(engine._active), "admit_s": round(prefill, 2), "ms_per_step": round(ms, 3),
-                   "tokens_per_s": round(rows / ms * 1000, 1),
+                   "running": running, "admit_s": round(prefill, 2), "ms_per_step": round(ms, 3),
+                   "tokens_per_s": round(running / ms * 1000, 1),
                    "gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
             out.append(row)
             print(f"  long context: {json.dumps(row)}", flush=True)
