@@ -84,6 +84,15 @@ def _status(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
         return exc.code, dict(exc.headers), json.loads(exc.read())
 
 
+def _log_tail(info: dict, lines: int = 40) -> str:
+    """The end of tritonserver's log, for a failed drain's message (which model it waited on)."""
+    try:
+        text = Path(info["log"]).read_text(errors="replace")
+    except (KeyError, OSError) as exc:
+        return f"\n(no tritonserver log: {exc})"
+    return "\ntritonserver log, last lines:\n" + "\n".join(text.splitlines()[-lines:])
+
+
 def _serve(repo: Path, drain_timeout: int) -> tuple[subprocess.Popen, dict]:
     """``forge serve --json`` of ``repo`` on free ports: the process and its endpoints once it printed them."""
     serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo),
@@ -140,7 +149,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(long_repo):
         assert json.loads(triton.events[-1])["num_output_tokens"] == MAX_TOKENS
         status = serve.wait(60)
         stderr = serve.stderr.read()
-        assert status == 0 and "drained and stopped" in stderr, stderr
+        assert status == 0 and "drained and stopped" in stderr, stderr + _log_tail(info)
         print(f"the chat stream ended {chat.ended - refused:.1f} s after a new request was refused; {stderr}")
     finally:
         if serve.poll() is None:
@@ -204,7 +213,7 @@ def test_sigterm_waits_for_tritons_own_streams_while_clients_keep_reconnecting(l
         assert long.ended > signalled + 1, "the long stream ended before the drain was tested"
         assert [c.outcomes["cut"] for c in clients] == [[], [], []]
         assert all(c.outcomes["refused"] for c in clients), [c.outcomes for c in clients]
-        assert status == 0 and "drained and stopped" in stderr, stderr
+        assert status == 0 and "drained and stopped" in stderr, stderr + _log_tail(info)
         assert stopped - signalled < 25, "the drain ran to its timeout"
         print(f"the long stream ended {long.ended - signalled:.1f} s after SIGTERM; "
               f"{[c.outcomes for c in clients]}; {stderr.strip().splitlines()[-1]}")

@@ -73,6 +73,8 @@ FORGE = (
            minimum=0),
     Option("inflight_sequences", "int", "python target: sequences decoded together (0: --max-batch-size on a CPU, "
            "at least 64 on a GPU)", 0, PYTHON, minimum=0),
+    Option("sender_threads", "int", "python target: threads sending the responses (each send waits for the server's "
+           "round trip; several keep more streams moving)", 4, PYTHON, minimum=1),
     Option("cuda_graphs", "choice", "python target: decoding steps as CUDA graphs over a static KV cache (auto: on a GPU "
            "for Llama-style and GPT-2 models at tp 1; true: that or fail to load; false: the Hugging Face "
            "forward)", "auto", PYTHON, choices=("auto", "true", "false")),

@@ -201,11 +201,14 @@ class GrpcSession:
         self.client = grpcclient.InferenceServerClient(self.url)
         self._events: queue.Queue = queue.Queue()
         self._streaming = False
+        self._unanswered = False  # a streamed request whose final response has not come
 
     def close(self) -> None:
         if self._streaming:
             try:
-                self.client.stop_stream(cancel_requests=True)
+                # a stream whose requests all ended is closed, not cancelled: cancelling one right after its
+                # final response can leave tritonserver 2.51 holding the request (its stop then times out)
+                self.client.stop_stream(cancel_requests=self._unanswered)
             except Exception:
                 pass
             self._streaming = False
@@ -275,6 +278,7 @@ class GrpcSession:
         started = time.perf_counter()
         self.client.async_stream_infer(model, self._inputs(tensors), request_id=request_id,
                                        enable_empty_final_response=True)
+        self._unanswered = True
         while True:
             timeout = None if stop_after_s is None else max(0.0, started + stop_after_s - time.perf_counter())
             try:
@@ -284,11 +288,14 @@ class GrpcSession:
                 self._streaming = False
                 raise TimeoutError(f"stopped after {stop_after_s * 1000:.0f} ms; request cancelled") from None
             if error is not None:
+                self._unanswered = False  # an error ends the request
                 raise ForgeError(f"the server refused the request: {_grpc_message(error)}")
             response = result.get_response()
             final = bool(response.parameters["triton_final_response"].bool_param) \
                 if "triton_final_response" in response.parameters else True
             outputs = {o.name: result.as_numpy(o.name) for o in response.outputs}
+            if final:
+                self._unanswered = False
             yield StreamEvent(outputs, final, at - started, at)
             if final:
                 return

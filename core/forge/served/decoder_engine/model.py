@@ -5,11 +5,14 @@ forge copies this file to ``<repository>/tensorrt_llm/1/model.py``, the runtime 
 requests; a continuous-batching engine thread generates, so requests of different lengths share
 decoding steps and new ones join at any step, and hands every update to a sender thread, which builds
 the responses and sends them while the engine runs its next step (on a GPU the engine waits for the
-device without the GIL). In decoupled mode streaming requests get one response per generated token.
+device without the GIL). There are SENDERS of them, each request's updates in order on one: a send waits
+for the server's round trip without the GIL, so several keep more streams moving. In decoupled mode
+streaming requests get one response per generated token.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import sys
@@ -32,6 +35,7 @@ from forge_decoder.request import GenerationRequest, Limits, RequestError, is_st
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
 ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often while it has work
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds")
 
@@ -56,6 +60,7 @@ class _Request:
         self.results: dict[int, RowResult] = {}
         self.started: set = set()  # streaming rows that sent their first response
         self.ended: set = set()  # rows whose last update the sender delivered
+        self.outbox = model.outboxes[next(model.turns) % len(model.outboxes)]  # its updates' sender, in order
         self.done = False
         self.stopped = False  # a TensorRT-LLM ``stop`` request ended it: answer with what was generated
         self.lock = threading.Lock()
@@ -95,7 +100,7 @@ class _Request:
         the GIL with the engine) is not woken for each of them."""
         if not (self.streaming or update.finished):
             return
-        self.model.outbox.put((self, seq, update, _Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns,
+        self.outbox.put((self, seq, update, _Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns,
                                                             len(seq.output))))
 
     def deliver(self, seq: engine_mod.Sequence, update: engine_mod.Update, progress: "_Progress") -> None:
@@ -216,14 +221,20 @@ class TritonPythonModel:
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # (request, sequence, update, progress); None: stop
-        self.sender = threading.Thread(target=self._send_loop, name="forge-sender", daemon=True)
-        self.sender.start()
+        # (request, sequence, update, progress) per sender thread; None: stop
+        senders = max(1, int(_parameter(config, "sender_threads", "") or SENDERS))
+        self.outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(senders)]
+        self.turns = itertools.count()
+        self.count_lock = threading.Lock()  # the metrics' local sums, shared by the senders
+        self.senders = [threading.Thread(target=self._send_loop, args=(box,), name=f"forge-sender-{i}", daemon=True)
+                        for i, box in enumerate(self.outboxes)]
+        for thread in self.senders:
+            thread.start()
         self.engine.start()
         pb_utils.Logger.log_info(
             f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, tp {tp}, "
             f"{torch.get_num_threads()} torch threads), "
-            f"{rows} sequences in flight, max_input_len {self.limits.max_input_len}, "
+            f"{rows} sequences in flight, {senders} sender threads, max_input_len {self.limits.max_input_len}, "
             f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}, CUDA graphs {graphs}")
 
     def _guides(self, config: dict, here: Path, weights: Path, threads: int) -> guided.Guides:
@@ -273,8 +284,12 @@ class TritonPythonModel:
         """Metrics are IPC calls to the server: count ``tokens`` generated locally, publish when a sequence
         finishes (the engine's counters at most every ENGINE_METRICS_S under load, and whenever it falls
         idle)."""
+        with self.count_lock:
+            self._count(update, tokens)
+
+    def _count(self, update: engine_mod.Update, tokens: int) -> None:
         self.unpublished_tokens += tokens
-        if not update.finished:
+        if not update.finished or self.token_counter is None:
             return
         self.token_counter.increment(self.unpublished_tokens)
         self.unpublished_tokens = 0
@@ -294,8 +309,8 @@ class TritonPythonModel:
             self.engine_counters[kind].increment(value - self.published_engine[kind])
             self.published_engine[kind] = value
 
-    def _send_loop(self) -> None:
-        while (item := self.outbox.get()) is not None:
+    def _send_loop(self, outbox: queue.SimpleQueue) -> None:
+        while (item := outbox.get()) is not None:
             forge_glue.exit_if_orphaned()
             request, seq, update, progress = item
             try:
@@ -360,15 +375,17 @@ class TritonPythonModel:
 
     def finalize(self):
         """Stop before the stub tears down: the engine thread ends (bounded wait) failing what it held, the
-        sender thread sends what the engine reported (bounded wait), whatever is still pending gets its error
+        sender threads send what the engine reported (bounded wait), whatever is still pending gets its error
         now, and every response sender and metric is released while the stub's channels still work (one
         destroyed during interpreter teardown crashes the stub). A request's sender is then a closed one: an
         engine thread still inside a step sends nothing after this returns."""
         forge_glue.exit_if_orphaned()  # a dead server: nothing to answer, and calls into it can block
         ended = self.engine.stop(timeout=5.0)
         forge_glue.exit_if_orphaned()
-        self.outbox.put(None)  # the sender answers what the engine reported up to here, then stops
-        sent = _joined(self.sender, 5.0)
+        for outbox in self.outboxes:  # the senders answer what the engine reported up to here, then stop
+            outbox.put(None)
+        deadline = time.monotonic() + 5.0
+        sent = all([_joined(thread, max(0.0, deadline - time.monotonic())) for thread in self.senders])
         ended = ended and sent
         with self.lock:
             left = list(self.requests.values())

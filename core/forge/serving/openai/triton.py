@@ -14,6 +14,7 @@ import numpy as np
 from ..client import ModelInputs, _grpc_message
 from .protocol import APIError
 
+STREAM_CLOSE_S = 5.0  # how long a finished stream may take to be closed by the server before it is cancelled
 _STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503, "StatusCode.NOT_FOUND": 503,
            "StatusCode.CANCELLED": 499, "StatusCode.DEADLINE_EXCEEDED": 504, "StatusCode.RESOURCE_EXHAUSTED": 429}
 
@@ -137,6 +138,7 @@ class Triton:
                    "enable_empty_final_response": True}
 
         responses = self.client.stream_infer(one_request())
+        ended = False  # the final response came: the server closes the stream itself
         try:
             async for result, error in _mapped(responses, model.name, self._grpc_error):
                 if error is not None:
@@ -148,9 +150,24 @@ class Triton:
                 if tensors_out:
                     yield tensors_out
                 if final:
-                    return
+                    ended = True
+                    break
         finally:
+            if not ended:
+                responses.cancel()
+        # The request iterator has ended, so tritonserver closes the stream once it released the request.
+        # Cancelling a stream right after its final response can leave tritonserver 2.51 holding the
+        # request (and the ensemble it ran: a later stop waits out its exit timeout for that model).
+        try:
+            await asyncio.wait_for(_closed(responses), STREAM_CLOSE_S)
+        except Exception:  # noqa: BLE001 - closing is best effort (a timeout, a lost connection)
             responses.cancel()
+
+
+async def _closed(responses) -> None:
+    """Read a stream whose final response came to its end (the server closing it)."""
+    async for _ in responses:
+        pass
 
 
 async def _mapped(responses, model: str, grpc_error):
