@@ -139,21 +139,64 @@ def check_greedy(server, model_dir: Path, tokenizer, dtype: str, n: int = 32) ->
 
 
 def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int,
-         stream: bool = False, engine_model: str | None = None) -> dict:
-    """One closed-loop cell after a short warm-up; with ``engine_model``, what its engine did in the cell."""
+         stream: bool = False, engine_model: str | None = None, processes: int = 1) -> dict:
+    """One closed-loop cell after a short warm-up; with ``engine_model``, what its engine did in the cell.
+    With ``processes`` > 1 the clients are split over that many client processes (one Python's GIL can be
+    what limits a streamed cell: every response is parsed by the client), started together."""
     from forge.serving import bench
-    from forge.serving.client import GrpcSession
 
-    with GrpcSession(server.grpc_url) as session:
-        inputs = session.config(model)
-    target = bench.Target(inputs, stream=stream, extra={"exclude_input_in_output": True},
-                          count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    target = _target(server.grpc_url, model, tokenizer, stream)
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
     bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
     before, models_before = engine_counters(server, engine_model), model_durations(server)
-    samples, wall = bench.run(server.grpc_url, target, items, concurrency=concurrency)
+    if processes > 1:
+        samples = _in_processes(server.grpc_url, model, tokenizer.name_or_path, stream, items, concurrency, processes)
+        wall = max(s.done for s in samples) - min(s.sent for s in samples)
+    else:
+        samples, wall = bench.run(server.grpc_url, target, items, concurrency=concurrency)
     return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall),
-            "triton_ms": per_request_ms(models_before, model_durations(server))}
+            "triton_ms": per_request_ms(models_before, model_durations(server)), "client_processes": processes}
+
+
+def _target(url: str, model: str, tokenizer, stream: bool):
+    from forge.serving import bench
+    from forge.serving.client import GrpcSession
+
+    with GrpcSession(url) as session:
+        inputs = session.config(model)
+    return bench.Target(inputs, stream=stream, extra={"exclude_input_in_output": True},
+                        count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def _in_processes(url: str, model: str, tokenizer_dir: str, stream: bool, items: list, concurrency: int,
+                  processes: int) -> list:
+    """``items`` over ``processes`` client processes (``concurrency`` split between them), released together
+    once every one is ready; their samples (perf_counter is one clock for every process)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Barrier(processes), context.Queue()
+    workers = [context.Process(target=_client_process,
+                               args=(url, model, tokenizer_dir, stream, items[i::processes],
+                                     max(1, concurrency // processes), ready, results))
+               for i in range(processes)]
+    for worker in workers:
+        worker.start()
+    samples = [sample for _ in workers for sample in results.get(timeout=1800)]
+    for worker in workers:
+        worker.join(60)
+    return samples
+
+
+def _client_process(url, model, tokenizer_dir, stream, items, concurrency, ready, results) -> None:
+    from transformers import AutoTokenizer
+
+    from forge.serving import bench
+
+    target = _target(url, model, AutoTokenizer.from_pretrained(tokenizer_dir), stream)
+    ready.wait(600)
+    samples, _ = bench.run(url, target, items, concurrency=concurrency)
+    results.put(samples)
 
 
 #: Triton's per-model counters (microseconds summed over requests) that split a request's time
@@ -467,6 +510,8 @@ def main() -> int:
                         help="requests per forge load cell, as a multiple of its concurrency (a steady state: "
                              "one wave measures mostly the ramp)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="client processes the streamed cells' clients are split over (default 1)")
     parser.add_argument("--bandwidth-tbs", type=float, default=3.35, help="the GPU's memory bandwidth, TB/s")
     parser.add_argument("--forge-args", default="", help="extra forge build arguments (default: none, the default build)")
     parser.add_argument("--no-seed", action="store_true", help="skip the hf-pipeline model (measured before)")
@@ -542,7 +587,7 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
             for c in levels:
                 count = max(2 * c, 8) if name.startswith("seed") else args.waves * c
                 summary = load(server, model, tokenizer, c, count, args.max_tokens, stream=stream,
-                               engine_model=engine_model)
+                               engine_model=engine_model, processes=args.client_processes if stream else 1)
                 summary.update({"run": f"{shape} {name}, c={c}", "concurrency": c, "server": name})
                 rows.append(summary)
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "
