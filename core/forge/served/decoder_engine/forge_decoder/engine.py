@@ -182,8 +182,6 @@ class Engine:
         self._cond = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
-        self._watcher: threading.Thread | None = None  # polls is_cancelled off the engine thread (start)
-        self._stopped = threading.Event()
         self._last_cancel_check = 0.0
         self.steps = 0
         self.step_ns = 0  # time inside ``step`` (the rest of the engine thread's time it waits for work)
@@ -271,11 +269,8 @@ class Engine:
     # -- public, thread-safe ----------------------------------------------------------------------
     def start(self) -> "Engine":
         self._running = True
-        self._stopped.clear()
         self._thread = threading.Thread(target=self._loop, name="forge-decoder", daemon=True)
-        self._watcher = threading.Thread(target=self._watch_cancelled, name="forge-cancel-watch", daemon=True)
         self._thread.start()
-        self._watcher.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> bool:
@@ -286,7 +281,6 @@ class Engine:
         with self._cond:
             self._running = False
             self._cond.notify_all()
-        self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
             return not self._thread.is_alive()
@@ -360,34 +354,19 @@ class Engine:
         if req.grammar is not None:
             seq.matcher = guided.Matcher(req.grammar, req.end_id)
 
-    def _watch_cancelled(self) -> None:
-        """Every ``cancel_check_s``: ask each sequence whether its client cancelled it. In Triton that is a
-        round trip to the server queued behind the responses being sent (milliseconds under many streams),
-        so it runs on this thread, and the engine thread only reads the flags."""
-        while not self._stopped.wait(self.cancel_check_s):
-            with self._cond:
-                waiting = list(self._pending)
-            self._poll_cancelled(waiting + list(self._active))
-
-    @staticmethod
-    def _poll_cancelled(sequences: list[Sequence]) -> None:
-        for seq in sequences:
-            if not (seq.cancelled or seq.finished):
+    def _check_cancelled(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_check < self.cancel_check_s:
+            return
+        self._last_cancel_check = now
+        with self._cond:
+            waiting = list(self._pending)
+        for seq in waiting + self._active:
+            if not seq.cancelled:
                 try:
                     seq.cancelled = bool(seq.is_cancelled())
                 except Exception:  # the owner went away: nobody wants the result
                     seq.cancelled = True
-
-    def _check_cancelled(self) -> None:
-        """End the cancelled sequences (flags set by the watcher thread, or polled here every
-        ``cancel_check_s`` when the engine is stepped without ``start``)."""
-        with self._cond:
-            waiting = list(self._pending)
-        if self._watcher is None or not self._watcher.is_alive():
-            now = time.monotonic()
-            if now - self._last_cancel_check >= self.cancel_check_s:
-                self._last_cancel_check = now
-                self._poll_cancelled(waiting + self._active)
         gone = [s for s in waiting if s.cancelled]
         if gone:
             with self._cond:
@@ -396,9 +375,9 @@ class Engine:
                         self._pending.remove(seq)
             for seq in gone:
                 self._finish(seq, Update([], [], [], True, "cancelled"))
-        if any(s.cancelled and not s.finished for s in self._active):  # the watcher may flag a finished one
+        if any(s.cancelled for s in self._active):
             for seq in self._active:
-                if seq.cancelled and not seq.finished:
+                if seq.cancelled:
                     self._finish(seq, Update([], [], [], True, "cancelled"))
             self._drop_finished()
 
