@@ -36,7 +36,6 @@ from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E40
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
-GIL_SWITCH_MS = 0.5  # Python's thread switch interval in the model's process on a GPU (default 5 ms)
 ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often while it has work
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds")
 
@@ -180,11 +179,6 @@ class TritonPythonModel:
         threads = engine_mod.choose_threads(device, int(os.environ.get("FORGE_PYTARGET_THREADS")
                                                         or _parameter(config, "cpu_threads", "0")), dtype)
         torch.set_num_threads(threads)
-        if device.type == "cuda":
-            # The engine thread only launches a step and waits for the GPU; under many streams the sender
-            # threads hold the GIL, and at Python's default 5 ms switch interval each step waited that long
-            # for it (an H100 step of 2-4 ms took 7-28 ms served, c=16-64 streamed).
-            sys.setswitchinterval(float(os.environ.get("FORGE_PYTARGET_SWITCH_MS") or GIL_SWITCH_MS) / 1000)
         tp = int(_parameter(config, "tensor_parallel", "1") or 1)
         if tp > 1:  # rank 0 of a tensor-parallel group: the followers join every step of the engine
             from forge_decoder import distributed
