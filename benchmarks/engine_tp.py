@@ -58,9 +58,15 @@ def measure(engine_factory, model, device, *, compile: str = "false") -> list[di
     return out
 
 
-def worker(model_dir: str) -> None:
-    """One rank under mpirun: rank 0 measures (printing one json line), the others follow."""
+def worker(model_dir: str, compile: str = "auto", hang_s: float = 0) -> None:
+    """One rank under mpirun: rank 0 measures (printing one json line), the others follow. With ``hang_s``,
+    a rank still running after that long prints every thread's stack and exits (where a hang waits)."""
     import torch
+
+    if hang_s:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(hang_s, exit=True)
 
     from forge_decoder import distributed
 
@@ -75,7 +81,7 @@ def worker(model_dir: str) -> None:
         return
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     model, make_engine = distributed.lead(size, model_dir, device, dtype, 1)
-    rows = measure(make_engine, model, device, compile="auto")  # the default build's -o torch_compile
+    rows = measure(make_engine, model, device, compile=compile)
     group = make_engine.keywords["group"]
     group.send(distributed.Command("stop"))
     group.close()
@@ -87,11 +93,16 @@ def main() -> int:
     parser.add_argument("--shapes", default="tinyllama,llama8b")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--tp-compile", default="auto", choices=("auto", "true", "false"),
+                        help="-o torch_compile of the tp N engine (default auto, the default build's)")
+    parser.add_argument("--no-tp1", action="store_true", help="only tp N (tp 1 measured before)")
+    parser.add_argument("--hang-s", type=float, default=0,
+                        help="a tp N rank still running after this many seconds prints its threads' stacks and exits")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank under mpirun: the model directory
     args = parser.parse_args()
     sys.path.insert(0, runtime_path())
     if args.worker:
-        worker(args.worker)
+        worker(args.worker, args.tp_compile, args.hang_s)
         return 0
 
     import torch
@@ -111,7 +122,7 @@ def main() -> int:
             model_dir = make_model(shape, None, Path(scratch) / "model", "float16")
             entry: dict = {}
             model = load_model(model_dir, device, dtype)
-            for compile in ("false", "auto"):
+            for compile in () if args.no_tp1 else ("false", "auto"):
                 entry[f"tp1_compile_{compile}"] = measure(Engine, model, device, compile=compile)
                 print(f"{shape} tp 1, torch_compile={compile}: {json.dumps(entry[f'tp1_compile_{compile}'])}",
                       flush=True)
@@ -120,7 +131,8 @@ def main() -> int:
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
                    "PYTHONPATH": os.pathsep.join(p for p in (runtime_path(), os.environ.get("PYTHONPATH")) if p)}
             cmd = ["mpirun", "--allow-run-as-root", "-n", str(args.tp), "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
-                   "-x", "PYTHONPATH", sys.executable, __file__, "--worker", str(model_dir)]
+                   "-x", "PYTHONPATH", sys.executable, __file__, "--worker", str(model_dir),
+                   "--tp-compile", args.tp_compile, "--hang-s", str(args.hang_s)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not found:
@@ -129,6 +141,7 @@ def main() -> int:
                 entry[f"tp{args.tp}"] = {"error": (done.stderr or done.stdout)[-2000:]}
             else:
                 entry[f"tp{args.tp}"] = json.loads(found[0].removeprefix("RESULT "))
+                entry["tp_compile"] = args.tp_compile
                 print(f"{shape} tp {args.tp}: {json.dumps(entry[f'tp{args.tp}'])}", flush=True)
             report["shapes"][shape] = entry
         if args.json_out:
