@@ -137,7 +137,7 @@ def main() -> int:
             found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             if done.returncode or not found:
                 print(f"{shape} tp {args.tp}: mpirun exited {done.returncode}\n{done.stdout[-3000:]}\n"
-                      f"{done.stderr[-3000:]}", flush=True)
+                      f"{done.stderr[-12000:]}", flush=True)
                 entry[f"tp{args.tp}"] = {"error": (done.stderr or done.stdout)[-2000:]}
             else:
                 entry[f"tp{args.tp}"] = json.loads(found[0].removeprefix("RESULT "))
