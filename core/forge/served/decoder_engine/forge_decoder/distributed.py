@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ RANK_VARIABLES = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMIX_RANK"
 LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 # Ranks that have not all arrived after this long give up (one line naming the address they waited on).
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)
+CLOSE_TIMEOUT_S = 10.0  # the longest a rank waits for its process groups' teardown (Group.close)
 # Idle servers wait on the next broadcast for as long as nobody asks anything.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
@@ -126,14 +128,25 @@ class Group:
         dist.all_reduce(tensor, group=self.compute)
         return tensor
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Tear the process groups down, waiting at most ``timeout`` s; whether that ended. On two H200s
+        rank 0's ``destroy_process_group`` never returned after a tp 2 run with compiled layers (the follower
+        had exited): a stop must not wait for it, and the process's exit releases what it holds."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return True
+
+        def destroy() -> None:
             try:
                 dist.destroy_process_group()
             except Exception:  # a peer already gone: nothing left to tear down cleanly
                 pass
+
+        thread = threading.Thread(target=destroy, name="forge-tp-close", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        return not thread.is_alive()
 
 
 def join(expected: int) -> Group:
