@@ -206,9 +206,15 @@ class TritonPythonModel:
         paged = _parameter(config, "paged_kv_cache", "auto")
         reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
         fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
+        eager_tp = tp > 1 and graphs_mod.mode_of("torch_compile", compiled) == "auto"
+        if eager_tp:  # measured on two H200s: rank 0's process-group teardown never ended after compiled steps
+            compiled = "false"
         if tp == 1 or graphs_mod.mode(graphs) == "true":  # tp > 1: every rank builds rank 0's decoder
             graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse,
                                             memory_fraction=fraction)
+            if eager_tp:
+                graphs = graphs.replace("(-o torch_compile=false)", "(-o torch_compile=auto stays eager at tp > 1, "
+                                        "where a compiled rank's teardown did not finish on GPUs; =true compiles)")
         elif "true" in (graphs_mod.mode_of("torch_compile", compiled), graphs_mod.mode_of("paged_kv_cache", paged)):
             raise ValueError("-o torch_compile=true / paged_kv_cache=true: tensor-parallel ranks decode through the "
                              "Hugging Face forward unless -o cuda_graphs=true")
