@@ -117,3 +117,20 @@ def test_cuda_graphs_choice_reaches_the_served_model_as_written(tiny_gpt2, tmp_p
         assert config.parameters["cuda_graphs"].string_value == value
         manifest = json.loads((out / "forge-manifest.json").read_text())
         assert manifest["spec"]["options"]["cuda_graphs"] == value  # the manifest records the choice, not True
+
+
+def test_sender_threads_reach_the_served_model_and_zero_is_refused(tiny_gpt2, tmp_path, capsys):
+    """-o sender_threads: 4 by default, the chosen count in the model's parameters; 0 and a word are refused
+    before anything is written."""
+    from forge import tritonconfig
+
+    for args, expected in (([], "4"), (["-o", "sender_threads=2"], "2")):
+        out = tmp_path / f"senders{expected}"
+        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+                     *args]) == 0
+        assert tritonconfig.read(out / "tensorrt_llm").parameters["sender_threads"].string_value == expected
+    for bad in ("0", "many"):
+        out = tmp_path / f"bad-{bad}"
+        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+                     "-o", f"sender_threads={bad}"]) != 0
+        assert "sender_threads" in capsys.readouterr().err and not out.exists()
