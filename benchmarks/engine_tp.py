@@ -78,6 +78,7 @@ def worker(model_dir: str, compile: str = "auto", hang_s: float = 0) -> None:
         model = distributed.load_shard(settings["weights"], device, torch.float16 if device.type == "cuda"
                                        else torch.float32, group)
         distributed.Follower(model, group).run()
+        group.close()  # as a served follower does
         return
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     model, make_engine = distributed.lead(size, model_dir, device, dtype, 1)
