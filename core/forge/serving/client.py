@@ -16,6 +16,7 @@ import http.client
 import json
 import queue
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -27,6 +28,7 @@ import numpy as np
 
 from ..errors import ForgeError, UsageError
 
+STREAM_CLOSE_S = 5.0  # the longest closing a session waits for the server to end its stream
 _NUMPY = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64,
           "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
           "FP16": np.float16, "FP32": np.float32, "FP64": np.float64, "STRING": np.object_,
@@ -205,14 +207,20 @@ class GrpcSession:
 
     def close(self) -> None:
         if self._streaming:
-            try:
-                # a stream whose requests all ended is closed, not cancelled: cancelling one right after its
-                # final response can leave tritonserver 2.51 holding the request (its stop then times out)
-                self.client.stop_stream(cancel_requests=self._unanswered)
-            except Exception:
-                pass
+            # A stream whose requests all ended is closed, not cancelled: cancelling one right after its final
+            # response can leave tritonserver 2.51 holding the request (its stop then times out). Closing waits
+            # for the server to end the stream: at most STREAM_CLOSE_S, then closing the channel cancels it.
+            closer = threading.Thread(target=self._stop_stream, name="forge-stream-close", daemon=True)
+            closer.start()
+            closer.join(STREAM_CLOSE_S)
             self._streaming = False
         self.client.close()
+
+    def _stop_stream(self) -> None:
+        try:
+            self.client.stop_stream(cancel_requests=self._unanswered)
+        except Exception:  # noqa: BLE001 - the stream is gone either way
+            pass
 
     def __enter__(self) -> "GrpcSession":
         return self

@@ -8,7 +8,7 @@ generator is a model taking ``text_input`` and ``max_tokens`` (an ensemble first
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,10 +147,11 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
     name = _prefer(generators, configs)
     if name is not None:
         tokenizer, special, params = _tokenizer_of(name, configs)
-        catalog.generator = TextModel(configs[name].inputs, tokenizer, special, params)
         # an ensemble streams when one of its steps is decoupled (its own config cannot say so)
         steps = [configs[s] for s in configs[name].inputs.steps if s in configs]
-        catalog.generator.inputs.decoupled |= any(s.inputs.decoupled for s in steps)
+        inputs = configs[name].inputs
+        inputs = replace(inputs, decoupled=inputs.decoupled or any(s.inputs.decoupled for s in steps))
+        catalog.generator = TextModel(inputs, tokenizer, special, params)
         catalog.stopper = next((s.inputs for s in steps if {"stop", "input_ids"} <= set(s.inputs.inputs)), None)
         catalog.max_input_len = _int(params, "max_input_len")
         limits = [_int(c.parameters, "max_seq_len") for n, c in configs.items() if n in configs[name].inputs.steps]

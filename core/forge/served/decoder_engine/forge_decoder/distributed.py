@@ -491,7 +491,7 @@ class Follower:
             try:  # a refusal (a slot or width check) happens on rank 0 too, which then sends gkeep
                 self.graphs.prefill(cmd.ids.to(device), s.pop("lengths"),
                                     embeds=None if cmd.embeds is None else cmd.embeds.to(device), **s)
-            except RuntimeError:
+            except Exception:  # noqa: BLE001 - whatever rank 0 catches around the same prefill (then gkeep)
                 pass
         elif cmd.op == "gkeep":
             self.graphs.keep(cmd.rows)
