@@ -55,6 +55,7 @@ def main() -> None:
         settings = group.broadcast().settings
         model = distributed.load_shard(settings["weights"], torch.device("cpu"), torch.float32, group)
         distributed.Follower(model, group).run()
+        group.close()  # as a served follower does: a process leaving its group up can abort at exit
         return
     whole = engine.load_model(weights, torch.device("cpu"), torch.float32)
     model, make_engine = distributed.lead(size, weights, torch.device("cpu"), torch.float32, 1)
