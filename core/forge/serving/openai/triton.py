@@ -11,10 +11,9 @@ from typing import Any, AsyncIterator, Mapping
 
 import numpy as np
 
-from ..client import ModelInputs, _grpc_message
+from ..client import STREAM_CLOSE_S, ModelInputs, _grpc_message
 from .protocol import APIError
 
-STREAM_CLOSE_S = 5.0  # how long a finished stream may take to be closed by the server before it is cancelled
 _STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503, "StatusCode.NOT_FOUND": 503,
            "StatusCode.CANCELLED": 499, "StatusCode.DEADLINE_EXCEEDED": 504, "StatusCode.RESOURCE_EXHAUSTED": 429}
 
