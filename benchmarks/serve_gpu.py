@@ -149,6 +149,7 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
     bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
     before, models_before = engine_counters(server, engine_model), model_durations(server)
+    processes = max(1, min(processes, concurrency))  # at most one process per client
     if processes > 1:
         samples = _in_processes(server.grpc_url, model, tokenizer.name_or_path, stream, items, concurrency, processes)
         wall = max(s.done for s in samples) - min(s.sent for s in samples)
@@ -170,15 +171,15 @@ def _target(url: str, model: str, tokenizer, stream: bool):
 
 def _in_processes(url: str, model: str, tokenizer_dir: str, stream: bool, items: list, concurrency: int,
                   processes: int) -> list:
-    """``items`` over ``processes`` client processes (``concurrency`` split between them), released together
-    once every one is ready; their samples (perf_counter is one clock for every process)."""
+    """``items`` over ``processes`` client processes (``concurrency`` split between them, the total kept),
+    released together once every one is ready; their samples (perf_counter is one clock for every process)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
     ready, results = context.Barrier(processes), context.Queue()
     workers = [context.Process(target=_client_process,
                                args=(url, model, tokenizer_dir, stream, items[i::processes],
-                                     max(1, concurrency // processes), ready, results))
+                                     concurrency // processes + (i < concurrency % processes), ready, results))
                for i in range(processes)]
     for worker in workers:
         worker.start()
