@@ -206,15 +206,9 @@ class TritonPythonModel:
         paged = _parameter(config, "paged_kv_cache", "auto")
         reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
         fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
-        eager_tp = tp > 1 and graphs_mod.mode_of("torch_compile", compiled) == "auto"
-        if eager_tp:  # measured on two H200s: rank 0's process-group teardown never ended after compiled steps
-            compiled = "false"
         if tp == 1 or graphs_mod.mode(graphs) == "true":  # tp > 1: every rank builds rank 0's decoder
             graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse,
                                             memory_fraction=fraction)
-            if eager_tp:
-                graphs = graphs.replace("(-o torch_compile=false)", "(-o torch_compile=auto stays eager at tp > 1, "
-                                        "where a compiled rank's teardown did not finish on GPUs; =true compiles)")
         elif "true" in (graphs_mod.mode_of("torch_compile", compiled), graphs_mod.mode_of("paged_kv_cache", paged)):
             raise ValueError("-o torch_compile=true / paged_kv_cache=true: tensor-parallel ranks decode through the "
                              "Hugging Face forward unless -o cuda_graphs=true")
@@ -228,7 +222,9 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self._metrics()
         # (request, sequence, update, progress) per sender thread; None: stop
-        senders = max(1, int(_parameter(config, "sender_threads", "") or SENDERS))
+        senders = int(_parameter(config, "sender_threads", "") or SENDERS)
+        if senders < 1:
+            raise ValueError(f"sender_threads is {senders}: at least one thread must send the responses")
         self.outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(senders)]
         self.turns = itertools.count()
         self.count_lock = threading.Lock()  # the metrics' local sums, shared by the senders

@@ -159,7 +159,10 @@ class Triton:
         # request (and the ensemble it ran: a later stop waits out its exit timeout for that model).
         try:
             await asyncio.wait_for(_closed(responses), STREAM_CLOSE_S)
-        except Exception:  # noqa: BLE001 - closing is best effort (a timeout, a lost connection)
+        except asyncio.CancelledError:  # the request's task is being cancelled: the stream goes with it
+            responses.cancel()
+            raise
+        except Exception:  # noqa: BLE001 - a timeout, a lost connection: closing is best effort
             responses.cancel()
 
 

@@ -382,7 +382,9 @@ class LeaderEngine(engine_mod.Engine):
             self.group.send(Command("stop"))
         except Exception:  # a follower already gone (the launcher is stopping every rank)
             pass
-        self.group.close()
+        if not self.group.close():
+            self.log(f"forge decoder: the process groups' teardown did not finish within {CLOSE_TIMEOUT_S:g} s; "
+                     "left to the process's exit")
         return True
 
 

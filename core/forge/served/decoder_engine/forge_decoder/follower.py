@@ -43,7 +43,9 @@ def main() -> int:
               file=sys.stderr, flush=True)
         return 1
     print(f"{prefix}: stopped after {follower.steps} steps", flush=True)
-    group.close()
+    if not group.close():
+        print(f"{prefix}: the process groups' teardown did not finish within {distributed.CLOSE_TIMEOUT_S:g} s",
+              file=sys.stderr, flush=True)
     return 0
 
 
