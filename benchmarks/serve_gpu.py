@@ -237,27 +237,32 @@ def per_request_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
 
 
 def timed_steps(engine, steps: int, warm: int = 3) -> float:
-    """ms per engine step over ``steps`` steps, after ``warm`` steps (the first decoding steps capture)."""
+    """ms per engine step over ``steps`` steps, after ``warm`` steps (the first decoding steps capture). The
+    device's ms per step (CUDA events; measured only through CUDA graphs) is left in ``engine.device_ms``."""
     import torch
 
     for _ in range(warm):
         engine.step()
     torch.cuda.synchronize()
+    device = engine.device_ns
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
+    engine.device_ms = (engine.device_ns - device) / steps / 1e6 if engine.timed else None
     return (time.perf_counter() - start) / steps * 1000
 
 
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
-                 forms=(("false", None, "false", "false"), ("true", "sdpa", "false", "false"),
-                        ("true", "sdpa", "auto", "false"), ("true", "sdpa", "false", "true"))) -> list[dict]:
+                 forms=(("false", None, "false", "false", "auto"), ("true", "sdpa", "false", "false", "auto"),
+                        ("true", "sdpa", "auto", "false", "auto"), ("true", "sdpa", "auto", "false", "false"),
+                        ("true", "sdpa", "false", "true", "auto"))) -> list[dict]:
     """Decode ms/step of forge's engine alone at each row count (prompts of 32 tokens), per step form:
     ``-o cuda_graphs=false`` (the Hugging Face forward) and ``true`` (CUDA graphs over the static KV cache)
     with an attention form of graphs.ATTENTION, its layers eager or compiled (``-o torch_compile``; the
     seconds ``use_graphs`` took, compiling included, are ``setup_s``), its KV cache static or paged
-    (``-o paged_kv_cache``)."""
+    (``-o paged_kv_cache``), each step launched before the last is read or one at a time (``-o overlap_steps``).
+    ``device_ms_per_step``: the GPU's time per step (CUDA events), where the steps are captured."""
     import torch
 
     from forge.served.decoder_engine.forge_decoder import graphs
@@ -268,12 +273,12 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     default = graphs.ATTENTION
     results = []
-    for mode, attention, compiled, paged in forms:
+    for mode, attention, compiled, paged, overlap in forms:
         graphs.ATTENTION = attention or default
         for rows in rows_list:
             engine = Engine(model, Limits(model.config.vocab_size, 512, 1024), max_rows=rows)
             setup = time.perf_counter()
-            chosen = engine.use_graphs(mode, compile=compiled, paged=paged)
+            chosen = engine.use_graphs(mode, compile=compiled, paged=paged, overlap=overlap)
             setup = time.perf_counter() - setup
             engine.submit([Sequence(GenerationRequest(list(range(100 + i, 132 + i)), steps + 8), lambda s, u: None)
                            for i in range(rows)])
@@ -281,12 +286,13 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
                 engine.step()  # prefill
                 ms = timed_steps(engine, steps)
             results.append({"cuda_graphs": mode, "attention": attention, "torch_compile": compiled,
-                            "paged_kv_cache": paged, "chosen": chosen,
+                            "paged_kv_cache": paged, "overlap_steps": overlap, "chosen": chosen,
                             "setup_s": round(setup, 1), "rows": rows, "ms_per_step": round(ms, 3),
+                            "device_ms_per_step": None if engine.device_ms is None else round(engine.device_ms, 3),
                             "tokens_per_s": round(rows / ms * 1000, 1)})
             print(f"  engine alone, cuda_graphs={mode} attention={attention} torch_compile={compiled} "
-                  f"paged_kv_cache={paged}, {rows} rows: "
-                  f"{ms:.3f} ms/step ({chosen}; set up in {setup:.1f} s)", flush=True)
+                  f"paged_kv_cache={paged} overlap_steps={overlap}, {rows} rows: "
+                  f"{ms:.3f} ms/step, device {engine.device_ms} ms ({chosen}; set up in {setup:.1f} s)", flush=True)
             del engine
     graphs.ATTENTION = default
     del model
@@ -635,6 +641,10 @@ def engine_share(before: dict, after: dict, wall_s: float) -> dict:
         extra = {"engine_queued_ms": round((after["queued_seconds"] - before["queued_seconds"]) / admitted * 1000, 3),
                  "engine_prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / busy, 3)
                  if busy else None}
+    if steps and "device_seconds" in after:  # CUDA graphs: the device's share of a step, and the wait for it
+        for kind in ("device", "wait"):
+            spent = after[f"{kind}_seconds"] - before.get(f"{kind}_seconds", 0.0)
+            extra[f"engine_{kind}_ms_per_step"] = round(spent / steps * 1000, 3)
     return {**extra, "engine_busy": round(busy / wall_s, 3),
             "engine_mean_rows": round((after["decoded_rows"] - before["decoded_rows"]) / steps, 1) if steps else None,
             "engine_ms_per_step": round(busy / steps * 1000, 3) if steps else None}
@@ -642,12 +652,14 @@ def engine_share(before: dict, after: dict, wall_s: float) -> dict:
 
 def served_share(entry: dict) -> list[dict]:
     """Served tok/s (non-streamed, default build) as a share of the engine alone's decode tok/s at the same
-    concurrency (the engine's default step form: CUDA graphs, static KV cache, torch.compile auto)."""
+    concurrency (the engine's default step form: CUDA graphs, static KV cache, torch.compile auto, steps
+    overlapped)."""
     from forge.served.decoder_engine.forge_decoder import graphs
 
     engine = {r["rows"]: r["tokens_per_s"] for r in entry.get("engine", [])
               if r["cuda_graphs"] == "true" and r["attention"] == graphs.ATTENTION
-              and r.get("torch_compile", "false") == "auto" and r.get("paged_kv_cache", "false") == "false"}
+              and r.get("torch_compile", "false") == "auto" and r.get("paged_kv_cache", "false") == "false"
+              and r.get("overlap_steps", "auto") == "auto"}
     shares = []
     for row in entry.get("rows", []):
         if row["server"] == "forge default build" and row["concurrency"] in engine and row["tokens_per_s"]:

@@ -383,3 +383,93 @@ def test_a_paged_cache_admits_what_it_can_hold_and_no_request_waits_forever(monk
     small.run_until_idle()
     assert failed[-1].reason == "error" and "may reach 33 tokens, more than the paged KV cache holds (5 blocks" \
         in failed[-1].error
+
+
+def _overlap_run(model, requests, overlap: str, *, late: int = 0, cancel_at: int | None = None, rows: int = 3):
+    """Run ``requests`` through a static-slot engine (``-o overlap_steps``); the last ``late`` join after four
+    steps; request 0 is cancelled after ``cancel_at`` steps. Returns (sequences, updates per sequence,
+    steps launched ahead)."""
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=rows, cancel_check_ms=0)  # checked every step
+    engine.use_graphs("auto", capture=False, overlap=overlap)
+    updates: dict[int, list] = {}
+    seqs = [Sequence(r, lambda s, u: updates.setdefault(id(s), []).append(u)) for r in requests]
+    ahead = 0
+    real = engine._decode_ahead
+
+    def counted():
+        nonlocal ahead
+        ahead += engine._ahead is not None  # a step launched while the one before is still unread
+        real()
+
+    engine._decode_ahead = counted
+    engine.submit(seqs[:len(seqs) - late])
+    with torch.inference_mode():
+        for step in range(4):
+            if cancel_at == step:
+                seqs[0].cancel()
+            engine.step()
+    engine.submit(seqs[len(seqs) - late:])
+    engine.run_until_idle()
+    assert engine._ahead is None and not engine._active
+    return seqs, [updates.get(id(s), []) for s in seqs], ahead
+
+
+def _same_updates(got: list[list], expected: list[list]) -> None:
+    """The same updates (tokens, ends, reasons; log-probabilities to float32 noise: a step of another row count)."""
+    assert [[(u.tokens, u.finished, u.reason, u.error) for u in row] for row in got] == \
+        [[(u.tokens, u.finished, u.reason, u.error) for u in row] for row in expected]
+    flat = [lp for row in got for u in row for lp in u.logprobs]
+    assert flat == pytest.approx([lp for row in expected for u in row for lp in u.logprobs], abs=1e-4)
+
+
+def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
+    """-o overlap_steps: each step launched before the host reads the one before it (its tokens gathered from
+    that step's picks on the device). Run eagerly here (=true): five rows through 3 slots joining late and leaving
+    early, one ended by its end_id and one by a stop word (found a step late: the step launched meanwhile is
+    dropped for them), one by its max_tokens (padding in the step after), a cancelled one, and a sampled row that
+    makes its steps run one at a time. Every sequence's updates equal the engine's without overlap, and the plain
+    rows' ids equal transformers."""
+    from forge.served.decoder_engine.forge_decoder.request import SamplingParams
+
+    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
+    model, reference = _model("llama"), _model("llama")
+    prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
+    lengths = [12, 5, 20, 9, 15]
+    plain = [_generate(reference, p, n) for p, n in zip(prompts, lengths)]
+    requests = [GenerationRequest(p, n) for p, n in zip(prompts, lengths)]
+    requests[1].end_id = plain[1][4]  # ends at that token (left out, as TensorRT-LLM does) when min_length allows
+    requests[2].stop_words = [plain[2][6:8]]  # ends with its eighth token
+    seqs, updates, ahead = _overlap_run(model, requests, "true", late=2)
+    base, base_updates, none_ahead = _overlap_run(model, [GenerationRequest(**vars(r)) for r in requests], "false",
+                                                  late=2)
+    assert ahead > 10 and none_ahead == 0
+    _same_updates(updates, base_updates)
+    assert [s.output for s in seqs] == [plain[0], seqs[1].output, plain[2][:8], plain[3], plain[4]]
+    assert 0 < len(seqs[1].output) < lengths[1]
+    assert [u[-1].reason for u in updates] == ["length", "end_id", "stop_words", "length", "length"]
+
+    # a cancelled row, and a sampled row beside plain ones (those steps one at a time, then overlapped again)
+    requests = [GenerationRequest(p, n) for p, n in zip(prompts, lengths)]
+    requests[3].sampling = SamplingParams(top_k=5, temperature=0.8, seed=11)
+    requests[3].max_new_tokens = 3
+    seqs, updates, ahead = _overlap_run(model, requests, "true", late=2, cancel_at=2)
+    _, base_updates, _ = _overlap_run(model, [GenerationRequest(**vars(r)) for r in requests], "false", late=2,
+                                      cancel_at=2)
+    assert ahead > 5
+    _same_updates(updates, base_updates)
+    assert updates[0][-1].reason == "cancelled" and len(seqs[0].output) < lengths[0]
+    assert [s.output for s in seqs[1:]] == [plain[1], plain[2], seqs[3].output, plain[4]]
+
+
+def test_overlapped_steps_need_static_slots_at_tp_1():
+    """-o overlap_steps=auto stays off where the steps are not captured (here: a CPU) and with a paged cache;
+    =true with a paged cache is an error saying why; a value outside auto/true/false is refused."""
+    model = _model("llama")
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
+    assert "overlapped" not in engine.use_graphs("auto", capture=False) and not engine.overlap
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
+    with pytest.raises(ValueError, match="overlap_steps=true: the KV cache is paged"):
+        engine.use_graphs("auto", capture=False, paged="true", blocks=80, overlap="true")
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
+    with pytest.raises(ValueError, match="overlap_steps='sometimes'"):
+        engine.use_graphs("auto", capture=False, overlap="sometimes")

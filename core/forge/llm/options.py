@@ -86,6 +86,11 @@ FORGE = (
            "sequences grow (auto: a static slot per row where that fits -o kv_cache_free_gpu_mem_fraction of the "
            "free GPU memory, default 0.5, else blocks; true: blocks; false: static slots)", "auto", PYTHON,
            choices=("auto", "true", "false")),
+    Option("overlap_steps", "choice", "python target: each decoding step launched before the host has read the one "
+           "before it, so the GPU never waits for the host (auto: where the steps are captured on a GPU with static "
+           "slots at tp 1, for steps whose rows are all plain greedy; true: that wherever the decoder has static slots at "
+           "tp 1, or fail to load; false: one step at a time)", "auto", PYTHON,
+           choices=("auto", "true", "false")),
 )
 
 # An option that names no target is read by the targets with the text models, not by hf-pipeline.

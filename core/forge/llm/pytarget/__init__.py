@@ -177,6 +177,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "cuda_graphs": ctx.option("cuda_graphs", "auto"),
         "torch_compile": ctx.option("torch_compile", "auto"),
         "paged_kv_cache": ctx.option("paged_kv_cache", "auto"),
+        "overlap_steps": ctx.option("overlap_steps", "auto"),
         "enable_kv_cache_reuse": bool(truthy(ctx.option("enable_kv_cache_reuse", False))),
         "kv_cache_free_gpu_mem_fraction": ctx.option("kv_cache_free_gpu_mem_fraction"),
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),

@@ -38,6 +38,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
 ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often while it has work
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds")
+DEVICE_COUNTERS = ("device_seconds", "wait_seconds")  # measured where the engine decodes through CUDA graphs
 
 
 def _parameter(config: dict, key: str, default: str = "") -> str:
@@ -208,7 +209,8 @@ class TritonPythonModel:
         fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
         if tp == 1 or graphs_mod.mode(graphs) == "true":  # tp > 1: every rank builds rank 0's decoder
             graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse,
-                                            memory_fraction=fraction)
+                                            memory_fraction=fraction,
+                                            overlap=_parameter(config, "overlap_steps", "auto"))
         elif "true" in (graphs_mod.mode_of("torch_compile", compiled), graphs_mod.mode_of("paged_kv_cache", paged)):
             raise ValueError("-o torch_compile=true / paged_kv_cache=true: tensor-parallel ranks decode through the "
                              "Hugging Face forward unless -o cuda_graphs=true")
@@ -270,10 +272,12 @@ class TritonPythonModel:
             name="forge_decoder_engine_total", description="the engine thread: seconds inside steps "
             "(kind=step_seconds) and prefills (kind=prefill_seconds), decoding steps (kind=decode_steps) and rows "
             "summed over them (kind=decoded_rows), sequences admitted (kind=admitted) and their seconds waited in "
-            "the engine's queue (kind=queued_seconds)", kind=pb_utils.MetricFamily.COUNTER)
+            "the engine's queue (kind=queued_seconds); with CUDA graphs on a GPU also the device's seconds in "
+            "decoding steps (kind=device_seconds) and the engine thread's seconds waiting for their tokens "
+            "(kind=wait_seconds)", kind=pb_utils.MetricFamily.COUNTER)
         labels = {"model": self.name}
-        self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind})
-                                for kind in ENGINE_COUNTERS}
+        kinds = ENGINE_COUNTERS + (DEVICE_COUNTERS if self.engine.timed else ())
+        self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind}) for kind in kinds}
         self.published_engine = {kind: 0.0 for kind in self.engine_counters}
         self.engine_published_at = 0.0
         self.unpublished_tokens = 0
@@ -306,9 +310,11 @@ class TritonPythonModel:
         engine = self.engine
         values = {"step_seconds": engine.step_ns / 1e9, "decode_steps": float(engine.decode_steps),
                   "decoded_rows": float(engine.decoded_rows), "prefill_seconds": engine.prefill_ns / 1e9,
-                  "admitted": float(engine.admitted), "queued_seconds": engine.queued_ns / 1e9}
-        for kind, value in values.items():
-            self.engine_counters[kind].increment(value - self.published_engine[kind])
+                  "admitted": float(engine.admitted), "queued_seconds": engine.queued_ns / 1e9,
+                  "device_seconds": engine.device_ns / 1e9, "wait_seconds": engine.wait_ns / 1e9}
+        for kind, counter in self.engine_counters.items():
+            value = values[kind]
+            counter.increment(value - self.published_engine[kind])
             self.published_engine[kind] = value
 
     def _send_loop(self, outbox: queue.SimpleQueue) -> None:

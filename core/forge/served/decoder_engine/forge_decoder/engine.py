@@ -71,6 +71,17 @@ class Sequence:
         self.cancelled = True
 
 
+@dataclass(eq=False)
+class _Ahead:
+    """A decoding step launched before the host read the one before it (``Engine.overlap``)."""
+
+    rows: list[Sequence]  # its rows in slot order
+    padding: set[int]  # rows decoded as padding: their sequences end with the step before (or were cancelled)
+    picks: torch.Tensor  # the device's [rows, 2] picks, what the next step's tokens are gathered from
+    host: torch.Tensor  # ... copied to pinned memory
+    events: tuple | None  # (launched, done) CUDA events (None on a CPU)
+
+
 def choose_device(name: str = "auto") -> torch.device:
     if name in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -190,13 +201,26 @@ class Engine:
         self.prefill_ns = 0  # time inside prefills (part of step_ns)
         self.admitted = 0  # sequences admitted, and their waits from submit to admission summed:
         self.queued_ns = 0  # queued_ns / admitted is the mean wait in the engine's queue
+        # Decoding steps through CUDA graphs on a GPU only (``timed``): the device's time in them (CUDA events)
+        # and the engine thread's wait for their tokens (the device's time after the launch, and the GIL taken back)
+        self.device_ns = 0
+        self.wait_ns = 0
+        self._events: tuple | None = None
+        # Decoding steps launched one ahead (use_graphs' ``overlap``): while the device runs a step, the host reads
+        # the one before and reports its tokens, so the device never waits for the host (nor for another thread
+        # holding the GIL). Plain greedy rows only; anything else runs one step at a time.
+        self.overlap = False
+        self._ahead: _Ahead | None = None
+        self._buffers: list = []  # two (staging, host picks, events) sets the launched steps alternate
+        self._turn = 0
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
         self.admit_wait_ns = int(ADMIT_WAIT_S * 1e9) if self.device.type == "cuda" else 0  # see ADMIT_SHARE
         self.reduce = None  # a tensor-parallel rank's all-reduce, for the CUDA-graph decoder (distributed.py)
 
     def use_graphs(self, mode: str = "auto", *, capture: bool = True, compile: str = "auto", paged: str = "auto",
-                   reuse: bool = False, memory_fraction: float | None = None, blocks: int | None = None) -> str:
+                   reuse: bool = False, memory_fraction: float | None = None, blocks: int | None = None,
+                   overlap: str = "auto") -> str:
         """Decode through ``graphs.GraphDecoder`` (``-o cuda_graphs``); returns what was chosen, for the log.
 
         ``auto``: on a GPU where the model allows it (a Llama-style or GPT-2 model, its KV cache for every row at
@@ -207,9 +231,13 @@ class Engine:
         where that fits ``memory_fraction`` of the free GPU memory (``-o kv_cache_free_gpu_mem_fraction``,
         default 0.5) and takes blocks of a pool sized by that memory otherwise; ``true`` always blocks,
         ``false`` never. ``reuse`` (``-o enable_kv_cache_reuse``) shares full prompt blocks between sequences:
-        blocks. ``blocks``: the pool's size instead of the memory's (tests). Call before ``start`` and after
-        ``lora``.
+        blocks. ``blocks``: the pool's size instead of the memory's (tests). ``overlap`` (``-o overlap_steps``):
+        ``auto`` launches each decoding step before the host has read the last one where the steps are captured
+        on a GPU with static slots at tp 1; ``true``: wherever the decoder has static slots at tp 1 (eagerly on a
+        CPU: what the tests check), or an error; ``false``: never (see ``overlap``). Call before ``start`` and
+        after ``lora``.
         """
+        overlap = graphs.mode_of("overlap_steps", overlap)
         mode = graphs.mode(mode)
         compile = graphs.mode_of("torch_compile", compile)
         paged = graphs.mode_of("paged_kv_cache", paged)
@@ -237,9 +265,28 @@ class Engine:
         self.graphs = graphs.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture,
                                          paged=layout, reduce=self.reduce)
         self.graphs.log = self.log
+        if self.graphs.capture:
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         compiled = self.graphs.use_compile(compile)
-        return (f"on ({self.graphs.cache.describe()}; torch.compile {compiled})" if self.graphs.capture
+        self._use_overlap(overlap)
+        overlapped = "; steps overlapped" if self.overlap else ""
+        return (f"on ({self.graphs.cache.describe()}; torch.compile {compiled}{overlapped})" if self.graphs.capture
                 else f"{self.graphs.cache.describe()}, eager (no capture; torch.compile {compiled})")
+
+    def _use_overlap(self, mode: str) -> None:
+        """``use_graphs``' ``overlap``: on, off or the reason it cannot be."""
+        reason = ("the KV cache is paged" if self.graphs.cache.paged
+                  else "the ranks of tensor parallelism step together" if self.reduce is not None else None)
+        if mode == "true" and reason:
+            raise ValueError(f"-o overlap_steps=true: {reason}")
+        self.overlap = mode == "true" or (mode == "auto" and self.graphs.capture and reason is None)
+        if self.overlap:
+            gpu = self.graphs.capture
+            self._buffers = [(torch.zeros((2, self.max_rows), dtype=torch.long, pin_memory=gpu),
+                              torch.zeros((self.max_rows, 2), dtype=torch.float32, pin_memory=gpu),
+                              (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                              if gpu else None)
+                             for _ in range(2)]
 
     def _layout(self, paged: str, reuse: bool, fraction: float | None,
                 blocks: int | None) -> tuple[dict | None, str | None]:
@@ -295,6 +342,11 @@ class Engine:
             self._cond.notify_all()
 
     @property
+    def timed(self) -> bool:
+        """Whether ``device_ns`` and ``wait_ns`` are measured (CUDA graphs on a GPU)."""
+        return self._events is not None
+
+    @property
     def busy(self) -> int:
         """Sequences waiting or running (a finished one still in the batch until the step ends is not)."""
         return len(self._pending) + sum(not s.finished for s in list(self._active))
@@ -321,6 +373,7 @@ class Engine:
         self._check_cancelled()
         admitted = self._admit()
         if admitted:
+            self._settle()  # the step in flight reports first: a prefill reads back its own tokens at once
             now = time.time_ns()
             self.admitted += len(admitted)
             self.queued_ns += sum(now - s.arrival_ns for s in admitted)
@@ -330,6 +383,8 @@ class Engine:
             self.decoded_rows += len(self._active)
             self.decode_steps += 1
             self._decode()
+        if not self._active:
+            self._settle()
         self.steps += 1
         self.step_ns += time.perf_counter_ns() - started
 
@@ -376,6 +431,7 @@ class Engine:
             for seq in gone:
                 self._finish(seq, Update([], [], [], True, "cancelled"))
         if any(s.cancelled for s in self._active):
+            self._settle()  # what the step in flight made for them is reported first, as without overlap
             for seq in self._active:
                 if seq.cancelled:
                     self._finish(seq, Update([], [], [], True, "cancelled"))
@@ -535,23 +591,95 @@ class Engine:
         for seq in admitted:
             self._finish(seq, Update([], [], [], True, "error", f"generation failed: {exc}"))
 
+    def _overlappable(self) -> bool:
+        """Whether this step may be launched before the host reads the last one: every row's token is the argmax
+        the graph picks, nothing else is read back from the step (no generation logits), no adapter runs."""
+        return self.overlap and all(sampling.plain_greedy(s) and not s.request.return_generation_logits
+                                    and (self.lora is None or s.request.lora is None) for s in self._active)
+
     def _decode(self) -> None:
+        if self._overlappable():
+            self._decode_ahead()
+            return
+        self._settle()
         if self.graphs is not None:
             adapters = self.lora is not None and any(s.request.lora is not None for s in self._active)
             if adapters:  # this step runs eagerly through the modules, whose hooks add each row's adapter
                 self.lora.select([s.request.lora for s in self._active])
             elif self.lora is not None:  # no adapter: hooks a capture runs through must add nothing
                 self.lora.select(None)
+            events = self._events
+            if events:
+                events[0].record()
             logits = self.graphs.step([s.tokens[-1] for s in self._active], [len(s.tokens) - 1 for s in self._active],
                                       modules=adapters)
-            plain = all(sampling.plain_greedy(s) for s in self._active)  # the graph picked their tokens already
-            self._advance(logits, self._active, self.graphs.greedy(len(self._active)) if plain else None)
+            if events:
+                events[1].record()
+            chosen = None
+            if all(sampling.plain_greedy(s) for s in self._active):  # the graph picked their tokens already
+                waited = time.perf_counter_ns()
+                chosen = self.graphs.greedy(len(self._active))
+                self.wait_ns += time.perf_counter_ns() - waited
+            self._advance(logits, self._active, chosen)
+            if events:
+                events[1].synchronize()  # done already: the tokens were read
+                self.device_ns += int(events[0].elapsed_time(events[1]) * 1e6)
             return
         ids = torch.tensor([[s.tokens[-1]] for s in self._active], dtype=torch.long, device=self.device)
         mask = self._batch.extend_mask()
         positions = (mask.sum(-1, keepdim=True) - 1)
         logits = self._forward(ids, mask, positions, self._batch.cache, rows=self._active)
         self._advance(logits[:, -1, :], self._active)
+
+    def _decode_ahead(self) -> None:
+        """Launch this step, then read and report the one launched before it (if any) while the device runs it.
+
+        The step's tokens are the last step's picks, gathered on the device (``GraphDecoder.step_after``); a row
+        the last step ends (its max_new_tokens reached, or cancelled) is padding in it. A row the last step ends
+        by its end_id or a stop word is found only when that step is read: this step's token for it is dropped.
+        """
+        prev, rows, padding = self._ahead, list(self._active), set()
+        staging, host, events = self._buffers[self._turn]
+        self._turn ^= 1
+        if self.lora is not None:
+            self.lora.select(None)
+        if events:
+            events[0].record()
+        if prev is None:
+            self.graphs.step([s.tokens[-1] for s in rows], [len(s.tokens) - 1 for s in rows])
+        else:
+            index = {id(seq): i for i, seq in enumerate(prev.rows)}
+            spare = self.graphs.spare
+            padding = {i for i, seq in enumerate(rows)
+                       if seq.cancelled or seq.generated + 1 >= seq.request.max_new_tokens}
+            self.graphs.step_after(prev.picks, [index[id(seq)] for seq in rows],
+                                   [spare if i in padding else len(seq.tokens) for i, seq in enumerate(rows)], staging)
+        picks = self.graphs.picks
+        host[:len(rows)].copy_(picks[:len(rows)], non_blocking=True)
+        if events:
+            events[1].record()
+        self._ahead = _Ahead(rows, padding, picks, host, events)
+        if prev is not None:
+            self._report(prev)
+
+    def _settle(self) -> None:
+        """Read and report the step in flight, if any (before a step that reads its own tokens back)."""
+        if self._ahead is not None:
+            prev, self._ahead = self._ahead, None
+            self._report(prev)
+
+    def _report(self, launched: _Ahead) -> None:
+        """Wait for a launched step (without the GIL) and report its tokens."""
+        if launched.events:
+            waited = time.perf_counter_ns()
+            launched.events[1].synchronize()
+            self.wait_ns += time.perf_counter_ns() - waited
+            self.device_ns += int(launched.events[0].elapsed_time(launched.events[1]) * 1e6)
+        picks = launched.host.numpy()[:len(launched.rows)].tolist()
+        live = [(i, seq) for i, seq in enumerate(launched.rows) if not seq.finished and i not in launched.padding]
+        if live:
+            self._advance(None, [seq for _, seq in live],
+                          ([int(picks[i][0]) for i, _ in live], [picks[i][1] for i, _ in live]))
 
     def _advance(self, logits: torch.Tensor, rows: list[Sequence],
                  chosen: tuple[list[int], list[float]] | None = None) -> None:
@@ -561,7 +689,7 @@ class Engine:
             tokens, logprobs = sampling.choose(guided.mask(logits, [s.matcher for s in rows]), rows)
         else:
             tokens, logprobs = chosen or sampling.choose(logits, rows)
-        want_logits = any(s.request.return_generation_logits for s in rows)
+        want_logits = logits is not None and any(s.request.return_generation_logits for s in rows)
         raw = logits.float().cpu().numpy() if want_logits else None
         now = time.time_ns()
         for i, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
@@ -632,6 +760,6 @@ class Engine:
                 self._pending.clear()
         for seq in victims:
             self._finish(seq, Update([], [], [], True, "error", message))
-        self._active, self._batch = [], None
+        self._active, self._batch, self._ahead = [], None, None
         if self.graphs is not None:
             self.graphs.reset()

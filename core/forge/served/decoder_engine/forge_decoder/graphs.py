@@ -453,20 +453,7 @@ class GraphDecoder:
         argmax of each row and its log-probability). ``modules``: run eagerly through the model's own
         projection modules, so forward hooks (LoRA adapters) apply to this step."""
         n = len(tokens)
-        rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
-        need = max(positions) + 1
-        if need > self.max_len:
-            raise RuntimeError(f"position {need - 1} is past the {self.max_len} columns of the cache")
-        columns = FIRST_COLUMNS
-        while columns < need:
-            columns *= 2
-        columns = min(columns, self.max_len)
-        self.filled = max(self.filled, need)
-        for slot, position in enumerate(positions):
-            self.cache.grow(slot, position)
-        self.cache.sync()
-        if self.capture and not modules and (rows, columns) not in self.graphs:
-            self._capture(rows, columns)
+        rows, columns = self._bucket(n, positions, modules)
         self.staging[0, :n] = torch.as_tensor(tokens)
         self.staging[1, :n] = torch.as_tensor(positions)
         self.staging[0, n:rows] = 0
@@ -478,6 +465,45 @@ class GraphDecoder:
         graph, logits, self.picks = self.graphs[(rows, columns)]
         graph.replay()
         return logits[:n]
+
+    def step_after(self, picks: torch.Tensor, sources: list[int], positions: list[int], staging: torch.Tensor) -> None:
+        """A step launched before the host has read the last one: row i's token is ``picks[sources[i], 0]`` (the
+        last step's picks, still on the device) at ``positions[i]`` (``spare``: a row whose sequence ends with
+        the last step, decoded as padding). ``staging``: a pinned [2, rows] buffer no copy still in flight reads
+        (the caller alternates two). ``self.picks`` is this step's."""
+        n = len(sources)
+        rows, columns = self._bucket(n, positions, False)
+        view = staging.numpy()  # plain numpy writes: no torch call gives the GIL away mid-launch
+        view[0, :n] = sources
+        view[1, :n] = positions
+        view[0, n:rows] = 0
+        view[1, n:rows] = self.spare
+        self.inputs[:, :rows].copy_(staging[:, :rows], non_blocking=True)
+        self.inputs[0, :rows].copy_(picks[:, 0].index_select(0, self.inputs[0, :rows]))
+        if not self.capture:
+            _logits, self.picks = self._forward(rows, columns)
+            return
+        graph, _logits, self.picks = self.graphs[(rows, columns)]
+        graph.replay()
+
+    def _bucket(self, n: int, positions: list[int], modules: bool) -> tuple[int, int]:
+        """The captured (rows, columns) a step of ``n`` rows at ``positions`` runs as (captured now if new)."""
+        rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
+        need = max((p for p in positions if p != self.spare), default=0) + 1
+        if need > self.max_len:
+            raise RuntimeError(f"position {need - 1} is past the {self.max_len} columns of the cache")
+        columns = FIRST_COLUMNS
+        while columns < need:
+            columns *= 2
+        columns = min(columns, self.max_len)
+        self.filled = max(self.filled, need)
+        for slot, position in enumerate(positions):
+            if position != self.spare:
+                self.cache.grow(slot, position)
+        self.cache.sync()
+        if self.capture and not modules and (rows, columns) not in self.graphs:
+            self._capture(rows, columns)
+        return rows, columns
 
     def greedy(self, n: int) -> tuple[list[int], list[float]]:
         """The last step's argmax token of each of the first ``n`` rows and its log-probability."""
