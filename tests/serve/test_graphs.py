@@ -428,7 +428,7 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     early, one ended by its end_id and one by a stop word (found a step late: the step launched meanwhile is
     dropped for them), one by its max_tokens (padding in the step after), a cancelled one, and a sampled row that
     makes its steps run one at a time. Every sequence's updates equal the engine's without overlap, and the plain
-    rows' ids equal transformers."""
+    rows' ids equal transformers. Steps with a streaming row run one at a time."""
     from forge.served.decoder_engine.forge_decoder.request import SamplingParams
 
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
@@ -459,6 +459,11 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     _same_updates(updates, base_updates)
     assert updates[0][-1].reason == "cancelled" and len(seqs[0].output) < lengths[0]
     assert [s.output for s in seqs[1:]] == [plain[1], plain[2], seqs[3].output, plain[4]]
+
+    # a streaming row: every step one at a time (the host is the bottleneck there), the same tokens
+    requests = [GenerationRequest(p, n, streaming=True) for p, n in zip(prompts[:2], lengths[:2])]
+    seqs, updates, ahead = _overlap_run(model, requests, "true")
+    assert ahead == 0 and [s.output for s in seqs] == plain[:2]
 
 
 def test_overlapped_steps_need_static_slots_at_tp_1():
