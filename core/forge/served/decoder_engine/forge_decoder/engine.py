@@ -630,8 +630,8 @@ class Engine:
             self._prefill_failed(admitted, exc)
             return
         self._active.extend(admitted)
-        picks = self.graphs.picks[:len(admitted)].clone()  # out of the graphs' pool, as in _decode_ahead
-        host[:len(admitted)].copy_(picks, non_blocking=True)
+        picks = self.graphs.picks
+        host[:len(admitted)].copy_(picks[:len(admitted)], non_blocking=True)
         if events:
             events[1].record()
         self._fresh = _Ahead(admitted, set(), picks, host, events, prefill=True)
@@ -720,8 +720,7 @@ class Engine:
                        if seq.cancelled or seq.generated + 1 >= seq.request.max_new_tokens}
             self.graphs.step_after(picks, [index[id(seq)] for seq in rows],
                                    [spare if i in padding else len(seq.tokens) for i, seq in enumerate(rows)], staging)
-        # out of the graphs' shared memory pool: a prefill graph replayed before the next step may reuse it
-        picks = self.graphs.picks.clone()
+        picks = self.graphs.picks
         host[:len(rows)].copy_(picks[:len(rows)], non_blocking=True)
         if events:
             events[1].record()
