@@ -394,18 +394,14 @@ def _overlap_run(model, requests, overlap: str, *, late: int = 0, cancel_at: int
     updates: dict[int, list] = {}
     seqs = [Sequence(r, lambda s, u: updates.setdefault(id(s), []).append(u)) for r in requests]
     ahead = 0
-    real, real_prefill = engine._decode_ahead, engine._prefill_ahead
+    real = engine._decode_ahead
 
     def counted():
         nonlocal ahead
         ahead += engine._ahead is not None  # a step launched while the one before is still unread
         real()
 
-    def prefilled(admitted):
-        engine.prefilled_ahead += len(admitted)  # prompts prefilled behind the step in flight
-        real_prefill(admitted)
-
-    engine._decode_ahead, engine._prefill_ahead, engine.prefilled_ahead = counted, prefilled, 0
+    engine._decode_ahead = counted
     engine.submit(seqs[:len(seqs) - late])
     with torch.inference_mode():
         for step in range(4):
@@ -414,8 +410,7 @@ def _overlap_run(model, requests, overlap: str, *, late: int = 0, cancel_at: int
             engine.step()
     engine.submit(seqs[len(seqs) - late:])
     engine.run_until_idle()
-    assert engine._ahead is None and engine._fresh is None and not engine._active
-    _overlap_run.prefilled_ahead = engine.prefilled_ahead
+    assert engine._ahead is None and not engine._active
     return seqs, [updates.get(id(s), []) for s in seqs], ahead
 
 
@@ -431,8 +426,7 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     """-o overlap_steps: each step launched before the host reads the one before it (its tokens gathered from
     that step's picks on the device). Run eagerly here (=true): five rows through 3 slots joining late and leaving
     early, one ended by its end_id and one by a stop word (found a step late: the step launched meanwhile is
-    dropped for them), one by its max_tokens (padding in the step after), late ones prefilled behind the step in
-    flight (one's end_id banned from its first pick by min_length), a cancelled one, and a sampled row that
+    dropped for them), one by its max_tokens (padding in the step after), a cancelled one, and a sampled row that
     makes its steps run one at a time. Every sequence's updates equal the engine's without overlap, and the plain
     rows' ids equal transformers. Steps with a streaming row run one at a time."""
     from forge.served.decoder_engine.forge_decoder.request import SamplingParams
@@ -445,16 +439,14 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     requests = [GenerationRequest(p, n) for p, n in zip(prompts, lengths)]
     requests[1].end_id = plain[1][4]  # ends at that token (left out, as TensorRT-LLM does) when min_length allows
     requests[2].stop_words = [plain[2][6:8]]  # ends with its eighth token
-    requests[4].end_id = plain[4][0]  # joins behind a step in flight: its first pick bans its end_id (min_length)
     seqs, updates, ahead = _overlap_run(model, requests, "true", late=2)
-    assert _overlap_run.prefilled_ahead == 2  # the two late prompts
     base, base_updates, none_ahead = _overlap_run(model, [GenerationRequest(**vars(r)) for r in requests], "false",
                                                   late=2)
     assert ahead > 10 and none_ahead == 0
     _same_updates(updates, base_updates)
-    assert [s.output for s in seqs[:4]] == [plain[0], seqs[1].output, plain[2][:8], plain[3]]
-    assert 0 < len(seqs[1].output) < lengths[1] and seqs[4].output[0] != plain[4][0]
-    assert [u[-1].reason for u in updates][:4] == ["length", "end_id", "stop_words", "length"]
+    assert [s.output for s in seqs] == [plain[0], seqs[1].output, plain[2][:8], plain[3], plain[4]]
+    assert 0 < len(seqs[1].output) < lengths[1]
+    assert [u[-1].reason for u in updates] == ["length", "end_id", "stop_words", "length", "length"]
 
     # a cancelled row, and a sampled row beside plain ones (those steps one at a time, then overlapped again)
     requests = [GenerationRequest(p, n) for p, n in zip(prompts, lengths)]

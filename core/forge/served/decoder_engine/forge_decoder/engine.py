@@ -80,7 +80,6 @@ class _Ahead:
     picks: torch.Tensor  # the device's [rows, 2] picks, what the next step's tokens are gathered from
     host: torch.Tensor  # ... copied to pinned memory
     events: tuple | None  # (launched, done) CUDA events (None on a CPU)
-    prefill: bool = False  # the prefill of admitted rows (their first tokens), not a decoding step
 
 
 def choose_device(name: str = "auto") -> torch.device:
@@ -214,9 +213,7 @@ class Engine:
         # holding the GIL). Plain greedy rows only; anything else runs one step at a time.
         self.overlap = False
         self._ahead: _Ahead | None = None
-        self._buffers: list = []  # two (staging, host picks, events) sets the launched steps alternate, and a
-        # third (host picks, events) for a prefill launched ahead (``_fresh``, read in the same iteration)
-        self._fresh: _Ahead | None = None
+        self._buffers: list = []  # two (staging, host picks, events) sets the launched steps alternate
         self._turn = 0
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
@@ -291,7 +288,7 @@ class Engine:
                               torch.zeros((self.max_rows, 2), dtype=torch.float32, pin_memory=gpu),
                               (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                               if gpu else None)
-                             for _ in range(3)]
+                             for _ in range(2)]
 
     def _layout(self, paged: str, reuse: bool, fraction: float | None,
                 blocks: int | None) -> tuple[dict | None, str | None]:
@@ -378,16 +375,11 @@ class Engine:
         self._check_cancelled()
         admitted = self._admit()
         if admitted:
-            ahead = self._admits_ahead(admitted)
-            if not ahead:  # the step in flight reports first: this prefill reads back its own tokens at once
-                self._settle()
+            self._settle()  # the step in flight reports first: a prefill reads back its own tokens at once
             now = time.time_ns()
             self.admitted += len(admitted)
             self.queued_ns += sum(now - s.arrival_ns for s in admitted)
-            if ahead:
-                self._prefill_ahead(admitted)
-            else:
-                self._prefill(admitted)
+            self._prefill(admitted)
             self.prefill_ns += time.perf_counter_ns() - started
         if self._active:
             self.decoded_rows += len(self._active)
@@ -596,46 +588,6 @@ class Engine:
         plain = all(sampling.plain_greedy(s) for s in admitted)
         self._advance(logits, admitted, self.graphs.greedy(len(admitted)) if plain else None)
 
-    def _admits_ahead(self, admitted: list[Sequence]) -> bool:
-        """Whether these sequences' prefill may be launched behind the step in flight, their first tokens picked
-        on the device: the step in flight is overlapped, and each is a plain prompt (ids of the vocabulary, no
-        adapter, no context logits) whose first token is the argmax, its end_id banned while min_length asks."""
-        if self._ahead is None:
-            return False
-        vocab = self.graphs.embed.weight.shape[0]
-        return all(sampling.argmax_with_bans(s) and self._overlaps(s) and not s.request.return_context_logits
-                   and s.request.prompt_table is None and max(s.tokens) < vocab for s in admitted)
-
-    def _prefill_ahead(self, admitted: list[Sequence]) -> None:
-        """The admitted prompts' prefill launched behind the step in flight, without waiting for it: their first
-        tokens are picked on the device (``_fresh``), the next step takes them from there, and the host reads
-        them with the step in flight (``_decode_ahead``)."""
-        lengths = [len(s.tokens) for s in admitted]
-        ids = np.zeros((len(admitted), max(lengths)), dtype=np.int64)
-        for i, seq in enumerate(admitted):
-            ids[i, :lengths[i]] = seq.tokens
-        host, events = self._buffers[2][1:]
-        if events:
-            events[0].record()
-        try:
-            logits = self.graphs.prefill(graphs.upload(torch.from_numpy(ids), self.device), lengths,
-                                         needs=[self._need(s) for s in admitted])
-            banned = [(i, s.request.end_id) for i, s in enumerate(admitted) if sampling.bans_end_id(s)]
-            if banned:  # min_length: as sampling.process does, the end_id is no candidate yet
-                rows, ends = graphs.upload(torch.tensor(banned).T.contiguous(), self.device)
-                logits = logits.float()
-                logits[rows, ends] = sampling.NEG_INF
-                self.graphs.picks = self.graphs._picks(logits)[1]
-        except Exception as exc:
-            self._prefill_failed(admitted, exc)
-            return
-        self._active.extend(admitted)
-        picks = self.graphs.picks
-        host[:len(admitted)].copy_(picks[:len(admitted)], non_blocking=True)
-        if events:
-            events[1].record()
-        self._fresh = _Ahead(admitted, set(), picks, host, events, prefill=True)
-
     def _prefill_failed(self, admitted: list[Sequence], exc: Exception) -> None:
         self.log(f"forge decoder prefill failed: {traceback.format_exc()}")
         for seq in admitted:
@@ -647,17 +599,9 @@ class Engine:
         row streams. A streaming row sends a response per token, which keeps the host, not the device, the
         bottleneck: there overlap gained nothing and took time to first token from 14 to 25 ms (H100, SmolLM2
         shape, streamed c=16: 2 055 tok/s overlapped, 2 109 one step at a time)."""
-        if not self.overlap:
-            return False
-        lag = int(self._ahead is not None)  # then every running row has a token in flight: one more generated
-        return all(sampling.argmax_with_bans(s) and self._overlaps(s)
-                   and not (s.request.end_id is not None and s.generated + lag < s.request.sampling.min_length)
-                   for s in self._active)
-
-    def _overlaps(self, seq: Sequence) -> bool:
-        """The rest of ``_overlappable``'s rule for one row, beside its token being the argmax."""
-        req = seq.request
-        return not req.return_generation_logits and not req.streaming and (self.lora is None or req.lora is None)
+        return self.overlap and all(sampling.plain_greedy(s) and not s.request.return_generation_logits
+                                    and not s.request.streaming
+                                    and (self.lora is None or s.request.lora is None) for s in self._active)
 
     def _decode(self) -> None:
         if self._overlappable():
@@ -700,8 +644,7 @@ class Engine:
         the last step ends (its max_new_tokens reached, or cancelled) is padding in it. A row the last step ends
         by its end_id or a stop word is found only when that step is read: this step's token for it is dropped.
         """
-        prev, fresh, rows, padding = self._ahead, self._fresh, list(self._active), set()
-        self._fresh = None
+        prev, rows, padding = self._ahead, list(self._active), set()
         staging, host, events = self._buffers[self._turn]
         self._turn ^= 1
         if self.lora is not None:
@@ -711,31 +654,25 @@ class Engine:
         if prev is None:
             self.graphs.step([s.tokens[-1] for s in rows], [len(s.tokens) - 1 for s in rows])
         else:
-            index, picks = {id(seq): i for i, seq in enumerate(prev.rows)}, prev.picks
-            if fresh is not None:  # rows admitted behind the step in flight: their first tokens follow its picks
-                index.update((id(seq), len(picks) + i) for i, seq in enumerate(fresh.rows))
-                picks = torch.cat([picks, fresh.picks])
+            index = {id(seq): i for i, seq in enumerate(prev.rows)}
             spare = self.graphs.spare
             padding = {i for i, seq in enumerate(rows)
                        if seq.cancelled or seq.generated + 1 >= seq.request.max_new_tokens}
-            self.graphs.step_after(picks, [index[id(seq)] for seq in rows],
+            self.graphs.step_after(prev.picks, [index[id(seq)] for seq in rows],
                                    [spare if i in padding else len(seq.tokens) for i, seq in enumerate(rows)], staging)
         picks = self.graphs.picks
         host[:len(rows)].copy_(picks[:len(rows)], non_blocking=True)
         if events:
             events[1].record()
         self._ahead = _Ahead(rows, padding, picks, host, events)
-        for launched in (prev, fresh):
-            if launched is not None:
-                self._report(launched)
+        if prev is not None:
+            self._report(prev)
 
     def _settle(self) -> None:
         """Read and report the step in flight, if any (before a step that reads its own tokens back)."""
-        launched = [self._ahead, self._fresh]
-        self._ahead = self._fresh = None
-        for step in launched:
-            if step is not None:
-                self._report(step)
+        if self._ahead is not None:
+            prev, self._ahead = self._ahead, None
+            self._report(prev)
 
     def _report(self, launched: _Ahead) -> None:
         """Wait for a launched step (without the GIL) and report its tokens."""
@@ -743,8 +680,7 @@ class Engine:
             waited = time.perf_counter_ns()
             launched.events[1].synchronize()
             self.wait_ns += time.perf_counter_ns() - waited
-            if not launched.prefill:
-                self.device_ns += int(launched.events[0].elapsed_time(launched.events[1]) * 1e6)
+            self.device_ns += int(launched.events[0].elapsed_time(launched.events[1]) * 1e6)
         picks = launched.host.numpy()[:len(launched.rows)].tolist()
         live = [(i, seq) for i, seq in enumerate(launched.rows) if not seq.finished and i not in launched.padding]
         if live:
@@ -830,6 +766,6 @@ class Engine:
                 self._pending.clear()
         for seq in victims:
             self._finish(seq, Update([], [], [], True, "error", message))
-        self._active, self._batch, self._ahead, self._fresh = [], None, None, None
+        self._active, self._batch, self._ahead = [], None, None
         if self.graphs is not None:
             self.graphs.reset()

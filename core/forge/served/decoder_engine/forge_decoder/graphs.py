@@ -181,14 +181,6 @@ def block_bytes(model, block: int) -> int:
                                    next(model.parameters()).element_size())
 
 
-def upload(data: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without waiting for the work queued before it (a plain copy to a GPU waits
-    for the stream: for a step in flight, when overlapped)."""
-    if device.type != "cuda":
-        return data.to(device)
-    return data.pin_memory().to(device, non_blocking=True)
-
-
 def decoder_for(model, rows: int, max_len: int, *, capture: bool = True, paged: dict | None = None,
                 reduce=None) -> "GraphDecoder":
     """The decoder for ``model``'s architecture; ``paged``: ``dict(block=, blocks=, reuse=)`` for a paged KV cache
@@ -379,7 +371,7 @@ class GraphDecoder:
                       embeds: torch.Tensor | None = None, all_logits: bool = False,
                       modules: bool = False) -> torch.Tensor:
         """Prompts from position 0 into ``slots``: a captured bucket's replay, or eagerly."""
-        last = upload(torch.tensor([length - 1 for length in lengths]), self.device)
+        last = torch.tensor([length - 1 for length in lengths], device=self.device)
         bucket = self._prefill_bucket(*ids.shape)
         if bucket is not None and embeds is None and not all_logits and not modules:
             return self._replay_prefill(bucket, ids, slots, last)

@@ -54,19 +54,6 @@ def plain_greedy(row: Row) -> bool:
             and getattr(row, "matcher", None) is None)
 
 
-def argmax_with_bans(row: Row) -> bool:
-    """Whether the row's next token is the argmax of its raw logits once its end_id is banned while min_length
-    asks for more (no other processing applies): what a prefill launched ahead picks on the device."""
-    req, s = row.request, row.request.sampling
-    return (s.greedy and row.bias is None and not req.bad_words and not s.penalised and s.top_p_decay == 1.0
-            and s.top_p_reset_id is None and getattr(row, "matcher", None) is None)
-
-
-def bans_end_id(row: Row) -> bool:
-    """Whether ``process`` bans the row's end_id now (min_length not reached)."""
-    return row.request.end_id is not None and row.generated < row.request.sampling.min_length
-
-
 def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """Apply bias, bad words, min length, penalties and temperature; return float32 logits."""
     logits = logits.float()
