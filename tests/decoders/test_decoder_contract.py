@@ -134,3 +134,22 @@ def test_sender_threads_reach_the_served_model_and_zero_is_refused(tiny_gpt2, tm
         assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      "-o", f"sender_threads={bad}"]) != 0
         assert "sender_threads" in capsys.readouterr().err and not out.exists()
+
+
+def test_overlap_steps_reach_the_served_model_and_what_cannot_overlap_is_refused(tiny_gpt2, tmp_path, capsys):
+    """-o overlap_steps: auto by default, the choice in the model's parameters; =true with a paged cache, at
+    --tp 2 or with -o cuda_graphs=false, and a value outside auto/true/false, are refused before anything is
+    written."""
+    from forge import tritonconfig
+
+    for args, expected in (([], "auto"), (["-o", "overlap_steps=false"], "false")):
+        out = tmp_path / f"overlap-{expected}"
+        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+                     *args]) == 0
+        assert tritonconfig.read(out / "tensorrt_llm").parameters["overlap_steps"].string_value == expected
+    for bad in (["-o", "overlap_steps=true", "-o", "paged_kv_cache=true"], ["-o", "overlap_steps=true", "--tp", "2"],
+                ["-o", "overlap_steps=true", "-o", "cuda_graphs=false"], ["-o", "overlap_steps=sometimes"]):
+        out = tmp_path / "bad"
+        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+                     *bad]) != 0
+        assert "overlap_steps" in capsys.readouterr().err and not out.exists()

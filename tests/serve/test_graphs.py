@@ -478,3 +478,6 @@ def test_overlapped_steps_need_static_slots_at_tp_1():
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
     with pytest.raises(ValueError, match="overlap_steps='sometimes'"):
         engine.use_graphs("auto", capture=False, overlap="sometimes")
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
+    with pytest.raises(ValueError, match="overlap_steps=true belongs to the CUDA-graph decoder"):
+        engine.use_graphs("false", overlap="true")

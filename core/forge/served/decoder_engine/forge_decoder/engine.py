@@ -4,6 +4,8 @@ One thread owns the model. Each iteration it admits waiting sequences (one batch
 prefill), merges their KV caches into the running batch, runs one decoding step for every
 running sequence, reports new tokens through each sequence's callback and drops the finished
 ones. Sequences of different prompt lengths, output lengths and sampling parameters share steps.
+Through CUDA graphs the decoding steps of plain greedy rows overlap (``Engine.overlap``): a step is
+launched before the host has read the one before it.
 """
 
 from __future__ import annotations
@@ -246,7 +248,8 @@ class Engine:
         if paged == "false" and reuse:
             raise ValueError("-o enable_kv_cache_reuse=true shares blocks of a paged KV cache; it needs "
                              "-o paged_kv_cache=auto or true")
-        asked = [option for option, value in (("torch_compile", compile), ("paged_kv_cache", paged)) if value == "true"]
+        asked = [option for option, value in (("torch_compile", compile), ("paged_kv_cache", paged),
+                                              ("overlap_steps", overlap)) if value == "true"]
         if mode == "false":
             if asked:
                 raise ValueError(f"-o {asked[0]}=true belongs to the CUDA-graph decoder; it needs "
@@ -687,10 +690,10 @@ class Engine:
             self._advance(None, [seq for _, seq in live],
                           ([int(picks[i][0]) for i, _ in live], [picks[i][1] for i, _ in live]))
 
-    def _advance(self, logits: torch.Tensor, rows: list[Sequence],
+    def _advance(self, logits: torch.Tensor | None, rows: list[Sequence],
                  chosen: tuple[list[int], list[float]] | None = None) -> None:
         """Pick one token per row (unless ``chosen`` already holds them), report it, and drop the rows that
-        finished."""
+        finished. ``logits`` None: ``chosen`` is what a launched step picked (``_report``)."""
         if chosen is None and any(s.matcher is not None for s in rows):  # only what each row's grammar allows
             tokens, logprobs = sampling.choose(guided.mask(logits, [s.matcher for s in rows]), rows)
         else:
