@@ -234,6 +234,13 @@ def _compiled(engine_row: dict) -> str:
     return "yes" if "torch.compile on" in chosen else "no"
 
 
+def _overlapped(engine_row: dict) -> str:
+    """Whether the engine row's steps overlapped (``-o overlap_steps``; older results: not recorded)."""
+    if "overlap_steps" not in engine_row:
+        return "—"
+    return "yes" if "steps overlapped" in str(engine_row.get("chosen", "")) else "no"
+
+
 def _serve_gpu_matches(data: dict) -> bool:
     return isinstance(data.get("shapes"), dict) and "gpu" in data
 
@@ -272,12 +279,14 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
         engine = entry.get("engine") or []
         if engine:
             table = [[_code(e.get("cuda_graphs")), _code(e.get("attention") or "—"), _compiled(e),
-                      _code(e.get("paged_kv_cache") or "—"), e.get("rows", "—"),
-                      _f(e.get("ms_per_step"), ".2f"), _f(e.get("tokens_per_s")), _f(e.get("bandwidth_floor_ms"), ".2f"),
-                      _f(e.get("x_above_floor"), ".1f")] for e in engine]
-            out += [f"**{shape}, the engine alone** (no Triton; decode ms per step, sampling included):\n",
-                    _table(["`-o cuda_graphs`", "attention", "layers compiled", "`-o paged_kv_cache`", "rows",
-                            "ms/step", "tok/s", "bandwidth floor ms", "× floor"], table)]
+                      _code(e.get("paged_kv_cache") or "—"), _overlapped(e), e.get("rows", "—"),
+                      _f(e.get("ms_per_step"), ".2f"), _f(e.get("device_ms_per_step"), ".2f"), _f(e.get("tokens_per_s")),
+                      _f(e.get("bandwidth_floor_ms"), ".2f"), _f(e.get("x_above_floor"), ".1f")] for e in engine]
+            out += [f"**{shape}, the engine alone** (no Triton; decode ms per step, sampling included; GPU ms: the "
+                    "device's time per step, where recorded):\n",
+                    _table(["`-o cuda_graphs`", "attention", "layers compiled", "`-o paged_kv_cache`",
+                            "steps overlapped", "rows", "ms/step", "GPU ms", "tok/s", "bandwidth floor ms", "× floor"],
+                           table)]
         cells = [r for r in rows if r.get("triton_ms")]
         if cells:
             models = sorted({m for r in cells for m in r["triton_ms"]}, key=lambda m: (not m.endswith("ensemble"), m))
