@@ -211,8 +211,9 @@ class Engine:
         self.wait_ns = 0
         self._events: tuple | None = None
         # Decoding steps launched one ahead (use_graphs' ``overlap``): while the device runs a step, the host reads
-        # the one before and reports its tokens, so the device never waits for the host (nor for another thread
-        # holding the GIL). Plain greedy rows only; anything else runs one step at a time.
+        # the one before and reports its tokens, so between decoding steps the device does not wait for the host
+        # (nor for another thread holding the GIL); an admission still reads the step in flight first. Plain greedy
+        # rows only; anything else runs one step at a time.
         self.overlap = False
         self._ahead: _Ahead | None = None
         self._buffers: list = []  # two (staging, host picks, events) sets the launched steps alternate
