@@ -87,9 +87,9 @@ FORGE = (
            "free GPU memory, default 0.5, else blocks; true: blocks; false: static slots)", "auto", PYTHON,
            choices=("auto", "true", "false")),
     Option("overlap_steps", "choice", "python target: each decoding step launched before the host has read the one "
-           "before it, so between steps the GPU does not wait for the host (auto: where the steps are captured on a GPU with "
-           "static slots at tp 1, for steps whose rows are all plain greedy and not streamed; true: that wherever "
-           "the decoder has static slots at tp 1, or fail to load; false: one step at a time)", "auto", PYTHON,
+           "before it, so between steps the GPU does not wait for the host (auto: where the steps are captured on "
+           "a GPU with static slots at tp 1, for steps whose rows are all plain greedy and not streamed; true: that "
+           "wherever the decoder has static slots at tp 1, or fail to load; false: one step at a time)", "auto", PYTHON,
            choices=("auto", "true", "false")),
 )
 
