@@ -236,9 +236,9 @@ def per_request_ms(before: dict, after: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def timed_steps(engine, steps: int, warm: int = 3) -> float:
-    """ms per engine step over ``steps`` steps, after ``warm`` steps (the first decoding steps capture). The
-    device's ms per step (CUDA events; measured only through CUDA graphs) is left in ``engine.device_ms``."""
+def timed_steps(engine, steps: int, warm: int = 3) -> tuple[float, float | None]:
+    """(ms per engine step, the device's ms per step or None) over ``steps`` steps, after ``warm`` steps (the first
+    decoding steps capture); the device's time is measured (CUDA events) only through CUDA graphs."""
     import torch
 
     for _ in range(warm):
@@ -249,8 +249,8 @@ def timed_steps(engine, steps: int, warm: int = 3) -> float:
     for _ in range(steps):
         engine.step()
     torch.cuda.synchronize()
-    engine.device_ms = (engine.device_ns - device) / steps / 1e6 if engine.timed else None
-    return (time.perf_counter() - start) / steps * 1000
+    ms = (time.perf_counter() - start) / steps * 1000
+    return ms, (engine.device_ns - device) / steps / 1e6 if engine.timed else None
 
 
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
@@ -284,15 +284,15 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
                            for i in range(rows)])
             with torch.inference_mode():
                 engine.step()  # prefill
-                ms = timed_steps(engine, steps)
+                ms, device_ms = timed_steps(engine, steps)
             results.append({"cuda_graphs": mode, "attention": attention, "torch_compile": compiled,
                             "paged_kv_cache": paged, "overlap_steps": overlap, "chosen": chosen,
                             "setup_s": round(setup, 1), "rows": rows, "ms_per_step": round(ms, 3),
-                            "device_ms_per_step": None if engine.device_ms is None else round(engine.device_ms, 3),
+                            "device_ms_per_step": None if device_ms is None else round(device_ms, 3),
                             "tokens_per_s": round(rows / ms * 1000, 1)})
             print(f"  engine alone, cuda_graphs={mode} attention={attention} torch_compile={compiled} "
                   f"paged_kv_cache={paged} overlap_steps={overlap}, {rows} rows: "
-                  f"{ms:.3f} ms/step, device {engine.device_ms} ms ({chosen}; set up in {setup:.1f} s)", flush=True)
+                  f"{ms:.3f} ms/step, device {device_ms} ms ({chosen}; set up in {setup:.1f} s)", flush=True)
             del engine
     graphs.ATTENTION = default
     del model
@@ -336,7 +336,7 @@ def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 819
                 torch.cuda.synchronize()
                 prefill = time.perf_counter() - start
                 running = len(engine._active)  # the rows measured (all of them unless admission stopped)
-                ms = timed_steps(engine, steps)
+                ms, _device_ms = timed_steps(engine, steps)
             row = {"paged_kv_cache": paged, "rows": rows, "max_seq_len": max_len, "prompt": length, "chosen": chosen,
                    "running": running, "admit_s": round(prefill, 2), "ms_per_step": round(ms, 3),
                    "tokens_per_s": round(running / ms * 1000, 1),

@@ -473,6 +473,8 @@ def test_overlapped_steps_need_static_slots_at_tp_1():
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
     assert "overlapped" not in engine.use_graphs("auto", capture=False) and not engine.overlap
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
+    assert engine.use_graphs("auto", capture=False, overlap="true").endswith("; steps overlapped)") and engine.overlap
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)
     with pytest.raises(ValueError, match="overlap_steps=true: the KV cache is paged"):
         engine.use_graphs("auto", capture=False, paged="true", blocks=80, overlap="true")
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=2)

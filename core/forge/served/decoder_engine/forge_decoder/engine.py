@@ -115,8 +115,9 @@ def choose_dtype(device: torch.device, name: str, checkpoint: str = "float16") -
 #: On a GPU a prefill costs about a decoding step whatever its size, so while sequences run, arrivals are
 #: gathered: admitted once len(running) // ADMIT_SHARE are waiting, the oldest has waited ADMIT_WAIT_S, or
 #: nothing runs (H100, SmolLM2 shape, c=64: one prefill per step halved the step rate). The wait adds to the
-#: time to first token: with overlapped steps (H200, SmolLM2 shape) 2 ms against 8 gave a streamed c=16 TTFT
-#: p50 of 28 ms against 38, and 6 % more non-streamed tok/s at c=64.
+#: time to first token: 2 ms against 8 gave a streamed c=16 TTFT p50 of 28 ms against 38, and 6 % more
+#: non-streamed tok/s at c=64 (H200, SmolLM2 shape, streamed steps overlapped then; the default, with streamed
+#: steps one at a time, measured 14 ms on an H100).
 ADMIT_SHARE = 4
 ADMIT_WAIT_S = 0.002
 GPU_ROWS = 64  # sequences in flight on a GPU by default: one decode step costs about the same at 1 and 64 rows
@@ -274,13 +275,13 @@ class Engine:
         if self.graphs.capture:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         compiled = self.graphs.use_compile(compile)
-        self._use_overlap(overlap)
-        overlapped = "; steps overlapped" if self.overlap else ""
-        return (f"on ({self.graphs.cache.describe()}; torch.compile {compiled}{overlapped})" if self.graphs.capture
-                else f"{self.graphs.cache.describe()}, eager (no capture; torch.compile {compiled})")
+        overlapped = self._use_overlap(overlap)
+        return (f"on ({self.graphs.cache.describe()}; torch.compile {compiled}; {overlapped})" if self.graphs.capture
+                else f"{self.graphs.cache.describe()}, eager (no capture; torch.compile {compiled}"
+                     f"{'; ' + overlapped if self.overlap else ''})")
 
-    def _use_overlap(self, mode: str) -> None:
-        """``use_graphs``' ``overlap``: on, off or the reason it cannot be."""
+    def _use_overlap(self, mode: str) -> str:
+        """``use_graphs``' ``overlap``: on, or off and why (for the log), or the error saying why it cannot be."""
         reason = ("the KV cache is paged" if self.graphs.cache.paged
                   else "the ranks of tensor parallelism step together" if self.reduce is not None else None)
         if mode == "true" and reason:
@@ -293,6 +294,8 @@ class Engine:
                               (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                               if gpu else None)
                              for _ in range(2)]
+            return "steps overlapped"
+        return f"steps one at a time ({'-o overlap_steps=false' if mode == 'false' else reason})"
 
     def _layout(self, paged: str, reuse: bool, fraction: float | None,
                 blocks: int | None) -> tuple[dict | None, str | None]:
@@ -625,15 +628,9 @@ class Engine:
                                       modules=adapters)
             if events:
                 events[1].record()
-            chosen = None
-            if all(sampling.plain_greedy(s) for s in self._active):  # the graph picked their tokens already
-                waited = time.perf_counter_ns()
-                chosen = self.graphs.greedy(len(self._active))
-                self.wait_ns += time.perf_counter_ns() - waited
-            self._advance(logits, self._active, chosen)
-            if events:
-                events[1].synchronize()  # done already: the tokens were read
-                self.device_ns += int(events[0].elapsed_time(events[1]) * 1e6)
+                self._wait(events)
+            plain = all(sampling.plain_greedy(s) for s in self._active)  # the graph picked their tokens already
+            self._advance(logits, self._active, self.graphs.greedy(len(self._active)) if plain else None)
             return
         ids = torch.tensor([[s.tokens[-1]] for s in self._active], dtype=torch.long, device=self.device)
         mask = self._batch.extend_mask()
@@ -681,15 +678,20 @@ class Engine:
     def _report(self, launched: _Ahead) -> None:
         """Wait for a launched step (without the GIL) and report its tokens."""
         if launched.events:
-            waited = time.perf_counter_ns()
-            launched.events[1].synchronize()
-            self.wait_ns += time.perf_counter_ns() - waited
-            self.device_ns += int(launched.events[0].elapsed_time(launched.events[1]) * 1e6)
+            self._wait(launched.events)
         picks = launched.host.numpy()[:len(launched.rows)].tolist()
         live = [(i, seq) for i, seq in enumerate(launched.rows) if not seq.finished and i not in launched.padding]
         if live:
             self._advance(None, [seq for _, seq in live],
                           ([int(picks[i][0]) for i, _ in live], [picks[i][1] for i, _ in live]))
+
+    def _wait(self, events: tuple) -> None:
+        """Wait (without the GIL) for the decoding step between ``events`` = (launched, done); count the wait and
+        the device's time in the step."""
+        waited = time.perf_counter_ns()
+        events[1].synchronize()
+        self.wait_ns += time.perf_counter_ns() - waited
+        self.device_ns += int(events[0].elapsed_time(events[1]) * 1e6)
 
     def _advance(self, logits: torch.Tensor | None, rows: list[Sequence],
                  chosen: tuple[list[int], list[float]] | None = None) -> None:
