@@ -16,6 +16,8 @@ For each model shape (random weights, seeded; the tokenizer of SmolLM2):
 
     python benchmarks/serve_gpu.py --tokenizer DIR [--shapes smollm2,tinyllama] [--bandwidth-tbs 3.35]
     python benchmarks/serve_gpu.py --engine-only [--shapes smollm2,tinyllama,gpt2]  # 4. alone: no tritonserver
+    python benchmarks/serve_gpu.py --tokenizer DIR --no-engine --profile-gil 10   # after the cells, who holds the
+                                                                # served model's GIL under c=64 (py-spy --gil)
     python benchmarks/serve_gpu.py --tokenizer DIR --soak 600   # every shape's default build in one server under
                                                                 # c=64 for 600 s each, then a stop: hung requests,
                                                                 # errors, exit status, segfaults in the kernel log
@@ -528,6 +530,9 @@ def main() -> int:
     parser.add_argument("--soak", type=float, default=0, help="seconds of load for the soak (0: no soak)")
     parser.add_argument("--soak-concurrency", type=int, default=64)
     parser.add_argument("--soak-timeout", type=float, default=120, help="seconds after which a request counts as hung")
+    parser.add_argument("--profile-gil", type=float, default=0,
+                        help="after the cells, seconds of py-spy (--gil) on the served tensorrt_llm model under c=64 "
+                        "non-streamed load: each thread's share of the GIL and the functions holding it (0: none)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if not args.engine_only and args.tokenizer is None:
@@ -600,6 +605,7 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "
                       f"{json.dumps({k: v for k, v in summary.items() if k.startswith('engine_')})}; Triton ms "
                       f"per request {json.dumps(summary['triton_ms'])}", flush=True)
+        gil = profile_gil(server, tokenizer, args) if args.profile_gil else None
     print(format_table(rows, label="run"))
     print(f"{shape}: forge default build chose {json.dumps(runtime)}")
     by = {(r["server"], r["concurrency"]): r["tokens_per_s"] for r in rows}
@@ -607,7 +613,80 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
     ratio = by[("forge default build", 16)] / seed if seed else None
     if ratio is not None:
         print(f"{shape}: forge default / seed-000 model generated tok/s at concurrency 16: {ratio:.1f}x")
-    return {"greedy": greedy, "rows": rows, "ratio_c16": ratio, "runtime": runtime, "startup_s": startup_s}
+    return {"greedy": greedy, "rows": rows, "ratio_c16": ratio, "runtime": runtime, "startup_s": startup_s,
+            **({"gil_profile": gil} if gil else {})}
+
+
+def stub_pid(model: str) -> int:
+    """The process id of the python-backend stub serving ``model`` (its command line names the model's file)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"triton_python_backend_stub") and any(
+                a.endswith(f"/{model}/1/model.py".encode()) for a in argv):
+            return int(proc.name)
+    raise RuntimeError(f"no python-backend stub serves {model!r}")
+
+
+def _thread_kind(frames: list[str]) -> str:
+    """py-spy's raw stacks start with ``thread (id): name``: the engine, a sender, execute or something else."""
+    name = frames[0].partition(": ")[2]
+    if name.startswith(("forge-decoder", "forge-sender")):
+        return "engine" if name == "forge-decoder" else "sender"
+    return "execute" if any(f.startswith("execute (") for f in frames) else name or "other"
+
+
+def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -> dict:
+    """``--profile-gil`` seconds of ``py-spy record --gil`` (samples of the thread holding the GIL) on the
+    default build's tensorrt_llm model under closed-loop non-streamed load: each thread's share of the samples
+    and the functions (own time and with what they call) holding it most."""
+    import collections
+    import subprocess
+    import threading
+
+    pid = stub_pid("tensorrt_llm")
+    out = Path(tempfile.mkdtemp(prefix="forge-gil-")) / "gil.txt"
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    stop = threading.Event()
+
+    def drive() -> None:
+        while not stop.is_set():
+            load(server, "ensemble", tokenizer, concurrency, 4 * concurrency, args.max_tokens)
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    time.sleep(2)
+    done = subprocess.run([spy, "record", "--pid", str(pid), "--gil", "--threads", "--rate", "200", "--duration",
+                           str(int(args.profile_gil)), "--format", "raw", "--output", str(out)],
+                          capture_output=True, text=True)
+    stop.set()
+    driver.join()
+    if done.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"py-spy failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    threads, own, inclusive, total = collections.Counter(), collections.Counter(), collections.Counter(), 0
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        total += n
+        threads[_thread_kind(frames)] += n
+        own[frames[-1]] += n
+        for frame in {f.rpartition(":")[0] + ")" for f in frames[1:]}:  # per function (without the line)
+            inclusive[frame] += n
+    share = {k: round(v / total, 3) for k, v in threads.most_common()}
+    held = round(total / (200 * args.profile_gil), 3)  # samples are taken only while some thread holds the GIL
+    report = {"pid": pid, "samples": total, "seconds": args.profile_gil, "concurrency": concurrency,
+              "gil_held_share": held, "thread_share": share, "own": [(f, round(n / total, 3)) for f, n in own.most_common(top)],
+              "inclusive": [(f, round(n / total, 3)) for f, n in inclusive.most_common(top)],
+              "collapsed": str(out)}
+    print(f"  GIL held {held:.0%} of the time under c={concurrency}; by thread (of {total} samples): "
+          f"{json.dumps(share)}", flush=True)
+    for title, rows in (("own", report["own"]), ("inclusive", report["inclusive"])):
+        print(f"  GIL held, top functions ({title}):", flush=True)
+        for frame, part in rows:
+            print(f"    {part:6.1%}  {frame[:160]}", flush=True)
+    return report
 
 
 def engine_counters(server, model: str | None) -> dict[str, float]:

@@ -414,6 +414,32 @@ def _overlap_run(model, requests, overlap: str, *, late: int = 0, cancel_at: int
     return seqs, [updates.get(id(s), []) for s in seqs], ahead
 
 
+def test_finished_rows_leave_holes_the_last_rows_fill():
+    """When rows finish, the rows past the new end move into their slots (the others stay where they are): every
+    layer's keys and values of the moved slots in one gather, their columns in use only."""
+    from forge.served.decoder_engine.forge_decoder.engine import filled_holes
+    from forge.served.decoder_engine.forge_decoder.kvlayout import StaticSlots
+
+    assert filled_holes([0, 2, 3, 5]) == [0, 5, 2, 3]
+    assert filled_holes([1, 2, 3]) == [3, 1, 2] and filled_holes([0, 1]) == [0, 1] and filled_holes([]) == []
+    cache = StaticSlots(layers=3, rows=6, kv=2, dim=4, max_len=8, dtype=torch.float32, device="cpu")
+    for layer in range(3):
+        for slot in range(7):
+            cache.keys[layer][slot] = 100 * layer + slot
+            cache.values[layer][slot] = -(100 * layer + slot)
+    before = [t.clone() for t in cache.keys + cache.values]
+    cache.keep(filled_holes([0, 2, 3, 5]), used=6, filled=5)
+    for layer in range(3):
+        for slot, row in enumerate([0, 5, 2, 3]):
+            assert (cache.keys[layer][slot, :, :5] == 100 * layer + row).all()
+            assert (cache.values[layer][slot, :, :5] == -(100 * layer + row)).all()
+        # columns past the filled ones, and the slots past the new end, are not copied
+        assert (cache.keys[layer][1, :, 5:] == 100 * layer + 1).all() and (cache.keys[layer][5] == 100 * layer + 5).all()
+    assert all(t.data_ptr() == cache.store.data_ptr() + i * t.numel() * t.element_size()
+               for i, t in enumerate(cache.keys + cache.values))  # views of the one tensor
+    assert sum((a != b).sum().item() for a, b in zip(before, cache.keys + cache.values)) == 2 * 3 * 2 * 5 * 4
+
+
 def _same_updates(got: list[list], expected: list[list]) -> None:
     """The same updates (tokens, ends, reasons; log-probabilities to float32 noise: a step of another row count)."""
     assert [[(u.tokens, u.finished, u.reason, u.error) for u in row] for row in got] == \

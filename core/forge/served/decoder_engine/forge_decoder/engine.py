@@ -84,6 +84,15 @@ class _Ahead:
     events: tuple | None  # (launched, done) CUDA events (None on a CPU)
 
 
+def filled_holes(live: list[int]) -> list[int]:
+    """The order of the surviving rows ``live`` (ascending) once packed to the front: a row already within the
+    first ``len(live)`` stays where it is, and the rows past them move into the holes of the finished ones."""
+    n = len(live)
+    stay = {row for row in live if row < n}
+    tail = iter(row for row in live if row >= n)
+    return [slot if slot in stay else next(tail) for slot in range(n)]
+
+
 def choose_device(name: str = "auto") -> torch.device:
     if name in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -756,6 +765,8 @@ class Engine:
         keep = [i for i, s in enumerate(self._active) if not s.finished]
         if len(keep) == len(self._active):
             return
+        if self.graphs is not None:  # the rows past the new end fill the holes: the fewest slots move
+            keep = filled_holes(keep)
         self._active = [self._active[i] for i in keep]
         if self.graphs is not None:
             self.graphs.keep(keep)

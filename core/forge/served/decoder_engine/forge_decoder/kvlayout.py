@@ -11,8 +11,8 @@ prefill are written once over them (graphs.py) and captured the same way:
 * ``write_prompt`` / ``read_slot``: a prefill writes its prompts' keys and values at positions
   ``[start, start + width)`` of their slots; a prefill after a reused prefix reads the slot back.
 
-``StaticSlots``: ``[rows + 1, kv heads, max_len + 1, head dim]`` per layer, allocated at load: simple and
-fastest to read, but it sizes every row for ``max_len``. ``PagedBlocks``: blocks of ``block`` tokens
+``StaticSlots``: ``[rows + 1, kv heads, max_len + 1, head dim]`` per layer (views of one tensor), allocated
+at load: simple and fastest to read, but it sizes every row for ``max_len``. ``PagedBlocks``: blocks of ``block`` tokens
 (``[blocks + 1, kv heads, block, head dim]`` per layer) handed to a sequence as it grows, a block table per
 row; a sequence is admitted when the blocks it may need (prompt + its max_tokens) are free, so a pool sized
 by memory, not by rows × max_len, serves any model that fits. With ``reuse`` (``enable_kv_cache_reuse``)
@@ -29,6 +29,14 @@ from collections import OrderedDict
 import torch
 
 
+def upload(data: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device: a plain copy to a GPU first waits for
+    everything queued before it (the decoding step in flight, where steps overlap)."""
+    if torch.device(device).type != "cuda":
+        return data.to(device)
+    return data.pin_memory().to(device, non_blocking=True)
+
+
 class StaticSlots:
     """One slot of ``max_len + 1`` columns per row (the last column and the last slot are spares)."""
 
@@ -37,9 +45,10 @@ class StaticSlots:
     def __init__(self, layers: int, rows: int, kv: int, dim: int, max_len: int, dtype, device):
         self.rows, self.kv, self.dim, self.max_len = rows, kv, dim, max_len
         self.device = device
-        shape = (rows + 1, kv, max_len + 1, dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        # every layer's keys, then values, in one tensor: moving slots (keep) is one gather and one scatter
+        self.store = torch.zeros((2 * layers, rows + 1, kv, max_len + 1, dim), dtype=dtype, device=device)
+        self.keys = [self.store[i] for i in range(layers)]
+        self.values = [self.store[layers + i] for i in range(layers)]
         self.heads_offset = (torch.arange(rows, device=device)[:, None] * kv
                              + torch.arange(kv, device=device)[None, :]) * (max_len + 1)
 
@@ -91,12 +100,13 @@ class StaticSlots:
 
     def keep(self, rows: list[int], used: int, filled: int) -> None:
         """Keep only the slots ``rows`` (in that order), packed to the front. Only the slots that move are
-        copied, and only their columns in use (at 64 rows × 8192 columns a whole copy would move gigabytes)."""
-        first = next((i for i, row in enumerate(rows) if row != i), len(rows))
-        if first < len(rows):
-            index = torch.tensor(rows[first:], dtype=torch.long, device=self.device)
-            for t in self.keys + self.values:
-                t[first:len(rows), :, :filled] = t[:, :, :filled].index_select(0, index)
+        copied, and only their columns in use (at 64 rows × 8192 columns a whole copy would move gigabytes),
+        every layer at once; the host does not wait for the device (a step may be in flight)."""
+        moves = [(slot, row) for slot, row in enumerate(rows) if row != slot]
+        if moves:
+            index = upload(torch.tensor(moves, dtype=torch.long).T.contiguous(), self.device)
+            columns = self.store[:, :, :, :filled]
+            columns.index_copy_(1, index[0], columns.index_select(1, index[1]))
 
     def reset(self) -> None:
         pass
