@@ -4,8 +4,8 @@ Both layouts hold every layer's keys and values and answer the same questions, s
 prefill are written once over them (graphs.py) and captured the same way:
 
 * ``step_index(pos)``: each (row, key/value head)'s flat row in the layer's cache for this step's token at
-  its position — computed on the device from tensors whose addresses never change, so a captured graph
-  replays it for any positions (and, paged, any block table);
+  its position ([rows, kv heads]) — computed on the device from tensors whose addresses never change, so a
+  captured graph replays it for any positions (and, paged, any block table);
 * ``write_step`` / ``read``: the step writes there, then attends over the first ``columns`` columns of
   each row;
 * ``write_prompt`` / ``read_slot``: a prefill writes its prompts' keys and values at positions
@@ -27,6 +27,12 @@ import math
 from collections import OrderedDict
 
 import torch
+
+
+def _write(cache: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
+    """``values`` [b, kv, dim] (any strides) into the layer's cache, seen as flat rows of ``dim``, at rows ``at``
+    [b, kv]: one kernel."""
+    cache.view(-1, values.shape[-1]).index_put_((at,), values)
 
 
 def upload(data: torch.Tensor, device) -> torch.Tensor:
@@ -62,12 +68,13 @@ class StaticSlots:
 
     # -- on the device (captured) -----------------------------------------------------------------
     def step_index(self, pos: torch.Tensor) -> torch.Tensor:
-        return (self.heads_offset[:pos.shape[0]] + pos[:, None]).view(-1)
+        return self.heads_offset[:pos.shape[0]] + pos[:, None]
 
     def write_step(self, layer: int, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keys and values [b, kv, dim] at the flat rows ``at`` (``step_index``)."""
-        self.keys[layer].view(-1, self.dim).index_copy_(0, at, k.reshape(-1, self.dim))
-        self.values[layer].view(-1, self.dim).index_copy_(0, at, v.reshape(-1, self.dim))
+        """Keys and values [b, kv, dim] at the flat rows ``at`` [b, kv] (``step_index``); strided ones as they
+        are (the step's keys and values are slices of wider tensors: no copy to make them contiguous)."""
+        _write(self.keys[layer], at, k)
+        _write(self.values[layer], at, v)
 
     def read(self, layer: int, b: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [0, b)'s keys and values over columns [0, columns): [b, kv, columns, dim] each."""
@@ -169,11 +176,11 @@ class PagedBlocks:
 
     def step_index(self, pos: torch.Tensor) -> torch.Tensor:
         blocks = self.table[:pos.shape[0]].gather(1, (pos // self.block)[:, None]).squeeze(1)
-        return self._flat(blocks, pos % self.block).view(-1)
+        return self._flat(blocks, pos % self.block)
 
     def write_step(self, layer: int, at: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.keys[layer].view(-1, self.dim).index_copy_(0, at, k.reshape(-1, self.dim))
-        self.values[layer].view(-1, self.dim).index_copy_(0, at, v.reshape(-1, self.dim))
+        _write(self.keys[layer], at, k)
+        _write(self.values[layer], at, v)
 
     def _gather(self, pool: torch.Tensor, table: torch.Tensor, columns: int) -> torch.Tensor:
         """[n, blocks] of block ids → [n, kv, columns, dim]: the rows' blocks laid side by side."""
