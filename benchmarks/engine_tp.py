@@ -78,7 +78,8 @@ def worker(model_dir: str, compile: str = "auto", hang_s: float = 0) -> None:
         model = distributed.load_shard(settings["weights"], device, torch.float16 if device.type == "cuda"
                                        else torch.float32, group)
         distributed.Follower(model, group).run()
-        group.close()  # as a served follower does
+        if not group.close():  # as a served follower does
+            distributed.leave_now()
         return
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     model, make_engine = distributed.lead(size, model_dir, device, dtype, 1)
@@ -86,7 +87,9 @@ def worker(model_dir: str, compile: str = "auto", hang_s: float = 0) -> None:
     print("RESULT " + json.dumps(rows), flush=True)  # before the teardown: a hang there keeps the numbers
     group = make_engine.keywords["group"]
     group.send(distributed.Command("stop"))
-    group.close()
+    if not group.close():
+        print("teardown: the process groups' teardown did not finish", flush=True)
+        distributed.leave_now()
 
 
 def main() -> int:
@@ -136,14 +139,20 @@ def main() -> int:
                    "--tp-compile", args.tp_compile, "--hang-s", str(args.hang_s)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
             found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not found:
+            if not found:
                 print(f"{shape} tp {args.tp}: mpirun exited {done.returncode}\n{done.stdout[-3000:]}\n"
                       f"{done.stderr[-12000:]}", flush=True)
                 entry[f"tp{args.tp}"] = {"error": (done.stderr or done.stdout)[-2000:]}
-            else:
+            else:  # the numbers are printed before the teardown: a rank failing there still measured them
                 entry[f"tp{args.tp}"] = json.loads(found[0].removeprefix("RESULT "))
                 entry["tp_compile"] = args.tp_compile
-                print(f"{shape} tp {args.tp}: {json.dumps(entry[f'tp{args.tp}'])}", flush=True)
+                entry["mpirun_exit"] = done.returncode
+                if "teardown: " in done.stdout:  # rank 0 left without finishing it (leave_now)
+                    entry["teardown"] = "the process groups' teardown did not finish"
+                if done.returncode:
+                    entry["teardown_error"] = (done.stderr or done.stdout)[-2000:]
+                print(f"{shape} tp {args.tp}: {json.dumps(entry[f'tp{args.tp}'])}; mpirun exited {done.returncode}",
+                      flush=True)
             report["shapes"][shape] = entry
         if args.json_out:
             args.json_out.write_text(json.dumps(report, indent=2, default=str))

@@ -374,7 +374,7 @@ def _engine_tp_matches(data: dict) -> bool:
 
 
 def _engine_tp_render(name: str, data: dict, meta: dict) -> list[str]:
-    out = []
+    out = [_cell(data["note"]) + "\n"] if data.get("note") else []
     for shape, entry in data["shapes"].items():
         forms = [k for k in entry if isinstance(entry[k], list)]
         by = {k: {r["rows"]: r for r in entry[k]} for k in forms}
@@ -385,6 +385,9 @@ def _engine_tp_render(name: str, data: dict, meta: dict) -> list[str]:
         failed = [k for k in entry if isinstance(entry[k], dict) and "error" in entry[k]]
         if failed:
             out.append(f"Not measured: {', '.join(failed)} (the run failed; its error is in the file).\n")
+        if entry.get("mpirun_exit"):
+            out.append(f"The ranks failed at exit after measuring (mpirun exit status {entry['mpirun_exit']}; "
+                       "its error is in the file).\n")
     return out
 
 

@@ -155,3 +155,27 @@ def test_responses_have_the_backend_shapes_and_configured_dtypes():
     assert out["output_log_probs"].tolist() == [[[-0.5, 0.0]], [[-1.0, -2.0]]]
     assert out["generation_logits"].shape == (2, 1, 1, 1)
     assert "kv_cache_reused_blocks" not in out  # not measured here: absent, never a zero that looks measured
+
+
+def test_a_rank_whose_teardown_did_not_finish_leaves_at_once_with_status_0(tmp_path):
+    """After a process-group teardown that did not finish (a thread still inside it), a rank leaves without its
+    interpreter's teardown, which would abort it (std::terminate): exit status 0, what it printed flushed, no
+    teardown code run — here an atexit hook and a non-daemon thread that would otherwise keep it alive."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import forge.served.decoder_engine as runtime
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import atexit, sys, threading, time\n"
+        f"sys.path.insert(0, {str(Path(runtime.__file__).parent)!r})\n"
+        "from forge_decoder import distributed\n"
+        "atexit.register(lambda: print('interpreter teardown ran', flush=True))\n"
+        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "print('stopped after 3 steps', end='')\n"
+        "distributed.leave_now()\n"
+        "print('not reached')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout) == (0, "stopped after 3 steps"), done.stderr

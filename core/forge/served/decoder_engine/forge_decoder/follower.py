@@ -2,8 +2,9 @@
 
 Started by mpirun/srun beside rank 0's tritonserver, with the model's ``1/`` directory on
 ``PYTHONPATH``. It joins rank 0's group, learns from it which weights, device and dtype to use, loads
-its shard and repeats every forward pass until rank 0 says stop. Exit status: 0 after stop, 1 when the
-group cannot form or breaks (the launcher then stops every rank).
+its shard and repeats every forward pass until rank 0 says stop. Exit status: 0 after stop (also when the
+process groups' teardown does not finish: the process then leaves without its interpreter's teardown), 1
+when the group cannot form or breaks (the launcher then stops every rank).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> int:
     if not group.close():
         print(f"{prefix}: the process groups' teardown did not finish within {distributed.CLOSE_TIMEOUT_S:g} s",
               file=sys.stderr, flush=True)
+        distributed.leave_now()
     return 0
 
 
