@@ -631,11 +631,12 @@ def stub_pid(model: str) -> int:
 
 
 def _thread_kind(frames: list[str]) -> str:
-    """py-spy's raw stacks start with ``thread (id): name``: the engine, a sender, execute or something else."""
+    """py-spy's raw stacks start with ``thread (id): name``: the engine, a sender, ``execute`` (on the stub's
+    main thread) or the thread's name (the main thread's own C++ work has no Python frame)."""
     name = frames[0].partition(": ")[2]
     if name.startswith(("forge-decoder", "forge-sender")):
         return "engine" if name == "forge-decoder" else "sender"
-    return "execute" if any(f.startswith("execute (") for f in frames) else name or "other"
+    return "execute" if any(".execute (" in f for f in frames) else name or "other"
 
 
 def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -> dict:
@@ -677,7 +678,8 @@ def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -
     share = {k: round(v / total, 3) for k, v in threads.most_common()}
     held = round(total / (200 * args.profile_gil), 3)  # samples are taken only while some thread holds the GIL
     report = {"pid": pid, "samples": total, "seconds": args.profile_gil, "concurrency": concurrency,
-              "gil_held_share": held, "thread_share": share, "own": [(f, round(n / total, 3)) for f, n in own.most_common(top)],
+              "gil_held_share": held, "thread_share": share,
+              "own": [(f, round(n / total, 3)) for f, n in own.most_common(top)],
               "inclusive": [(f, round(n / total, 3)) for f, n in inclusive.most_common(top)],
               "collapsed": str(out)}
     print(f"  GIL held {held:.0%} of the time under c={concurrency}; by thread (of {total} samples): "

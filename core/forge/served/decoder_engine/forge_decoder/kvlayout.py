@@ -11,11 +11,11 @@ prefill are written once over them (graphs.py) and captured the same way:
 * ``write_prompt`` / ``read_slot``: a prefill writes its prompts' keys and values at positions
   ``[start, start + width)`` of their slots; a prefill after a reused prefix reads the slot back.
 
-``StaticSlots``: ``[rows + 1, kv heads, max_len + 1, head dim]`` per layer (views of one tensor), allocated
-at load: simple and fastest to read, but it sizes every row for ``max_len``. ``PagedBlocks``: blocks of ``block`` tokens
-(``[blocks + 1, kv heads, block, head dim]`` per layer) handed to a sequence as it grows, a block table per
-row; a sequence is admitted when the blocks it may need (prompt + its max_tokens) are free, so a pool sized
-by memory, not by rows × max_len, serves any model that fits. With ``reuse`` (``enable_kv_cache_reuse``)
+``StaticSlots``: ``[rows + 1, kv heads, max_len + 1, head dim]`` per layer (views of one tensor), allocated at
+load: simple and fastest to read, but it sizes every row for ``max_len``. ``PagedBlocks``: blocks of ``block``
+tokens (``[blocks + 1, kv heads, block, head dim]`` per layer) handed to a sequence as it grows, a block table
+per row; a sequence is admitted when the blocks it may need (prompt + its max_tokens) are free, so a pool
+sized by memory, not by rows × max_len, serves any model that fits. With ``reuse`` (``enable_kv_cache_reuse``)
 full blocks of prompts stay indexed by their tokens (a hash chain, as TensorRT-LLM's block reuse): a prompt
 that starts with them shares those blocks and prefills only the rest. The last block (static: the last slot;
 paged: the last block) is a spare that padding rows and warm-ups write into and no row attends to.
