@@ -212,7 +212,7 @@ class Engine:
         self.step_ns = 0  # time inside ``step`` (the rest of the engine thread's time it waits for work)
         self.decoded_rows = 0  # rows summed over decoding steps (÷ decoding steps: the mean batch)
         self.decode_steps = 0
-        self.prefill_ns = 0  # time inside prefills (part of step_ns)
+        self.prefill_ns = 0  # time inside prefills (part of step_ns; not the step in flight settled before one)
         self.admitted = 0  # sequences admitted, and their waits from submit to admission summed:
         self.queued_ns = 0  # queued_ns / admitted is the mean wait in the engine's queue
         # Decoding steps through CUDA graphs on a GPU only (``timed``): the device's time in them (CUDA events)
@@ -391,12 +391,14 @@ class Engine:
         self._check_cancelled()
         admitted = self._admit()
         if admitted:
-            self._settle()  # the step in flight reports first: a prefill reads back its own tokens at once
-            now = time.time_ns()
+            # the step in flight reports first: a prefill reads back its own tokens at once (that wait counts
+            # as wait_ns, and the report is decoding work: neither is the prefill's time)
+            self._settle()
+            begun = time.perf_counter_ns()
             self.admitted += len(admitted)
-            self.queued_ns += sum(now - s.arrival_ns for s in admitted)
+            self.queued_ns += sum(time.time_ns() - s.arrival_ns for s in admitted)
             self._prefill(admitted)
-            self.prefill_ns += time.perf_counter_ns() - started
+            self.prefill_ns += time.perf_counter_ns() - begun
         if self._active:
             self.decoded_rows += len(self._active)
             self.decode_steps += 1
