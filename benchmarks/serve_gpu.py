@@ -537,6 +537,12 @@ def main() -> int:
     args = parser.parse_args()
     if not args.engine_only and args.tokenizer is None:
         parser.error("--tokenizer is needed to serve (or pass --engine-only)")
+    if args.profile_gil:  # checked before minutes of cells, not after them
+        if args.engine_only or args.soak:
+            parser.error("--profile-gil samples the served cells' model: leave out --engine-only / --soak")
+        args.py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        if not Path(args.py_spy).is_file():
+            parser.error("--profile-gil needs py-spy (pip install py-spy) in this environment")
 
     import torch
 
@@ -617,19 +623,6 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
             **({"gil_profile": gil} if gil else {})}
 
 
-def stub_pid(model: str) -> int:
-    """The process id of the python-backend stub serving ``model`` (its command line names the model's file)."""
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"triton_python_backend_stub") and any(
-                a.endswith(f"/{model}/1/model.py".encode()) for a in argv):
-            return int(proc.name)
-    raise RuntimeError(f"no python-backend stub serves {model!r}")
-
-
 def _thread_kind(frames: list[str]) -> str:
     """py-spy's raw stacks start with ``thread (id): name``: the engine, a sender, ``execute`` (on the stub's
     main thread) or the thread's name (the main thread's own C++ work has no Python frame)."""
@@ -647,9 +640,12 @@ def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -
     import subprocess
     import threading
 
-    pid = stub_pid("tensorrt_llm")
+    from forge.serving.supervisor import stub_processes
+
+    pid = next((p for p, name in stub_processes(server).items() if name == "tensorrt_llm"), None)
+    if pid is None:
+        raise RuntimeError("no python-backend process serves tensorrt_llm")
     out = Path(tempfile.mkdtemp(prefix="forge-gil-")) / "gil.txt"
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     stop = threading.Event()
 
     def drive() -> None:
@@ -659,7 +655,7 @@ def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
     time.sleep(2)
-    done = subprocess.run([spy, "record", "--pid", str(pid), "--gil", "--threads", "--rate", "200", "--duration",
+    done = subprocess.run([args.py_spy, "record", "--pid", str(pid), "--gil", "--threads", "--rate", "200", "--duration",
                            str(int(args.profile_gil)), "--format", "raw", "--output", str(out)],
                           capture_output=True, text=True)
     stop.set()

@@ -396,7 +396,8 @@ class Engine:
             self._settle()
             begun = time.perf_counter_ns()
             self.admitted += len(admitted)
-            self.queued_ns += sum(time.time_ns() - s.arrival_ns for s in admitted)
+            now = time.time_ns()
+            self.queued_ns += sum(now - s.arrival_ns for s in admitted)
             self._prefill(admitted)
             self.prefill_ns += time.perf_counter_ns() - begun
         if self._active:
@@ -769,13 +770,12 @@ class Engine:
             return
         if self.graphs is not None:  # the rows past the new end fill the holes: the fewest slots move
             keep = filled_holes(keep)
-        self._active = [self._active[i] for i in keep]
-        if self.graphs is not None:
             self.graphs.keep(keep)
-        elif self._active:
+        elif keep:
             self._batch.select(keep)
         else:
             self._batch = None
+        self._active = [self._active[i] for i in keep]
 
     def _fail_all(self, message: str, pending: bool = False) -> None:
         victims = list(self._active)
