@@ -257,11 +257,13 @@ def timed_steps(engine, steps: int, warm: int = 3) -> tuple[float, float | None]
 
 def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int = 32,
                  forms=(("false", None, "false", "false", "auto"), ("true", "sdpa", "false", "false", "auto"),
-                        ("true", "sdpa", "auto", "false", "auto"), ("true", "sdpa", "auto", "false", "false"),
-                        ("true", "sdpa", "false", "true", "auto"))) -> list[dict]:
+                        ("true", "sdpa", "auto", "false", "auto"), ("true", "auto", "auto", "false", "auto"),
+                        ("true", "auto", "auto", "false", "false"), ("true", "auto", "false", "true", "auto"))
+                 ) -> list[dict]:
     """Decode ms/step of forge's engine alone at each row count (prompts of 32 tokens), per step form:
     ``-o cuda_graphs=false`` (the Hugging Face forward) and ``true`` (CUDA graphs over the static KV cache)
-    with an attention form of graphs.ATTENTION, its layers eager or compiled (``-o torch_compile``; the
+    with an attention form of graphs.ATTENTION (``auto``, the default: the one the decoder chose is recorded), its
+    layers eager or compiled (``-o torch_compile``; the
     seconds ``use_graphs`` took, compiling included, are ``setup_s``), its KV cache static or paged
     (``-o paged_kv_cache``), each step launched before the last is read or one at a time (``-o overlap_steps``).
     ``device_ms_per_step``: the GPU's time per step (CUDA events), where the steps are captured."""
@@ -287,12 +289,13 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
             with torch.inference_mode():
                 engine.step()  # prefill
                 ms, device_ms = timed_steps(engine, steps)
-            results.append({"cuda_graphs": mode, "attention": attention, "torch_compile": compiled,
+            used = engine.graphs.attention if engine.graphs is not None else None  # what auto chose
+            results.append({"cuda_graphs": mode, "attention": used, "torch_compile": compiled,
                             "paged_kv_cache": paged, "overlap_steps": overlap, "chosen": chosen,
                             "setup_s": round(setup, 1), "rows": rows, "ms_per_step": round(ms, 3),
                             "device_ms_per_step": None if device_ms is None else round(device_ms, 3),
                             "tokens_per_s": round(rows / ms * 1000, 1)})
-            print(f"  engine alone, cuda_graphs={mode} attention={attention} torch_compile={compiled} "
+            print(f"  engine alone, cuda_graphs={mode} attention={attention}→{used} torch_compile={compiled} "
                   f"paged_kv_cache={paged} overlap_steps={overlap}, {rows} rows: "
                   f"{ms:.3f} ms/step, device {device_ms} ms ({chosen}; set up in {setup:.1f} s)", flush=True)
             del engine
@@ -364,7 +367,7 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     default, counts = graphs.ATTENTION, {}
-    for attention, compiled in (("matmul", False), ("sdpa", False), ("sdpa", True)):
+    for attention, compiled in (("matmul", False), ("sdpa", False), ("sdpa", True), ("fused", False), ("fused", True)):
         graphs.ATTENTION = attention
         decoder = graphs.decoder_for(model, 1, 1024, capture=False)
         if compiled:

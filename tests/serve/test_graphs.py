@@ -66,13 +66,25 @@ def outputs(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]
     return [s.output for s in seqs]
 
 
-@pytest.mark.parametrize("attention, compiled", [("sdpa", None), ("matmul", None), ("sdpa", "eager")])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind, attention, compiled", [
+    *((kind, attention, compiled) for kind in ("llama", "qwen2", "qwen3")
+      for attention, compiled in (("sdpa", None), ("matmul", None), ("sdpa", "eager"))),
+    ("llama", "fused", "eager"), ("qwen2", "fused", None), ("qwen3", "fused", None)])
 def test_static_cache_step_equals_transformers_generate(kind, attention, compiled, monkeypatch):
     """Five prompts of different lengths through 3 slots (rows join late and leave early), column buckets
     of 8 so caches cross buckets: every row's greedy ids equal its own ``generate``, with either form of the
-    step's attention, and with the layers' pieces traced by torch.compile (``Fused``; the eager backend here:
-    its arithmetic, not the fused kernels)."""
+    step's attention (the fused Triton kernel through Triton's interpreter), and with the layers' pieces traced by
+    torch.compile (``Fused``; the eager backend here: its arithmetic, not the fused kernels)."""
+    _static_run(kind, attention, compiled, monkeypatch)
+
+
+def test_gpt2_static_step_through_the_fused_kernel_equals_transformers_generate(monkeypatch):
+    """GPT-2's step (its queries scaled per layer, keys and values sliced from one projection) through the fused
+    kernel: the same rows joining and leaving, greedy ids equal to ``generate``."""
+    _static_run("gpt2", "fused", None, monkeypatch)
+
+
+def _static_run(kind, attention, compiled, monkeypatch):
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     monkeypatch.setattr(graphs, "ATTENTION", attention)
     model = _model(kind)
@@ -80,8 +92,10 @@ def test_static_cache_step_equals_transformers_generate(kind, attention, compile
     prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
     lengths = [12, 5, 20, 9, 15]
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3)
-    assert engine.use_graphs("auto", capture=False, compile="auto") == \
-        "static KV cache of 0 MiB, eager (no capture; torch.compile off (the step is not captured on a GPU))"
+    note = {"fused": "fused (one Triton kernel writes and attends)"}.get(attention, attention)
+    cache, chosen = engine.use_graphs("auto", capture=False, compile="auto").split("; ", 1)
+    assert cache.startswith("static KV cache of ") and chosen == (
+        f"attention {note}, eager (no capture; torch.compile off (the step is not captured on a GPU))")
     if compiled:
         assert engine.graphs.use_compile("true", backend=compiled) == f"on ({compiled})"
     outputs: dict[int, list[int]] = {}
@@ -94,6 +108,52 @@ def test_static_cache_step_equals_transformers_generate(kind, attention, compile
     engine.run_until_idle()
     for seq, prompt, n in zip(seqs, prompts, lengths):
         assert outputs[id(seq)] == _generate(reference, prompt, n), prompt
+
+
+@pytest.mark.parametrize("heads, kv, dim", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 2, 128)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_fused_kernel_writes_and_attends_as_sdpa(heads, kv, dim, dtype):
+    """decode_kernel (Triton's interpreter here) for rows at position 0, inside the first block of columns, past
+    several blocks and at the spare column (padding: itself alone), with the queries, keys and values strided
+    slices of one projection as the step passes them: its result equals SDPA's row by row, and the cache differs
+    from before only in each row's new key and value at its position. ``check`` passes for the shape; a kernel
+    that skipped the new token would not match."""
+    from forge.served.decoder_engine.forge_decoder import decode_kernel
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(heads + dim)
+    spare = 300
+    cache = torch.randn((2, 6, kv, spare + 1, dim), generator=gen).to(dtype)
+    projected = torch.randn((5, heads + 2 * kv, dim), generator=gen).to(dtype)
+    q, k, v = projected[:, :heads] * dim ** -0.5, projected[:, heads:heads + kv], projected[:, heads + kv:]
+    pos = torch.tensor([0, 7, 64, 299, spare])
+    ours, theirs = cache.clone(), cache.clone()
+    got = decode_kernel.attend_and_write(q, k, v, ours[0], ours[1], pos, spare)
+    want = decode_kernel.reference(q, k, v, theirs[0], theirs[1], pos, spare)
+    torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=1e-3)
+    assert torch.equal(ours, theirs)
+    changed = (ours != cache).any(dim=-1).nonzero().tolist()  # (keys/values, slot, head, column)
+    assert sorted(changed) == sorted([which, row, head, int(pos[row])] for which in (0, 1) for row in range(5)
+                                     for head in range(kv))
+    assert decode_kernel.check(heads, kv, dim, dtype, torch.device("cpu")) is None
+    without_own = decode_kernel.reference(q, k, v, cache.clone()[0], cache.clone()[1], pos - 1, spare)
+    assert not torch.allclose(got[1:4].float(), without_own[1:4].float(), atol=1e-2)
+
+
+def test_the_fused_kernel_refuses_what_it_cannot_run():
+    """Head dims that are not a power of two, and a paged cache, keep SDPA (the reason is logged); asking for the
+    fused form there is an error."""
+    from forge.served.decoder_engine.forge_decoder import decode_kernel
+
+    assert decode_kernel.unsupported(4, 2, 80, torch.float16, torch.device("cpu")) == \
+        "its head dim 80 is not a power of two of at least 16"
+    assert decode_kernel.unsupported(4, 2, 8, torch.float16, torch.device("cpu")) == \
+        "its head dim 8 is not a power of two of at least 16"
+    decoder = graphs.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
+    assert decoder.attention == "sdpa" and decoder.describe().endswith(
+        "attention sdpa (not the fused kernel: the KV cache is paged)")
+    with pytest.raises(ValueError, match="the fused decoding attention cannot run here: the KV cache is paged"):
+        graphs.GraphDecoder._attention(decoder, "fused")
 
 
 @pytest.mark.parametrize("kind, compiled, paged", [
@@ -309,7 +369,8 @@ def test_paged_cache_step_equals_transformers_generate(kind, monkeypatch):
     lengths = [12, 5, 20, 9, 15]
     engine = Engine(model, Limits(VOCAB, 40, 48), max_rows=3)
     chosen = engine.use_graphs("auto", capture=False, paged="true", blocks=12)
-    assert chosen.startswith("paged KV cache of 0 MiB: 12 blocks of 4 tokens, eager (no capture")
+    assert chosen.startswith("paged KV cache of 0 MiB: 12 blocks of 4 tokens; attention sdpa (not the fused kernel: "
+                             "the KV cache is paged), eager (no capture")
     waited = []
     real = engine.graphs.cache.room
 

@@ -285,8 +285,8 @@ class Engine:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         compiled = self.graphs.use_compile(compile)
         overlapped = self._use_overlap(overlap)
-        return (f"on ({self.graphs.cache.describe()}; torch.compile {compiled}; {overlapped})" if self.graphs.capture
-                else f"{self.graphs.cache.describe()}, eager (no capture; torch.compile {compiled}"
+        return (f"on ({self.graphs.describe()}; torch.compile {compiled}; {overlapped})" if self.graphs.capture
+                else f"{self.graphs.describe()}, eager (no capture; torch.compile {compiled}"
                      f"{'; ' + overlapped if self.overlap else ''})")
 
     def _use_overlap(self, mode: str) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import decode_kernel
 from .kvlayout import PagedBlocks, StaticSlots
 
 
@@ -40,8 +41,10 @@ LLAMA_STYLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qw
 GPT2_STYLE = ("GPT2LMHeadModel",)
 #: torch.compile's backend for ``use_compile`` (tests on CPUs set "eager": the same tracing, no code generation)
 COMPILE_BACKEND = "inductor"
-#: the decoding step's attention: "sdpa" (one fused kernel) or "matmul" (scores, softmax, weighted sum)
-ATTENTION = "sdpa"
+#: the decoding step's attention: "fused" (decode_kernel: the cache write and the attention as one Triton kernel),
+#: "sdpa" (the writes, then scaled_dot_product_attention), "matmul" (scores, softmax, weighted sum) or "auto":
+#: fused for static slots on a GPU where decode_kernel.check passes, else sdpa
+ATTENTION = "auto"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
 FIRST_PREFILL_COLUMNS = 16  # prefill widths are captured in buckets 16, 32, 64, ...
@@ -205,7 +208,6 @@ class GraphDecoder:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.rows, self.max_len = rows, max_len
-        self.attention = ATTENTION
         self.spare = max_len  # the column no row attends to
         self.spare_slot = rows  # the slot no row uses: padded prompts of a captured prefill write there
         shape = (len(self.layers), rows, self.kv_heads, self.head_dim, max_len, self.dtype, self.device)
@@ -228,6 +230,24 @@ class GraphDecoder:
         self.pool = None
         self.used = 0  # slots holding running sequences
         self.filled = 0  # columns [0, filled) hold tokens of some running sequence
+        self.attention, self.attention_note = self._attention(ATTENTION)
+
+    def _attention(self, asked: str) -> tuple[str, str]:
+        """(the step's attention form, why, for the log) for an ``ATTENTION`` value."""
+        if asked not in ("auto", "fused"):
+            return asked, asked
+        reason = ("the KV cache is paged" if self.cache.paged
+                  else "not on a GPU" if asked == "auto" and self.device.type != "cuda"
+                  else decode_kernel.check(self.heads, self.kv_heads, self.head_dim, self.dtype, self.device))
+        if reason is None:
+            return "fused", "fused (one Triton kernel writes and attends)"
+        if asked == "fused":
+            raise ValueError(f"the fused decoding attention cannot run here: {reason}")
+        return "sdpa", f"sdpa (not the fused kernel: {reason})"
+
+    def describe(self) -> str:
+        """The KV cache and the step's attention, for the log."""
+        return f"{self.cache.describe()}; attention {self.attention_note}"
 
     def _layout(self, model) -> None:
         raise NotImplementedError
@@ -530,18 +550,24 @@ class GraphDecoder:
 
     # -- pieces of every architecture's step ---------------------------------------------------------
     def _step_inputs(self, rows: int, columns: int):
-        """This step's ids, positions, flat cache rows to write and the attention bias ``[b, 1, 1, columns]``."""
+        """This step's ids, positions and where it writes and attends: (flat cache rows to write, attention bias
+        ``[b, 1, 1, columns]``), or the positions alone for the fused kernel."""
         ids, pos = self.inputs[0, :rows], self.inputs[1, :rows]
+        if self.attention == "fused":
+            return ids, pos, pos
         at = self.cache.step_index(pos)  # each (row, kv head)'s row in the flat cache
         hidden = self.columns[:columns].unsqueeze(0) > pos.unsqueeze(1)  # [b, columns]: not attended
         bias = torch.zeros((rows, 1, 1, columns), dtype=self.dtype, device=self.device)
-        return ids, pos, at, bias.masked_fill(hidden[:, None, None, :], float("-inf"))
+        return ids, pos, (at, bias.masked_fill(hidden[:, None, None, :], float("-inf")))
 
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor,
-                bias: torch.Tensor, columns: int) -> torch.Tensor:
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where, columns: int) -> torch.Tensor:
         """Write this step's keys/values [b, kv, dim] into the cache, attend with q [b, heads, dim] (scaled
-        already) over the first ``columns`` columns; returns [b, heads * dim]."""
+        already) over the first ``columns`` columns (``where``: _step_inputs'); returns [b, heads * dim]."""
+        if self.attention == "fused":  # each row's columns up to its position: ``columns`` is only a bound
+            return decode_kernel.attend_and_write(q, k, v, self.cache.keys[layer], self.cache.values[layer], where,
+                                                  self.spare)
         b, kv, dim = k.shape
+        at, bias = where
         self.cache.write_step(layer, at, k, v)
         keys, values = self.cache.read(layer, b, columns)
         q = q.reshape(b, kv, self.heads // kv, dim)  # a key/value head's query group: SDPA's "query length"
@@ -583,12 +609,12 @@ class LlamaDecoder(GraphDecoder):
         self.sin = (sin[0].float()[:, None, :] * sign * scale).to(self.dtype)
 
     def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos, at, bias = self._step_inputs(rows, columns)
+        ids, pos, where = self._step_inputs(rows, columns)
         cos, sin = self.cos[pos], self.sin[pos]  # [b, heads + kv, dim]
         h = self.embed(ids)
         for i in range(len(self.layers)):
             qk, v = self._rotated_qkv(i, h, cos, sin, modules)
-            out = self._attend(i, qk[:, :self.heads], qk[:, self.heads:], v, at, bias, columns)
+            out = self._attend(i, qk[:, :self.heads], qk[:, self.heads:], v, where, columns)
             h = self._rest_of_layer(i, h, out, modules)
         return self._picks(self.head(_norm(self.norm, h)))
 
@@ -685,11 +711,11 @@ class GPT2Decoder(GraphDecoder):
 
     def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         b, heads, dim = rows, self.heads, self.head_dim
-        ids, pos, at, bias = self._step_inputs(rows, columns)
+        ids, pos, where = self._step_inputs(rows, columns)
         h = self.embed(ids) + self.positions(pos.clamp(max=self.positions.num_embeddings - 1))  # spare rows: any
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attn.c_attn(layer.ln_1(h)).view(b, 3, heads, dim).unbind(1)
-            out = self._attend(i, q * self.scales[i], k, v, at, bias, columns)
+            out = self._attend(i, q * self.scales[i], k, v, where, columns)
             h = h + layer.attn.c_proj(out)
             h = h + layer.mlp(layer.ln_2(h))
         return self._picks(self.head(self.norm(h)))

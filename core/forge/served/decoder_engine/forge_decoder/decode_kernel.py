@@ -1,0 +1,174 @@
+"""A decoding step's attention over static KV slots as one Triton kernel, the cache write included.
+
+Through ``scaled_dot_product_attention`` a layer of the captured step launches at least three kernels: the
+keys' write, the values' write and the attention (plus any copy the attention makes of strided inputs). Here
+one program per (row, key/value head) takes the group of query heads that share that key/value head, attends
+over the row's cached columns ``[0, position)`` block by block (online softmax, float32 statistics), adds
+the new token's own key and value from registers, and then writes that key and value into the slot at the
+row's position. The write comes after every read of the same slot, in the same program, so no other program
+and no later read of this step can see a half-written column. Padding rows (at the spare column) attend only
+to themselves.
+
+Triton ships with torch's CUDA wheels; where it is missing, or the kernel does not compile or does not match
+the reference on this GPU (``check``), the decoder keeps SDPA. On a CPU the same kernel runs in Triton's
+interpreter: what the tests check against SDPA and transformers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the decoder keeps SDPA (available() says why)
+    triton = tl = None
+
+#: the reason this module cannot run here, or None
+MISSING = None if triton is not None else "Triton is not installed"
+
+
+def _add(a, b):
+    return a + b
+
+
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+def _attend_and_write(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, pos_ptr, out_ptr,
+                      q_row, q_head, k_row, k_head, v_row, v_head, c_row, c_head, c_col, o_row, spare,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+                      IEEE: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM)
+    in_group = g < GROUP
+    q = tl.load(q_ptr + row * q_row + (head * GROUP + g)[:, None] * q_head + d[None, :], mask=in_group[:, None],
+                other=0.0)
+    k = tl.load(k_ptr + row * k_row + head * k_head + d)
+    v = tl.load(v_ptr + row * v_row + head * v_head + d)
+    pos = tl.load(pos_ptr + row)
+    length = tl.where(pos >= spare, 0, pos)  # cached columns this row attends to before its own
+    # the new token first, from registers: running max, sum and weighted values of the online softmax
+    m = tl.reduce(q.to(tl.float32) * k.to(tl.float32)[None, :], 1, _add)
+    total = tl.full([GROUP_PAD], 1.0, tl.float32)
+    acc = tl.full([GROUP_PAD, DIM], 0.0, tl.float32) + v.to(tl.float32)[None, :]
+    slot = row * c_row + head * c_head
+    offsets = tl.arange(0, BLOCK)
+    for start in range(0, length, BLOCK):
+        cols = start + offsets
+        valid = cols < length
+        at = slot + cols[:, None] * c_col + d[None, :]
+        keys = tl.load(keys_ptr + at, mask=valid[:, None], other=0.0)
+        if IEEE:  # float32 models: no TF32 rounding of the scores
+            scores = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(keys))
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        top = tl.maximum(m, tl.reduce(scores, 1, _larger))
+        fade = tl.exp(m - top)
+        p = tl.exp(scores - top[:, None])
+        total = total * fade + tl.reduce(p, 1, _add)
+        values = tl.load(values_ptr + at, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * fade[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * fade[:, None] + tl.dot(p.to(values.dtype), values)
+        m = top
+    out = acc / total[:, None]
+    tl.store(out_ptr + row * o_row + (head * GROUP + g)[:, None] * DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=in_group[:, None])
+    tl.store(keys_ptr + slot + pos * c_col + d, k)
+    tl.store(values_ptr + slot + pos * c_col + d, v)
+
+
+# the reductions' combine functions are Triton functions (tl.sum and tl.max are too, but the interpreter runs
+# those only when TRITON_INTERPRET was set before Triton's import; tl.reduce calls these in either mode)
+if triton is not None:
+    _add, _larger = triton.jit(_add), triton.jit(_larger)
+_compiled = triton.jit(_attend_and_write) if triton is not None else None
+_interpreted = None  # built on first use on a CPU
+
+
+def unsupported(heads: int, kv: int, dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the kernel cannot serve this attention shape here (None: it can)."""
+    if MISSING:
+        return MISSING
+    if dim < 16 or dim & (dim - 1):
+        return f"its head dim {dim} is not a power of two of at least 16"
+    if heads % kv:
+        return f"{heads} query heads do not group over {kv} key/value heads"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {dtype} is not float16, bfloat16 or float32"
+    return None
+
+
+def attend_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     pos: torch.Tensor, spare: int) -> torch.Tensor:
+    """Queries q [b, heads, dim] (scaled already) over each row's cached columns [0, pos) of ``keys`` / ``values``
+    [slots, kv, columns, dim] and over the row's own k, v [b, kv, dim]; k and v are then written at column ``pos``
+    of slot ``row``. Rows at ``spare`` attend to themselves alone. Returns [b, heads * dim]; inputs may be strided
+    views whose last dimension is contiguous."""
+    global _interpreted
+    b, heads, dim = q.shape
+    kv = k.shape[1]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((b, heads * dim), dtype=q.dtype, device=q.device)
+    if q.device.type == "cuda":
+        kernel = _compiled
+    else:
+        if _interpreted is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _interpreted = InterpretedFunction(_attend_and_write)
+        kernel = _interpreted
+    group = heads // kv
+    kernel[(b, kv)](q, k, v, keys, values, pos, out,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    keys.stride(0), keys.stride(1), keys.stride(2), out.stride(0), spare,
+                    GROUP=group, GROUP_PAD=max(16, 1 << math.ceil(math.log2(group))), DIM=dim,
+                    BLOCK=64 if dim <= 64 else 32, IEEE=q.dtype == torch.float32)
+    return out
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              pos: torch.Tensor, spare: int) -> torch.Tensor:
+    """``attend_and_write``'s result and cache writes, row by row through SDPA: what ``check`` compares with."""
+    b, heads, dim = q.shape
+    kv = k.shape[1]
+    out = []
+    for row, at in enumerate(pos.tolist()):
+        keys[row, :, at], values[row, :, at] = k[row], v[row]
+        seen = slice(at, at + 1) if at >= spare else slice(0, at + 1)
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[row].reshape(kv, heads // kv, dim), keys[row, :, seen], values[row, :, seen], scale=1.0))
+    return torch.stack(out).reshape(b, heads * dim)
+
+
+def check(heads: int, kv: int, dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Run the kernel once on random inputs beside ``reference``; why it cannot be used here (None: it can)."""
+    reason = unsupported(heads, kv, dim, dtype, device)
+    if reason:
+        return reason
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        slots, columns, spare = 5, 200, 199
+        cache = torch.randn((2, slots, kv, columns, dim), generator=gen).to(device, dtype)
+        q = torch.randn((4, heads, dim), generator=gen).to(device, dtype) * dim ** -0.5
+        kvnew = torch.randn((4, 2, kv, dim), generator=gen).to(device, dtype)
+        pos = torch.tensor([0, 3, 130, spare], device=device)
+        ours = cache.clone()
+        got = attend_and_write(q, kvnew[:, 0], kvnew[:, 1], ours[0], ours[1], pos, spare)
+        theirs = cache.clone()
+        want = reference(q, kvnew[:, 0], kvnew[:, 1], theirs[0], theirs[1], pos, spare)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        error = (got.float() - want.float()).abs().max().item()
+        if not error <= tolerance or not torch.equal(ours, theirs):
+            return f"its result differs from SDPA's on this device (max error {error:.3g})"
+    except Exception as exc:  # no compiler, an unsupported GPU: SDPA is correct too
+        return f"it failed here: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
