@@ -110,39 +110,49 @@ def _static_run(kind, attention, compiled, monkeypatch):
         assert outputs[id(seq)] == _generate(reference, prompt, n), prompt
 
 
-@pytest.mark.parametrize("heads, kv, dim", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 2, 128)])
+@pytest.mark.parametrize("heads, kv, dim, page", [(4, 2, 16, 0), (9, 3, 64, 0), (8, 8, 32, 0), (8, 2, 128, 0),
+                                                  (9, 3, 64, 16), (8, 2, 128, 64)])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_the_fused_kernel_writes_and_attends_as_sdpa(heads, kv, dim, dtype):
+def test_the_fused_kernel_writes_and_attends_as_sdpa(heads, kv, dim, page, dtype):
     """decode_kernel (Triton's interpreter here) for rows at position 0, inside the first block of columns, past
     several blocks and at the spare column (padding: itself alone), with the queries, keys and values strided
-    slices of one projection as the step passes them: its result equals SDPA's row by row, and the cache differs
-    from before only in each row's new key and value at its position. ``check`` passes for the shape; a kernel
-    that skipped the new token would not match."""
+    slices of one projection as the step passes them, over static slots or blocks of ``page`` tokens shuffled over
+    a pool (each row's block table): its result equals SDPA's row by row, and the cache differs from before only in
+    each row's new key and value at its position. ``check`` passes for the shape; a kernel that skipped the new
+    token would not match."""
     from forge.served.decoder_engine.forge_decoder import decode_kernel
 
     dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(heads + dim)
     spare = 300
-    cache = torch.randn((2, 6, kv, spare + 1, dim), generator=gen).to(dtype)
+    table = None
+    if page:
+        width = spare // page + 1
+        table = torch.randperm(5 * width, generator=gen).reshape(5, width)
+        cache = torch.randn((2, 5 * width, kv, page, dim), generator=gen).to(dtype)
+    else:
+        cache = torch.randn((2, 6, kv, spare + 1, dim), generator=gen).to(dtype)
     projected = torch.randn((5, heads + 2 * kv, dim), generator=gen).to(dtype)
     q, k, v = projected[:, :heads] * dim ** -0.5, projected[:, heads:heads + kv], projected[:, heads + kv:]
     pos = torch.tensor([0, 7, 64, 299, spare])
     ours, theirs = cache.clone(), cache.clone()
-    got = decode_kernel.attend_and_write(q, k, v, ours[0], ours[1], pos, spare)
-    want = decode_kernel.reference(q, k, v, theirs[0], theirs[1], pos, spare)
+    got = decode_kernel.attend_and_write(q, k, v, ours[0], ours[1], pos, spare, table)
+    want = decode_kernel.reference(q, k, v, theirs[0], theirs[1], pos, spare, table)
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=1e-3)
     assert torch.equal(ours, theirs)
-    changed = (ours != cache).any(dim=-1).nonzero().tolist()  # (keys/values, slot, head, column)
-    assert sorted(changed) == sorted([which, row, head, int(pos[row])] for which in (0, 1) for row in range(5)
+    changed = (ours != cache).any(dim=-1).nonzero().tolist()  # (keys/values, slot or block, head, column)
+    where = [(row, p) if table is None else (int(table[row, p // page]), p % page) for row, p in enumerate(pos.tolist())]
+    assert sorted(changed) == sorted([which, slot, head, column] for which in (0, 1) for slot, column in where
                                      for head in range(kv))
-    assert decode_kernel.check(heads, kv, dim, dtype, torch.device("cpu")) is None
-    without_own = decode_kernel.reference(q, k, v, cache.clone()[0], cache.clone()[1], pos - 1, spare)
+    assert decode_kernel.check(heads, kv, dim, dtype, torch.device("cpu"), page) is None
+    earlier = torch.tensor([0, 6, 63, 298, spare])  # rows 1-3 one column back: their own token not counted
+    without_own = decode_kernel.reference(q, k, v, cache.clone()[0], cache.clone()[1], earlier, spare, table)
     assert not torch.allclose(got[1:4].float(), without_own[1:4].float(), atol=1e-2)
 
 
 def test_the_fused_kernel_refuses_what_it_cannot_run():
-    """Head dims that are not a power of two, and a paged cache, keep SDPA (the reason is logged); asking for the
-    fused form there is an error."""
+    """Head dims that are not a power of two, and paged blocks of fewer than 16 tokens, keep SDPA (the reason is
+    logged); asking for the fused form there is an error."""
     from forge.served.decoder_engine.forge_decoder import decode_kernel
 
     assert decode_kernel.unsupported(4, 2, 80, torch.float16, torch.device("cpu")) == \
@@ -150,9 +160,9 @@ def test_the_fused_kernel_refuses_what_it_cannot_run():
     assert decode_kernel.unsupported(4, 2, 8, torch.float16, torch.device("cpu")) == \
         "its head dim 8 is not a power of two of at least 16"
     decoder = graphs.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
-    assert decoder.attention == "sdpa" and decoder.describe().endswith(
-        "attention sdpa (not the fused kernel: the KV cache is paged)")
-    with pytest.raises(ValueError, match="the fused decoding attention cannot run here: the KV cache is paged"):
+    assert decoder.attention == "sdpa" and decoder.describe().endswith("attention sdpa (not the fused kernel: not on a GPU)")
+    with pytest.raises(ValueError, match="the fused decoding attention cannot run here: its KV-cache blocks of 4 "
+                                         "tokens are not a power of two of at least 16"):
         graphs.GraphDecoder._attention(decoder, "fused")
 
 
@@ -356,21 +366,25 @@ def _run(engine: Engine, requests: list[GenerationRequest], late: int = 0) -> li
     return seqs
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
-def test_paged_cache_step_equals_transformers_generate(kind, monkeypatch):
-    """A paged KV cache of 12 blocks of 4 tokens for 3 rows of up to 48 tokens (static slots would take 36):
-    five prompts join late and leave early, a sequence waits for blocks when its prompt + max_tokens do not
-    fit beside the running ones, blocks go back as rows leave; every row's greedy ids equal its own
-    ``generate`` in float32, and every block is free at the end."""
+@pytest.mark.parametrize("kind, attention, block", [("llama", "sdpa", 4), ("qwen3", "sdpa", 4), ("gpt2", "sdpa", 4),
+                                                   ("llama", "fused", 16)])
+def test_paged_cache_step_equals_transformers_generate(kind, attention, block, monkeypatch):
+    """A paged KV cache of 48 tokens in blocks (12 of 4, or 3 of 16: the fused kernel reads blocks of at least 16)
+    for 3 rows of up to 48 tokens (static slots would take 144): five prompts join late and leave early, a sequence
+    waits for blocks when its prompt + max_tokens do not fit beside the running ones, blocks go back as rows leave;
+    every row's greedy ids equal its own ``generate`` in float32, and every block is free at the end."""
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
-    monkeypatch.setattr(graphs, "BLOCK_TOKENS", 4)
+    monkeypatch.setattr(graphs, "BLOCK_TOKENS", block)
+    monkeypatch.setattr(graphs, "ATTENTION", attention)
     model, reference = _model(kind), _model(kind)
     prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
     lengths = [12, 5, 20, 9, 15]
     engine = Engine(model, Limits(VOCAB, 40, 48), max_rows=3)
-    chosen = engine.use_graphs("auto", capture=False, paged="true", blocks=12)
-    assert chosen.startswith("paged KV cache of 0 MiB: 12 blocks of 4 tokens; attention sdpa (not the fused kernel: "
-                             "the KV cache is paged), eager (no capture")
+    blocks = 48 // block
+    chosen = engine.use_graphs("auto", capture=False, paged="true", blocks=blocks)
+    note = "fused (one Triton kernel writes and attends)" if attention == "fused" else attention
+    assert chosen.startswith(f"paged KV cache of 0 MiB: {blocks} blocks of {block} tokens; attention {note}, eager "
+                             "(no capture")
     waited = []
     real = engine.graphs.cache.room
 
@@ -384,9 +398,9 @@ def test_paged_cache_step_equals_transformers_generate(kind, monkeypatch):
     seqs = _run(engine, [GenerationRequest(p, n) for p, n in zip(prompts, lengths)], late=2)
     for seq, prompt, n in zip(seqs, prompts, lengths):
         assert seq.output == _generate(reference, prompt, n), prompt
-    assert waited  # 1 + 20 tokens (6 blocks) did not fit beside the first two (4 + 4) at first
+    assert waited  # 1 + 20 tokens (6 blocks of 4, 2 of 16) did not fit beside the first two at first
     cache = engine.graphs.cache
-    assert sorted(cache.free) == list(range(12)) and sum(cache.promised) == 0
+    assert sorted(cache.free) == list(range(blocks)) and sum(cache.promised) == 0
 
 
 def test_paged_cache_reuses_a_shared_prompt_prefix(monkeypatch):
@@ -418,6 +432,27 @@ def test_paged_cache_reuses_a_shared_prompt_prefix(monkeypatch):
     assert long.output == _generate(reference, list(range(70, 120)), 14)
     assert {key[1] for key in cache.index} == {tuple(range(70 + 4 * i, 74 + 4 * i)) for i in range(12)}
     assert sorted(cache.free + list(cache.idle)) == list(range(16)) and not any(cache.refs)
+
+
+def test_the_fused_kernel_reads_a_shared_prompt_prefix_through_the_block_table(monkeypatch):
+    """-o enable_kv_cache_reuse with the fused kernel: a prompt sharing two full blocks of 16 with a running one
+    prefills only its own tokens and decodes over the shared blocks; both rows' ids equal ``generate``."""
+    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
+    monkeypatch.setattr(graphs, "BLOCK_TOKENS", 16)
+    monkeypatch.setattr(graphs, "ATTENTION", "fused")
+    model, reference = _model("llama"), _model("llama")
+    engine = Engine(model, Limits(VOCAB, 100, 64), max_rows=3)
+    engine.use_graphs("auto", capture=False, reuse=True, blocks=8)
+    cache = engine.graphs.cache
+    starts = []
+    real_admit = cache.admit
+    monkeypatch.setattr(cache, "admit", lambda slot, need, prompt=None: starts.append(real_admit(slot, need, prompt))
+                        or starts[-1])
+    prefix = [(7 * i) % 150 + 3 for i in range(33)]
+    first, second = _run(engine, [GenerationRequest(prefix + [40, 41], 6), GenerationRequest(prefix + [50], 9)], late=1)
+    assert starts == [0, 32]
+    for seq, prompt, n in ((first, prefix + [40, 41], 6), (second, prefix + [50], 9)):
+        assert seq.output == _generate(reference, prompt, n), prompt
 
 
 def test_a_paged_cache_admits_what_it_can_hold_and_no_request_waits_forever(monkeypatch):

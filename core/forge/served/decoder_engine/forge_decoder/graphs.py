@@ -236,9 +236,9 @@ class GraphDecoder:
         """(the step's attention form, why, for the log) for an ``ATTENTION`` value."""
         if asked not in ("auto", "fused"):
             return asked, asked
-        reason = ("the KV cache is paged" if self.cache.paged
-                  else "not on a GPU" if asked == "auto" and self.device.type != "cuda"
-                  else decode_kernel.check(self.heads, self.kv_heads, self.head_dim, self.dtype, self.device))
+        reason = ("not on a GPU" if asked == "auto" and self.device.type != "cuda"
+                  else decode_kernel.check(self.heads, self.kv_heads, self.head_dim, self.dtype, self.device,
+                                           self.cache.block if self.cache.paged else 0))
         if reason is None:
             return "fused", "fused (one Triton kernel writes and attends)"
         if asked == "fused":
@@ -565,7 +565,7 @@ class GraphDecoder:
         already) over the first ``columns`` columns (``where``: _step_inputs'); returns [b, heads * dim]."""
         if self.attention == "fused":  # each row's columns up to its position: ``columns`` is only a bound
             return decode_kernel.attend_and_write(q, k, v, self.cache.keys[layer], self.cache.values[layer], where,
-                                                  self.spare)
+                                                  self.spare, self.cache.table if self.cache.paged else None)
         b, kv, dim = k.shape
         at, bias = where
         self.cache.write_step(layer, at, k, v)
