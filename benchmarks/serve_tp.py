@@ -32,6 +32,7 @@ class Served:
     """``forge serve REPO --json`` in the background until it prints its endpoints; ``stop`` ends every rank."""
 
     def __init__(self, repo: Path, log: Path, timeout_s: float = 900):
+        self.stop_s = self.exit_status = None
         self.process = subprocess.Popen(
             [sys.executable, "-m", "forge", "serve", str(repo), "--json", "--no-openai", "--log-file", str(log),
              "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
@@ -52,12 +53,17 @@ class Served:
             raise SystemExit(f"benchmark: forge serve {repo} took over {timeout_s} s")
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL to the whole session after 120 s; ``stop_s`` and ``exit_status`` say how it went
+        (exit status None: it had to be killed)."""
         if self.process.poll() is None:
+            started = time.monotonic()
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(120)
+                self.exit_status = self.process.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
+                self.exit_status = None
+            self.stop_s = round(time.monotonic() - started, 1)
 
     def __enter__(self) -> "Served":
         return self
@@ -85,6 +91,12 @@ def greedy_ids(grpc_url: str, tokenizer, count: int = 4, n: int = 32) -> list[li
         out.append(client.infer("tensorrt_llm", inputs).as_numpy("output_ids").reshape(-1).tolist()[len(ids):])
     client.close()
     return out
+
+
+def decoder_line(log: Path) -> str | None:
+    """What the served model's log says its decoder chose (CUDA graphs, KV cache, attention, compile)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return next((line[line.index("CUDA graphs"):].strip() for line in text.splitlines() if "CUDA graphs" in line), None)
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int]:
@@ -152,6 +164,10 @@ def main() -> int:
                               f"{json.dumps({k: v for k, v in summary.items() if k.startswith('engine_')})}", flush=True)
                         if args.json_out:
                             args.json_out.write_text(json.dumps(report, indent=2, default=str))
+                entry[f"stop_tp{tp}"] = {"seconds": server.stop_s, "exit_status": server.exit_status}
+                entry[f"decoder_tp{tp}"] = decoder_line(root / f"tp{tp}.log")
+                print(f"{shape}: tp {tp} stopped in {server.stop_s} s, exit status {server.exit_status}; decoder: "
+                      f"{entry[f'decoder_tp{tp}']}", flush=True)
                 shutil.rmtree(repo, ignore_errors=True)
             by = {(r["tp"], r["concurrency"]): r["tokens_per_s"] for r in entry["rows"]}
             entry["ratio"] = {c: round(by[(args.tp, c)] / by[(1, c)], 2) for (tp, c) in by if tp == 1

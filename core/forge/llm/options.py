@@ -79,8 +79,8 @@ FORGE = (
            "for Llama-style and GPT-2 models at tp 1; true: that or fail to load; false: the Hugging Face "
            "forward)", "auto", PYTHON, choices=("auto", "true", "false")),
     Option("torch_compile", "choice", "python target: the CUDA-graph decoder's Llama-style layers compiled by "
-           "torch.compile into fused kernels at load (auto: where the step is captured on a GPU at tp 1 and compiling "
-           "works, else eager with the reason logged; true: that or fail to load, at any tp; false: eager)", "auto", PYTHON,
+           "torch.compile into fused kernels at load (auto: where the step is captured on a GPU, at any tp, and "
+           "compiling works, else eager with the reason logged; true: that or fail to load; false: eager)", "auto", PYTHON,
            choices=("auto", "true", "false")),
     Option("paged_kv_cache", "choice", "python target: the CUDA-graph decoder's KV cache in blocks handed out as "
            "sequences grow (auto: a static slot per row where that fits -o kv_cache_free_gpu_mem_fraction of the "

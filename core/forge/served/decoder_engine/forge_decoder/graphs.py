@@ -282,7 +282,7 @@ class GraphDecoder:
     # -- the slots ----------------------------------------------------------------------------------
     def use_compile(self, mode: str = "false", *, backend: str | None = None) -> str:
         """Run the layers' pieces compiled by ``torch.compile`` (``-o torch_compile``): fewer, fused kernels per
-        step and prefill. ``auto``: on when the step is captured on a GPU at tp 1 and compiling works here (it needs
+        step and prefill. ``auto``: on when the step is captured on a GPU (at any tp) and compiling works here (it needs
         Triton and a C compiler; a failure is logged and the pieces stay eager); ``true``: the same, wherever
         the decoder runs, or an error; ``false``: eager. Returns what was chosen, for the log."""
         chosen = mode_of("torch_compile", mode)
@@ -292,9 +292,6 @@ class GraphDecoder:
         reason = None
         if chosen == "auto" and not self.capture:
             reason = "the step is not captured on a GPU"
-        elif chosen == "auto" and self.reduce is not None:  # measured on two H200s (docs: multi-rank)
-            reason = ("auto stays eager at tp > 1, where a compiled rank's process-group teardown did not finish "
-                      "on GPUs; -o torch_compile=true compiles")
         reason = reason or self._uncompilable()
         if reason is None:
             try:
