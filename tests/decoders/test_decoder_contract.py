@@ -34,8 +34,8 @@ from forge.cli import main
     (["--target", "python", "-o", "compute_dtype=int8"], "compute_dtype"),
     (["--target", "python", "-o", "cuda_graphs=maybe"], "-o cuda_graphs=maybe is not valid"),
     (["--target", "tensorrtllm", "-o", "cuda_graphs=true"], "-o cuda_graphs has no effect on --target tensorrtllm"),
-    (["--target", "python", "--tp", "2", "-o", "torch_compile=true"],
-     "decodes through the Hugging Face forward unless -o cuda_graphs=true; -o torch_compile=true needs it"),
+    (["--target", "python", "--tp", "2", "-o", "overlap_steps=true", "-o", "paged_kv_cache=true"],
+     "-o overlap_steps=true overlaps the steps of the CUDA-graph decoder's static slots; -o paged_kv_cache=true"),
     (["--target", "python", "-o", "cuda_graphs=false", "-o", "torch_compile=true"],
      "-o torch_compile=true belongs to the CUDA-graph decoder, and -o cuda_graphs=false turns"),
     (["--target", "python", "-o", "torch_compile=always"], "-o torch_compile=always is not valid"),
@@ -137,17 +137,18 @@ def test_sender_threads_reach_the_served_model_and_zero_is_refused(tiny_gpt2, tm
 
 
 def test_overlap_steps_reach_the_served_model_and_what_cannot_overlap_is_refused(tiny_gpt2, tmp_path, capsys):
-    """-o overlap_steps: auto by default, the choice in the model's parameters; =true with a paged cache, at
-    --tp 2 or with -o cuda_graphs=false, and a value outside auto/true/false, are refused before anything is
+    """-o overlap_steps: auto by default, the choice in the model's parameters (at --tp 2 too); =true with a paged
+    cache or with -o cuda_graphs=false, and a value outside auto/true/false, are refused before anything is
     written."""
     from forge import tritonconfig
 
-    for args, expected in (([], "auto"), (["-o", "overlap_steps=false"], "false")):
+    for args, expected in (([], "auto"), (["-o", "overlap_steps=false"], "false"),
+                           (["-o", "overlap_steps=true", "--tp", "2"], "true")):
         out = tmp_path / f"overlap-{expected}"
         assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      *args]) == 0
         assert tritonconfig.read(out / "tensorrt_llm").parameters["overlap_steps"].string_value == expected
-    for bad in (["-o", "overlap_steps=true", "-o", "paged_kv_cache=true"], ["-o", "overlap_steps=true", "--tp", "2"],
+    for bad in (["-o", "overlap_steps=true", "-o", "paged_kv_cache=true"],
                 ["-o", "overlap_steps=true", "-o", "cuda_graphs=false"], ["-o", "overlap_steps=sometimes"]):
         out = tmp_path / "bad"
         assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),

@@ -5,8 +5,9 @@ different steps) with the plain engine on the whole model, then with the tensor-
 ranks 1..N-1 follow; it prints ``EQUAL`` when every sequence's ids agree, else both results. DECODER picks
 how the tensor-parallel engine decodes: ``hf`` (the Hugging Face forward, default), ``static`` or ``paged``
 (the CUDA-graph decoder, eager here, on every rank with its all-reduces; columns in buckets of 8 and blocks
-of 4 tokens so caches cross both), or ``compiled`` (static, its layers' pieces through ``torch.compile``'s
-tracing with the eager backend, the all-reduces between them).
+of 4 tokens so caches cross both), ``compiled`` (static, its layers' pieces through ``torch.compile``'s
+tracing with the eager backend, the all-reduces between them), or ``overlapped`` (static, each step launched
+before the last is read, every rank gathering its tokens from its own picks).
 Usage: mpirun -n N python engine_ranks.py RUNTIME_DIR MODEL_DIR [DECODER] (MASTER_ADDR/MASTER_PORT set).
 """
 
@@ -28,10 +29,12 @@ def generate(model, make_engine, decoder: str = "hf") -> dict:
     eng = make_engine(model, Limits(1000, 64, 128), max_rows=2)
     if decoder != "hf":
         chosen = eng.use_graphs("auto", capture=False, paged="true" if decoder == "paged" else "false",
-                                compile="true" if decoder == "compiled" else "false")
-        layout = "static" if decoder == "compiled" else decoder
+                                compile="true" if decoder == "compiled" else "false",
+                                overlap="true" if decoder == "overlapped" else "auto")
+        layout = "static" if decoder in ("compiled", "overlapped") else decoder
         assert chosen.startswith(f"{layout} KV cache"), chosen  # not the Hugging Face forward after all
         assert ("torch.compile on (eager)" in chosen) == (decoder == "compiled"), chosen
+        assert ("steps overlapped" in chosen) == (decoder == "overlapped"), chosen
     outputs = {}
 
     def done(seq, update):

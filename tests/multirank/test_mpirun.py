@@ -192,12 +192,14 @@ def test_deploy_shell_script_runs_the_ranks_and_sigterm_stops_them(repos, refere
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("family, ranks, decoder", [("llama", 4, "hf"), ("llama", 4, "static"), ("llama", 2, "paged"),
-                                                    ("llama", 2, "compiled"), ("gpt", 2, "static")])
+                                                    ("llama", 2, "compiled"), ("gpt", 2, "static"),
+                                                    ("llama", 2, "overlapped")])
 def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks, decoder):
     """Ranks on the engine alone (no server): the 2 KV heads of the tiny Llama are copied over 4 ranks; the
     tensor-parallel engine decodes through the Hugging Face forward or the CUDA-graph decoder (eager on a
     CPU: the arithmetic and the commands a captured step replays, all-reduces inside the layers), static or
-    paged, its layers eager or through torch.compile's tracing (the all-reduces between the compiled pieces)."""
+    paged, its layers eager or through torch.compile's tracing (the all-reduces between the compiled pieces), or
+    with overlapped steps (the followers gather their tokens from their own picks)."""
     import forge.served as served
     from forge.serving.server import free_port
 

@@ -588,7 +588,7 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     assert ahead == 0 and [s.output for s in seqs] == plain[:2]
 
 
-def test_overlapped_steps_need_static_slots_at_tp_1():
+def test_overlapped_steps_need_static_slots():
     """-o overlap_steps=auto stays off where the steps are not captured (here: a CPU) and with a paged cache;
     =true with a paged cache is an error saying why; a value outside auto/true/false is refused."""
     model = _model("llama")

@@ -76,7 +76,7 @@ FORGE = (
     Option("sender_threads", "int", "python target: threads sending the responses (each send waits for the server's "
            "round trip; several keep more streams moving)", 4, PYTHON, minimum=1),
     Option("cuda_graphs", "choice", "python target: decoding steps as CUDA graphs over a static KV cache (auto: on a GPU "
-           "for Llama-style and GPT-2 models at tp 1; true: that or fail to load; false: the Hugging Face "
+           "for Llama-style and GPT-2 models, at any tp; true: that or fail to load; false: the Hugging Face "
            "forward)", "auto", PYTHON, choices=("auto", "true", "false")),
     Option("torch_compile", "choice", "python target: the CUDA-graph decoder's Llama-style layers compiled by "
            "torch.compile into fused kernels at load (auto: where the step is captured on a GPU, at any tp, and "
@@ -88,8 +88,8 @@ FORGE = (
            choices=("auto", "true", "false")),
     Option("overlap_steps", "choice", "python target: each decoding step launched before the host has read the one "
            "before it, so between steps the GPU does not wait for the host (auto: where the steps are captured on "
-           "a GPU with static slots at tp 1, for steps whose rows are all plain greedy and not streamed; true: that "
-           "wherever the decoder has static slots at tp 1, or fail to load; false: one step at a time)", "auto", PYTHON,
+           "a GPU with static slots (any tp), for steps whose rows are all plain greedy and not streamed; true: that "
+           "wherever the decoder has static slots, or fail to load; false: one step at a time)", "auto", PYTHON,
            choices=("auto", "true", "false")),
 )
 

@@ -78,14 +78,9 @@ def check_spec(spec) -> None:
                          hint="drop --instances")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
-    for option in ("torch_compile", "paged_kv_cache"):
-        if spec.tp > 1 and spec.options.get(option) == "true" and spec.options.get("cuda_graphs") != "true":
-            raise UsageError(f"--target python at --tp {spec.tp} decodes through the Hugging Face forward unless "
-                             f"-o cuda_graphs=true; -o {option}=true needs it", hint="add -o cuda_graphs=true")
-    if spec.options.get("overlap_steps") == "true" and (spec.tp > 1 or spec.options.get("paged_kv_cache") == "true"):
-        raise UsageError("-o overlap_steps=true overlaps the steps of the CUDA-graph decoder's static slots at tp 1; "
-                         + (f"--tp {spec.tp} ranks step together" if spec.tp > 1 else "-o paged_kv_cache=true pages"),
-                         hint="drop -o overlap_steps=true (auto overlaps where it can)")
+    if spec.options.get("overlap_steps") == "true" and spec.options.get("paged_kv_cache") == "true":
+        raise UsageError("-o overlap_steps=true overlaps the steps of the CUDA-graph decoder's static slots; "
+                         "-o paged_kv_cache=true pages", hint="drop -o overlap_steps=true (auto overlaps where it can)")
     for option in ("torch_compile", "paged_kv_cache", "overlap_steps"):
         if spec.options.get("cuda_graphs") == "false" and spec.options.get(option) == "true":
             raise UsageError(f"-o {option}=true belongs to the CUDA-graph decoder, and -o cuda_graphs=false turns "

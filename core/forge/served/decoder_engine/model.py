@@ -207,16 +207,9 @@ class TritonPythonModel:
         paged = _parameter(config, "paged_kv_cache", "auto")
         reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
         fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
-        if tp == 1 or graphs_mod.mode(graphs) == "true":  # tp > 1: every rank builds rank 0's decoder
-            graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse,
-                                            memory_fraction=fraction,
-                                            overlap=_parameter(config, "overlap_steps", "auto"))
-        elif "true" in (graphs_mod.mode_of("torch_compile", compiled), graphs_mod.mode_of("paged_kv_cache", paged)):
-            raise ValueError("-o torch_compile=true / paged_kv_cache=true: tensor-parallel ranks decode through the "
-                             "Hugging Face forward unless -o cuda_graphs=true")
-        else:  # every rank repeats rank 0's Hugging Face forward (distributed.py)
-            graphs = ("off (tensor-parallel ranks decode through the Hugging Face forward; -o cuda_graphs=true "
-                      "captures their steps)")
+        # tp > 1: every rank builds rank 0's decoder (or, where it is off, repeats rank 0's Hugging Face forward)
+        graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse, memory_fraction=fraction,
+                                        overlap=_parameter(config, "overlap_steps", "auto"))
         if (reuse or fraction) and self.engine.graphs is None:
             pb_utils.Logger.log_warn("-o enable_kv_cache_reuse / kv_cache_free_gpu_mem_fraction have no effect: "
                                      "they apply to the CUDA-graph decoder, which is off here")

@@ -73,6 +73,12 @@ def rank_device(name: str) -> torch.device:
     return device
 
 
+#: the CUDA-graph decoder's steps sent as plain tensors: a step of tokens, and one launched before the last was
+#: read (its tokens are the last step's picks of the rows given, on the device)
+STEPS = {"gstep": 2, "gafter": 3}
+KINDS = {kind: op for op, kind in STEPS.items()}
+
+
 @dataclass
 class Group:
     """This process's place in the tensor-parallel group and the channel rank 0 commands through."""
@@ -100,8 +106,8 @@ class Group:
             dist.broadcast(torch.tensor([1, rows, width]), 0, group=self.control)
             dist.broadcast(torch.cat([cmd.ids, cmd.positions, cmd.mask], dim=1).to(torch.long), 0, group=self.control)
             return
-        if cmd.op == "gstep":  # the CUDA-graph decoder's step: tokens | positions
-            dist.broadcast(torch.tensor([2, cmd.ids.shape[0], 2]), 0, group=self.control)
+        if cmd.op in STEPS:  # the CUDA-graph decoder's step: tokens (or the last step's rows) | positions
+            dist.broadcast(torch.tensor([STEPS[cmd.op], cmd.ids.shape[0], 2]), 0, group=self.control)
             dist.broadcast(torch.cat([cmd.ids, cmd.positions], dim=1).to(torch.long), 0, group=self.control)
             return
         dist.broadcast(torch.tensor([0, 0, 0]), 0, group=self.control)
@@ -118,10 +124,10 @@ class Group:
             step = torch.zeros((rows, width + 2), dtype=torch.long)
             dist.broadcast(step, 0, group=self.control)
             return Command("decode", ids=step[:, :1], positions=step[:, 1:2], mask=step[:, 2:])
-        if kind == 2:
+        if kind in KINDS:
             step = torch.zeros((rows, width), dtype=torch.long)
             dist.broadcast(step, 0, group=self.control)
-            return Command("gstep", ids=step[:, :1], positions=step[:, 1:2])
+            return Command(KINDS[kind], ids=step[:, :1], positions=step[:, 1:2])
         return self.broadcast()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -325,7 +331,8 @@ class Command:
     """What every follower repeats: a forward pass or a change of the running batch's cache."""
 
     op: str  # "settings", "prefill", "decode", "abort", "select", "reset", "stop"; the CUDA-graph decoder's:
-    #          "graphs" (build it), "gprefill", "gstep", "gkeep", "greset"
+    #          "graphs" (build it), "gprefill", "gstep", "gafter" (a step launched before the last was read),
+    #          "gkeep", "greset"
     ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
@@ -415,6 +422,12 @@ class Announced:
         self._group.send(Command("gstep", ids=torch.tensor(tokens)[:, None], positions=torch.tensor(positions)[:, None]))
         return self._decoder.step(tokens, positions, modules=modules)
 
+    def step_after(self, picks: torch.Tensor, sources: list[int], positions: list[int], staging: torch.Tensor) -> None:
+        """An overlapped step: every rank gathers its tokens from its own last step's picks (the ranks' picks are
+        equal: the head is not split), so only the rows' sources and positions travel."""
+        self._group.send(Command("gafter", ids=torch.tensor(sources)[:, None], positions=torch.tensor(positions)[:, None]))
+        self._decoder.step_after(picks, sources, positions, staging)
+
     def prefill(self, ids: torch.Tensor, lengths: list[int], **kwargs) -> torch.Tensor:
         first = self._decoder.used
         embeds = kwargs.get("embeds")
@@ -443,6 +456,9 @@ class Follower:
         self.group = group
         self.runner = engine_mod.Engine(model, engine_mod.Limits(0, 0, 0), log=lambda _m: None)
         self.graphs: graphs.GraphDecoder | None = None  # rank 0's "graphs" command builds it
+        self.last_picks: torch.Tensor | None = None  # the picks of this rank's last decoding step (gafter reads them)
+        self.staging: list[tuple[torch.Tensor, Any]] = []  # gafter's two pinned inputs, each with its copy's event
+        self._turn = 0
         self.batch: kvcache.BatchCache | None = None
         self.pending: tuple[kvcache.BatchCache, bool] | None = None  # a prefill not yet joined to the batch
         self.steps = 0
@@ -494,6 +510,9 @@ class Follower:
             s = cmd.settings
             self.graphs = graphs.decoder_for(self.model, s["rows"], s["max_len"], capture=s["capture"],
                                              paged=s["paged"], reduce=self.group.all_reduce)
+            gpu = self.graphs.capture
+            self.staging = [(torch.zeros((2, s["rows"]), dtype=torch.long, pin_memory=gpu),
+                             torch.cuda.Event() if gpu else None) for _ in range(2)]
             if s.get("compile"):  # as rank 0 did; where compiling fails here the eager pieces sum the same way
                 try:
                     self.graphs.use_compile("true", backend=s["compile"])
@@ -501,6 +520,16 @@ class Follower:
                     pass
         elif cmd.op == "gstep":
             self.graphs.step(cmd.ids[:, 0].tolist(), cmd.positions[:, 0].tolist())
+            self.last_picks = self.graphs.picks
+        elif cmd.op == "gafter":
+            staging, copied = self.staging[self._turn]
+            self._turn ^= 1
+            if copied is not None:  # the step that last read this buffer has it on the device
+                copied.synchronize()
+            self.graphs.step_after(self.last_picks, cmd.ids[:, 0].tolist(), cmd.positions[:, 0].tolist(), staging)
+            if copied is not None:
+                copied.record()
+            self.last_picks = self.graphs.picks
         elif cmd.op == "gprefill":
             s = dict(cmd.settings)
             try:  # a refusal (a slot or width check) happens on rank 0 too, which then sends gkeep

@@ -248,8 +248,8 @@ class Engine:
         ``false`` never. ``reuse`` (``-o enable_kv_cache_reuse``) shares full prompt blocks between sequences:
         blocks. ``blocks``: the pool's size instead of the memory's (tests). ``overlap`` (``-o overlap_steps``):
         ``auto`` launches each decoding step before the host has read the last one where the steps are captured
-        on a GPU with static slots at tp 1; ``true``: wherever the decoder has static slots at tp 1 (eagerly on a
-        CPU: what the tests check), or an error; ``false``: never (see ``overlap``). Call before ``start`` and
+        on a GPU with static slots (at any tp: the followers gather their tokens from their own picks too);
+        ``true``: wherever the decoder has static slots (eagerly on a CPU: what the tests check), or an error; ``false``: never (see ``overlap``). Call before ``start`` and
         after ``lora``.
         """
         overlap = graphs.mode_of("overlap_steps", overlap)
@@ -291,8 +291,7 @@ class Engine:
 
     def _use_overlap(self, mode: str) -> str:
         """``use_graphs``' ``overlap``: on, or off and why (for the log), or the error saying why it cannot be."""
-        reason = ("the KV cache is paged" if self.graphs.cache.paged
-                  else "the ranks of tensor parallelism step together" if self.reduce is not None else None)
+        reason = "the KV cache is paged" if self.graphs.cache.paged else None
         if mode == "true" and reason:
             raise ValueError(f"-o overlap_steps=true: {reason}")
         self.overlap = mode == "true" or (mode == "auto" and self.graphs.capture and reason is None)
