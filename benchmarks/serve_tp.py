@@ -1,10 +1,10 @@
-"""Tensor parallel on the python target's CUDA-graph decoder: ``--tp 2 -o cuda_graphs=true`` vs the default
-``--tp 1`` build, each served by ``forge serve`` (tp 2: two ranks under mpirun, one GPU each, NCCL).
+"""Tensor parallel on the python target: the default ``--tp 2`` build (the CUDA-graph decoder on every rank) vs the
+default ``--tp 1`` build, each served by ``forge serve`` (tp 2: two ranks under mpirun, one GPU each, NCCL).
 
 For each model shape (random weights, seeded; SmolLM2's tokenizer):
   1. with ``--parity``: float32 builds at tp 1 and tp 2; greedy ids of ``tensorrt_llm`` for a few prompts,
      compared (the first divergence reported);
-  2. the float16 builds (tp 1: the default build; tp 2: ``-o cuda_graphs=true``), each alone on the host:
+  2. the float16 builds (both default; ``--tp-args`` adds build arguments to tp N's), each alone on the host:
      closed-loop load through the ensemble (~32-token prompts, 64 new tokens) at each concurrency, with the
      engine's own counters (ms per step, rows per step).
 
@@ -109,7 +109,7 @@ def main() -> int:
     parser.add_argument("--tokenizer", type=Path, required=True, help="a SmolLM2 directory (config + tokenizer)")
     parser.add_argument("--shapes", default="tinyllama")
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--tp-args", default="-o cuda_graphs=true", help="the tp N build's extra forge build arguments")
+    parser.add_argument("--tp-args", default="", help="the tp N build's extra forge build arguments (default: none)")
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--waves", type=int, default=16, help="requests per cell, as a multiple of its concurrency")
     parser.add_argument("--max-tokens", type=int, default=64)
