@@ -28,7 +28,6 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
-from forge_decoder import graphs as graphs_mod  # noqa: E402
 from forge_decoder import guided  # noqa: E402
 from forge_decoder import lora as lora_mod  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402

@@ -19,8 +19,9 @@ bucket, column bucket) and replayed with one launch.
   column at the end of every slot, which no row ever attends to.
 
 A step (or prefill) with a LoRA adapter in the batch runs eagerly through the projection modules, whose
-hooks add the adapters; steps without one replay the graphs. Tensor-parallel followers repeat the Hugging Face
-forward, so those builds decode the plain way; prompt tables only touch prefill.
+hooks add the adapters; steps without one replay the graphs. On a tensor-parallel rank (``reduce``) the row-parallel
+projections are summed by an all-reduce inside the step; prompt tables only touch prefill. The step's attention
+is decode_kernel's fused kernel where it runs (``ATTENTION``), else SDPA.
 """
 
 from __future__ import annotations
