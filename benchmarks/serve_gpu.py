@@ -358,15 +358,31 @@ def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 819
 
 def kernels_per_step(model_dir: Path, dtype: str) -> dict:
     """CUDA kernels one decoding step launches (the static decoder run eagerly at 1 row: what a graph replays),
-    per attention form, from the profiler."""
+    per attention form, from the profiler; and the kernels of a prefill of one 32-token prompt (the same for every
+    attention form: the step's attention is not the prefill's), with the most frequent kernel names of the default
+    form's step and prefill (where the next kernels to fuse are)."""
+    import collections
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from forge.served.decoder_engine.forge_decoder import graphs
     from forge.served.decoder_engine.forge_decoder.engine import load_model
 
+    def kernels(run) -> list[str]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                and not e.name.lower().startswith(("memcpy", "memset"))]
+
+    def top(names: list[str]) -> list[list]:
+        return [[name[:80], n] for name, n in collections.Counter(names).most_common(12)]
+
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
-    default, counts = graphs.ATTENTION, {}
+    default, counts, prefill, names = graphs.ATTENTION, {}, {}, {}
+    prompt = torch.arange(100, 132, device="cuda")[None]
     for attention, compiled in (("matmul", False), ("sdpa", False), ("sdpa", True), ("fused", False), ("fused", True)):
         graphs.ATTENTION = attention
         decoder = graphs.decoder_for(model, 1, 1024, capture=False)
@@ -376,23 +392,26 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
             except ValueError as exc:
                 print(f"  {exc}", flush=True)
                 continue
+        form = attention + ("+compile" if compiled else "")
         with torch.inference_mode():
-            decoder.prefill(torch.arange(100, 132, device="cuda")[None], [32])
+            decoder.prefill(prompt, [32])
             decoder.step([5], [32])
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                decoder.step([6], [33])
-                torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not e.name.lower().startswith(("memcpy", "memset"))]
-        counts[attention + ("+compile" if compiled else "")] = len(kernels)
+            step = kernels(lambda: decoder.step([6], [33]))
+            decoder.reset()
+            first = kernels(lambda: decoder.prefill(prompt, [32]))
+        counts[form], prefill[form] = len(step), len(first)
+        if attention == "fused" and compiled:
+            names = {"step": top(step), "prefill": top(first)}
         del decoder
     graphs.ATTENTION = default
     layers = int(model.config.num_hidden_layers)
     del model
     torch.cuda.empty_cache()
-    print(f"  kernels per decoding step (1 row): {counts} over {layers} layers", flush=True)
-    return {"layers": layers, "kernels": counts}
+    print(f"  kernels per decoding step (1 row): {counts} over {layers} layers; per prefill (1 x 32): {prefill}",
+          flush=True)
+    for what, common in names.items():
+        print(f"  most frequent kernels, fused+compile {what}: {common}", flush=True)
+    return {"layers": layers, "kernels": counts, "prefill_kernels": prefill, "most_frequent": names}
 
 
 def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32, repeats: int = 5) -> list[dict]:

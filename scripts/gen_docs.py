@@ -301,6 +301,9 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
         if kernels:
             out.append(f"CUDA kernels per decoding step at one row ({kernels['layers']} layers): " + ", ".join(
                 f"{form} attention {count}" for form, count in kernels["kernels"].items()) + ".\n")
+            if kernels.get("prefill_kernels"):
+                out.append("CUDA kernels per prefill of one 32-token prompt: " + ", ".join(
+                    f"{form} {count}" for form, count in kernels["prefill_kernels"].items()) + ".\n")
         prefill = entry.get("prefill") or []
         if prefill:
             table = [[p.get("prompts"), p.get("tokens"), _f(p.get("graph_ms"), ".2f"), _f(p.get("compiled_graph_ms"), ".2f"),
