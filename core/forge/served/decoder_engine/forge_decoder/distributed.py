@@ -422,11 +422,11 @@ class Announced:
         self._group.send(Command("gstep", ids=torch.tensor(tokens)[:, None], positions=torch.tensor(positions)[:, None]))
         return self._decoder.step(tokens, positions, modules=modules)
 
-    def step_after(self, picks: torch.Tensor, sources: list[int], positions: list[int], staging: torch.Tensor) -> None:
+    def step_after(self, picks: torch.Tensor, sources: list[int], positions: list[int]) -> None:
         """An overlapped step: every rank gathers its tokens from its own last step's picks (the ranks' picks are
         equal: the head is not split), so only the rows' sources and positions travel."""
         self._group.send(Command("gafter", ids=torch.tensor(sources)[:, None], positions=torch.tensor(positions)[:, None]))
-        self._decoder.step_after(picks, sources, positions, staging)
+        self._decoder.step_after(picks, sources, positions)
 
     def prefill(self, ids: torch.Tensor, lengths: list[int], **kwargs) -> torch.Tensor:
         first = self._decoder.used
@@ -457,8 +457,6 @@ class Follower:
         self.runner = engine_mod.Engine(model, engine_mod.Limits(0, 0, 0), log=lambda _m: None)
         self.graphs: graphs.GraphDecoder | None = None  # rank 0's "graphs" command builds it
         self.last_picks: torch.Tensor | None = None  # the picks of this rank's last decoding step (gafter reads them)
-        self.staging: list[tuple[torch.Tensor, Any]] = []  # gafter's two pinned inputs, each with its copy's event
-        self._turn = 0
         self.batch: kvcache.BatchCache | None = None
         self.pending: tuple[kvcache.BatchCache, bool] | None = None  # a prefill not yet joined to the batch
         self.steps = 0
@@ -510,9 +508,6 @@ class Follower:
             s = cmd.settings
             self.graphs = graphs.decoder_for(self.model, s["rows"], s["max_len"], capture=s["capture"],
                                              paged=s["paged"], reduce=self.group.all_reduce)
-            gpu = self.graphs.capture
-            self.staging = [(torch.zeros((2, s["rows"]), dtype=torch.long, pin_memory=gpu),
-                             torch.cuda.Event() if gpu else None) for _ in range(2)]
             if s.get("compile"):  # as rank 0 did; where compiling fails here the eager pieces sum the same way
                 try:
                     self.graphs.use_compile("true", backend=s["compile"])
@@ -522,13 +517,7 @@ class Follower:
             self.graphs.step(cmd.ids[:, 0].tolist(), cmd.positions[:, 0].tolist())
             self.last_picks = self.graphs.picks
         elif cmd.op == "gafter":
-            staging, copied = self.staging[self._turn]
-            self._turn ^= 1
-            if copied is not None:  # the step that last read this buffer has it on the device
-                copied.synchronize()
-            self.graphs.step_after(self.last_picks, cmd.ids[:, 0].tolist(), cmd.positions[:, 0].tolist(), staging)
-            if copied is not None:
-                copied.record()
+            self.graphs.step_after(self.last_picks, cmd.ids[:, 0].tolist(), cmd.positions[:, 0].tolist())
             self.last_picks = self.graphs.picks
         elif cmd.op == "gprefill":
             s = dict(cmd.settings)

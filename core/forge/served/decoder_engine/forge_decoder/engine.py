@@ -226,7 +226,7 @@ class Engine:
         # rows only; anything else runs one step at a time.
         self.overlap = False
         self._ahead: _Ahead | None = None
-        self._buffers: list = []  # two (staging, host picks, events) sets the launched steps alternate
+        self._buffers: list = []  # two (host picks, events) sets the launched steps alternate
         self._turn = 0
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
@@ -249,8 +249,8 @@ class Engine:
         blocks. ``blocks``: the pool's size instead of the memory's (tests). ``overlap`` (``-o overlap_steps``):
         ``auto`` launches each decoding step before the host has read the last one where the steps are captured
         on a GPU with static slots (at any tp: the followers gather their tokens from their own picks too);
-        ``true``: wherever the decoder has static slots (eagerly on a CPU: what the tests check), or an error; ``false``: never (see ``overlap``). Call before ``start`` and
-        after ``lora``.
+        ``true``: wherever the decoder has static slots (eagerly on a CPU: what the tests check), or an error;
+        ``false``: never (see ``overlap``). Call before ``start`` and after ``lora``.
         """
         overlap = graphs.mode_of("overlap_steps", overlap)
         mode = graphs.mode(mode)
@@ -297,8 +297,7 @@ class Engine:
         self.overlap = mode == "true" or (mode == "auto" and self.graphs.capture and reason is None)
         if self.overlap:
             gpu = self.graphs.capture
-            self._buffers = [(torch.zeros((2, self.max_rows), dtype=torch.long, pin_memory=gpu),
-                              torch.zeros((self.max_rows, 2), dtype=torch.float32, pin_memory=gpu),
+            self._buffers = [(torch.zeros((self.max_rows, 2), dtype=torch.float32, pin_memory=gpu),
                               (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                               if gpu else None)
                              for _ in range(2)]
@@ -657,7 +656,7 @@ class Engine:
         by its end_id or a stop word is found only when that step is read: this step's token for it is dropped.
         """
         prev, rows, padding = self._ahead, list(self._active), set()
-        staging, host, events = self._buffers[self._turn]
+        host, events = self._buffers[self._turn]
         self._turn ^= 1
         if self.lora is not None:
             self.lora.select(None)
@@ -671,7 +670,7 @@ class Engine:
             padding = {i for i, seq in enumerate(rows)
                        if seq.cancelled or seq.generated + 1 >= seq.request.max_new_tokens}
             self.graphs.step_after(prev.picks, [index[id(seq)] for seq in rows],
-                                   [spare if i in padding else len(seq.tokens) for i, seq in enumerate(rows)], staging)
+                                   [spare if i in padding else len(seq.tokens) for i, seq in enumerate(rows)])
         picks = self.graphs.picks
         host[:len(rows)].copy_(picks[:len(rows)], non_blocking=True)
         if events:

@@ -218,7 +218,13 @@ class GraphDecoder:
         with torch.no_grad():
             self._prepare(model)
         self.inputs = torch.zeros((2, rows), dtype=torch.long, device=self.device)  # ids, positions
-        self.staging = torch.zeros((2, rows), dtype=torch.long, pin_memory=self.device.type == "cuda")
+        gpu = self.device.type == "cuda"
+        self.staging = torch.zeros((2, rows), dtype=torch.long, pin_memory=gpu)
+        # step_after's inputs: two pinned buffers taken in turn, each with the event of its last upload (a buffer is
+        # written again only once that upload is done, whoever launches the steps: rank 0 or a follower)
+        self.after = [(torch.zeros((2, rows), dtype=torch.long, pin_memory=gpu), torch.cuda.Event() if gpu else None)
+                      for _ in range(2)]
+        self.after_turn = 0
         self.capture = capture and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # (prompts, width) bucket → (graph, (ids, slots, last) inputs, logits, picks)
@@ -484,19 +490,24 @@ class GraphDecoder:
         graph.replay()
         return logits[:n]
 
-    def step_after(self, picks: torch.Tensor, sources: list[int], positions: list[int], staging: torch.Tensor) -> None:
+    def step_after(self, picks: torch.Tensor, sources: list[int], positions: list[int]) -> None:
         """A step launched before the host has read the last one: row i's token is ``picks[sources[i], 0]`` (the
         last step's picks, still on the device) at ``positions[i]`` (``spare``: a row whose sequence ends with
-        the last step, decoded as padding). ``staging``: a pinned [2, rows] buffer no copy still in flight reads
-        (the caller alternates two). ``self.picks`` is this step's."""
+        the last step, decoded as padding). ``self.picks`` is this step's."""
         n = len(sources)
         rows, columns = self._bucket(n, positions, False)
+        staging, uploaded = self.after[self.after_turn]
+        self.after_turn ^= 1
+        if uploaded is not None:
+            uploaded.synchronize()  # done long ago where the steps overlap: two steps have been launched since
         view = staging.numpy()  # plain numpy writes: no torch call gives the GIL away mid-launch
         view[0, :n] = sources
         view[1, :n] = positions
         view[0, n:rows] = 0
         view[1, n:rows] = self.spare
         self.inputs[:, :rows].copy_(staging[:, :rows], non_blocking=True)
+        if uploaded is not None:
+            uploaded.record()
         self.inputs[0, :rows].copy_(picks[:, 0].index_select(0, self.inputs[0, :rows]))
         if not self.capture:
             _logits, self.picks = self._forward(rows, columns)
