@@ -358,9 +358,9 @@ def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 819
 
 def kernels_per_step(model_dir: Path, dtype: str) -> dict:
     """CUDA kernels one decoding step launches (the static decoder run eagerly at 1 row: what a graph replays),
-    per attention form, from the profiler; and the kernels of a prefill of one 32-token prompt (the same for every
-    attention form: the step's attention is not the prefill's), with the most frequent kernel names of the default
-    form's step and prefill (where the next kernels to fuse are)."""
+    per attention form, from the profiler; and the kernels of a prefill of one 32-token prompt, layers eager and
+    compiled (the step's attention form does not touch the prefill), with the most frequent kernel names of the
+    default form's step and prefill (where the next kernels to fuse are)."""
     import collections
 
     import torch
@@ -397,11 +397,13 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
             decoder.prefill(prompt, [32])
             decoder.step([5], [32])
             step = kernels(lambda: decoder.step([6], [33]))
-            decoder.reset()
-            first = kernels(lambda: decoder.prefill(prompt, [32]))
-        counts[form], prefill[form] = len(step), len(first)
-        if attention == "fused" and compiled:
-            names = {"step": top(step), "prefill": top(first)}
+            counts[form] = len(step)
+            if attention == "fused":
+                decoder.reset()
+                first = kernels(lambda: decoder.prefill(prompt, [32]))
+                prefill["compiled" if compiled else "eager"] = len(first)
+                if compiled:
+                    names = {"step": top(step), "prefill": top(first)}
         del decoder
     graphs.ATTENTION = default
     layers = int(model.config.num_hidden_layers)

@@ -155,9 +155,9 @@ def test_the_fused_kernel_refuses_what_it_cannot_run():
     logged); asking for the fused form there is an error."""
     from forge.served.decoder_engine.forge_decoder import decode_kernel
 
-    assert decode_kernel.unsupported(4, 2, 80, torch.float16, torch.device("cpu")) == \
+    assert decode_kernel.unsupported(4, 2, 80, torch.float16) == \
         "its head dim 80 is not a power of two of at least 16"
-    assert decode_kernel.unsupported(4, 2, 8, torch.float16, torch.device("cpu")) == \
+    assert decode_kernel.unsupported(4, 2, 8, torch.float16) == \
         "its head dim 8 is not a power of two of at least 16"
     decoder = graphs.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
     assert decoder.attention == "sdpa" and decoder.describe().endswith("attention sdpa (not the fused kernel: not on a GPU)")

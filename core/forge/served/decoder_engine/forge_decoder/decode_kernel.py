@@ -101,12 +101,15 @@ _compiled = triton.jit(_attend_and_write) if triton is not None else None
 _interpreted = None  # built on first use on a CPU
 
 
-def unsupported(heads: int, kv: int, dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why the kernel cannot serve this attention shape here (None: it can)."""
+def unsupported(heads: int, kv: int, dim: int, dtype: torch.dtype, page: int = 0) -> str | None:
+    """Why the kernel cannot serve this attention shape (``page``: a paged cache's block size; 0: static slots)
+    here (None: it can)."""
     if MISSING:
         return MISSING
     if dim < 16 or dim & (dim - 1):
         return f"its head dim {dim} is not a power of two of at least 16"
+    if page and (page < 16 or page & (page - 1)):
+        return f"its KV-cache blocks of {page} tokens are not a power of two of at least 16"
     if heads % kv:
         return f"{heads} query heads do not group over {kv} key/value heads"
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -172,9 +175,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Ten
 def check(heads: int, kv: int, dim: int, dtype: torch.dtype, device: torch.device, page: int = 0) -> str | None:
     """Run the kernel once on random inputs beside ``reference`` (static slots, or blocks of ``page`` tokens); why it
     cannot be used here (None: it can)."""
-    reason = unsupported(heads, kv, dim, dtype, device)
-    if reason is None and page and (page < 16 or page & (page - 1)):
-        reason = f"its KV-cache blocks of {page} tokens are not a power of two of at least 16"
+    reason = unsupported(heads, kv, dim, dtype, page)
     if reason:
         return reason
     try:
