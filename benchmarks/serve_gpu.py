@@ -305,6 +305,81 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
     return [dict(r, weight_bytes=weights) for r in results]
 
 
+def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 16, max_tokens: int = 64,
+                length: int = 32) -> list[dict]:
+    """The engine alone loaded as the served cells load the server: ``c`` sequences in flight, each one that
+    finishes replaced at once by a new prompt of ``length`` tokens (submitted from the engine's callback), until
+    ``waves`` × c have finished. Its default form (CUDA graphs, compiled, overlapped steps), with prefills joining
+    the step in flight (``engine.JOIN_PREFILLS``) and with each prefill waiting for it (the default). What
+    the engine makes with admissions, between ``engine_steps`` (steps alone) and the served cells."""
+    import threading
+
+    import torch
+
+    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
+    from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits
+
+    model = engine_mod.load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
+    results, default = [], engine_mod.JOIN_PREFILLS
+    for join in (True, False):
+        engine_mod.JOIN_PREFILLS = join
+        for c in concurrency:
+            engine = engine_mod.Engine(model, Limits(model.config.vocab_size, 512, 1024), max_rows=max(c, 64))
+            chosen = engine.use_graphs("auto")
+            total, made, ended, live, done = waves * c, [0], [0], [False], threading.Event()
+
+            def finished(seq, update):
+                if not update.finished or not live[0]:
+                    return
+                ended[0] += 1
+                if made[0] < total:
+                    made[0] += 1
+                    engine.submit([new(made[0])])
+                elif ended[0] == total:
+                    done.set()
+
+            def new(i):
+                seq = engine_mod.Sequence(GenerationRequest([100 + (i + k) % 5000 for k in range(length)],
+                                                            max_tokens), finished)
+                sequences.append(seq)
+                return seq
+
+            sequences = []
+            engine.submit([new(i) for i in range(c)])  # a warm-up wave: buckets captured, compiled pieces ready
+            with torch.inference_mode():
+                engine.run_until_idle()
+            sequences.clear()
+            before = {k: getattr(engine, k) for k in ("step_ns", "prefill_ns", "prefills", "joined", "admitted",
+                                                       "decode_steps", "decoded_rows", "device_ns", "wait_ns")}
+            made[0], live[0] = c, True
+            engine.start()
+            started = time.perf_counter()
+            engine.submit([new(i) for i in range(c)])
+            done.wait(timeout=300)
+            wall = time.perf_counter() - started
+            engine.stop()
+            delta = {k: getattr(engine, k) - v for k, v in before.items()}
+            tokens = sum(len(s.output) for s in sequences)
+            steps = delta["decode_steps"] or 1
+            row = {"join_prefills": join, "concurrency": c, "sequences": len(sequences), "chosen": chosen,
+                   "tokens_per_s": round(tokens / wall, 1), "ms_per_step": round(wall / steps * 1000, 3),
+                   "device_ms_per_step": round(delta["device_ns"] / steps / 1e6, 3),
+                   "prefill_share": round(delta["prefill_ns"] / wall / 1e9, 3),
+                   "admitted_per_prefill": round(delta["admitted"] / max(delta["prefills"], 1), 2),
+                   "joined_share": round(delta["joined"] / max(delta["admitted"], 1), 3),
+                   "mean_rows": round(delta["decoded_rows"] / steps, 1)}
+            results.append(row)
+            print(f"  engine alone, closed loop, c={c}, prefills {'join' if join else 'wait'}: "
+                  f"{row['tokens_per_s']} tok/s, {row['ms_per_step']} ms/step (device {row['device_ms_per_step']}), "
+                  f"prefill share {row['prefill_share']}, {row['admitted_per_prefill']} prompts a prefill, "
+                  f"{row['mean_rows']} rows", flush=True)
+            del engine
+    engine_mod.JOIN_PREFILLS = default
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
 def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 8192, steps: int = 32,
                  prompt_lengths=(32, 2000)) -> list[dict]:
     """The engine alone at ``max_len`` tokens per sequence with ``rows`` rows: which KV layout
@@ -382,7 +457,7 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     default, counts, prefill, names = graphs.ATTENTION, {}, {}, {}
-    prompt = torch.arange(100, 132, device="cuda")[None]
+    prompt = torch.arange(100, 132)[None]  # on the host, as the engine passes it
     for attention, compiled in (("matmul", False), ("sdpa", False), ("sdpa", True), ("fused", False), ("fused", True)):
         graphs.ATTENTION = attention
         decoder = graphs.decoder_for(model, 1, 1024, capture=False)
@@ -433,8 +508,9 @@ def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32
     out = []
     with torch.inference_mode():
         for n in counts:
-            ids = (torch.arange(length, device="cuda")[None] + 100 + torch.arange(n, device="cuda")[:, None])
-            timings = {}
+            ids = torch.arange(length)[None] + 100 + torch.arange(n)[:, None]  # on the host, as the engine passes them
+            timings, device = {}, []
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for form in ("graph", "compiled", "static", "hf"):
                 for i in range(repeats + 1):
                     torch.cuda.synchronize()
@@ -444,18 +520,27 @@ def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32
                         decoder.reset()
                         decoder.prefill(ids, [length] * n)
                     else:
-                        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=kvcache.new_cache(),
-                              use_cache=True, logits_to_keep=1)
+                        gpu_ids = ids.cuda()
+                        model(input_ids=gpu_ids, attention_mask=torch.ones_like(gpu_ids),
+                              past_key_values=kvcache.new_cache(), use_cache=True, logits_to_keep=1)
                     torch.cuda.synchronize()
                     if i:  # the first is a warm-up
                         timings.setdefault(form, []).append((time.perf_counter() - start) * 1000)
+                        if form == "compiled":  # the device alone: the same graph replayed again, launched at once
+                            graph = decoder.prefill_graphs[decoder._prefill_bucket(n, length)][0]
+                            events[0].record()
+                            graph.replay()
+                            events[1].record()
+                            events[1].synchronize()
+                            device.append(events[0].elapsed_time(events[1]))
             row = {"prompts": n, "tokens": length, "graph_ms": round(min(timings["graph"]), 3),
                    "compiled_graph_ms": round(min(timings["compiled"]), 3),
+                   "compiled_graph_device_ms": round(min(device), 3),
                    "static_ms": round(min(timings["static"]), 3), "hf_forward_ms": round(min(timings["hf"]), 3)}
             out.append(row)
             print(f"  prefill of {n} × {length} tokens: static, captured {row['graph_ms']} ms (layers compiled: "
-                  f"{row['compiled_graph_ms']} ms); static, eager "
-                  f"{row['static_ms']} ms; Hugging Face forward {row['hf_forward_ms']} ms", flush=True)
+                  f"{row['compiled_graph_ms']} ms, of which the device {row['compiled_graph_device_ms']} ms); "
+                  f"static, eager {row['static_ms']} ms; Hugging Face forward {row['hf_forward_ms']} ms", flush=True)
     del eager, captured, compiled, decoder, model
     torch.cuda.empty_cache()
     return out
@@ -557,9 +642,13 @@ def main() -> int:
     parser.add_argument("--profile-gil", type=float, default=0,
                         help="after the cells, seconds of py-spy (--gil) on the served tensorrt_llm model under c=64 "
                         "non-streamed load: each thread's share of the GIL and the functions holding it (0: none)")
+    parser.add_argument("--stream-levels", default="16,64", type=lambda text: tuple(int(c) for c in text.split(",")),
+                        help="the streamed cells' concurrencies (default 16,64)")
+    parser.add_argument("--closed-loop", action="store_true",
+                        help="only the engine alone in a closed loop, prefills joining steps and not (closed_loop)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
-    if not args.engine_only and args.tokenizer is None:
+    if not (args.engine_only or args.closed_loop) and args.tokenizer is None:
         parser.error("--tokenizer is needed to serve (or pass --engine-only)")
     if args.profile_gil:  # checked before minutes of cells, not after them
         if args.engine_only or args.soak:
@@ -582,6 +671,12 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix=f"forge-gpu-{shape}-") as scratch:
             root = Path(scratch)
             model_dir = make_model(shape, args.tokenizer, root / "model", args.dtype)
+            if args.closed_loop:
+                report["shapes"][shape] = {"closed_loop": closed_loop(model_dir, args.dtype),
+                                           "prefill": prefill_ms(model_dir, args.dtype)}
+                if args.json_out:
+                    args.json_out.write_text(json.dumps(report, indent=2, default=str))
+                continue
             entry = {} if args.engine_only else serve(shape, model_dir, root, args)
             if not args.no_engine:
                 entry.update(engine_report(shape, model_dir, args.dtype, args.bandwidth_tbs))
@@ -622,7 +717,7 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
         greedy = check_greedy(server, model_dir, tokenizer, served_dtype)
         print(f"{shape}: served greedy ids vs transformers ({served_dtype}): {json.dumps(greedy)}", flush=True)
         for name, model, levels, stream in (("forge default build", "ensemble", (1, 16, 64), False),
-                                            ("forge --decoupled build, streamed", "d_ensemble", (16, 64), True),
+                                            ("forge --decoupled build, streamed", "d_ensemble", args.stream_levels, True),
                                             ("seed-000 hf-pipeline", "seed_ensemble", () if args.no_seed else (1, 16),
                                              False)):
             engine_model = None if name.startswith("seed") else model.replace("ensemble", "tensorrt_llm")
@@ -742,6 +837,10 @@ def engine_share(before: dict, after: dict, wall_s: float) -> dict:
         extra = {"engine_queued_ms": round((after["queued_seconds"] - before["queued_seconds"]) / admitted * 1000, 3),
                  "engine_prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / busy, 3)
                  if busy else None}
+        prefills = after.get("prefills", 0) - before.get("prefills", 0)
+        if prefills:  # a server from before these counters has neither
+            extra["engine_admitted_per_prefill"] = round(admitted / prefills, 2)
+            extra["engine_joined_share"] = round((after["joined"] - before.get("joined", 0)) / admitted, 3)
     if steps and "device_seconds" in after:  # CUDA graphs: the device's share of a step, and the wait for it
         for kind in ("device", "wait"):
             spent = after[f"{kind}_seconds"] - before.get(f"{kind}_seconds", 0.0)

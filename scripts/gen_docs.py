@@ -264,11 +264,12 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
                       _f((r.get("latency_ms") or {}).get("p50"), ".0f"), _f((r.get("latency_ms") or {}).get("p99"), ".0f"),
                       _f((r.get("first_token_ms") or {}).get("p50"), ".0f"),
                       _f((r.get("inter_token_ms") or {}).get("p50"), ".1f"), _f(r.get("engine_mean_rows"), ".1f"),
-                      r.get("errors", "—")] for r in rows]
+                      _f(r.get("engine_admitted_per_prefill"), ".1f"), r.get("errors", "—")] for r in rows]
             out += [f"**{shape}, served** (closed loop through each ensemble; streamed rows through a `--decoupled` "
                     "build; the `--target hf-pipeline` model as the baseline, all in one tritonserver):\n",
                     _table(["model", "concurrency", "requests", "req/s", "generated tok/s", "p50 ms", "p99 ms",
-                            "TTFT p50 ms", "inter-token p50 ms", "engine's mean batch", "errors"], table)]
+                            "TTFT p50 ms", "inter-token p50 ms", "engine's mean batch", "prompts a prefill", "errors"],
+                           table)]
             if entry.get("ratio_c16") is not None:
                 out.append(f"Generated tokens/s of the forge build over the hf-pipeline model at concurrency 16: "
                            f"**{entry['ratio_c16']:.0f}×**.\n")
@@ -307,10 +308,22 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
         prefill = entry.get("prefill") or []
         if prefill:
             table = [[p.get("prompts"), p.get("tokens"), _f(p.get("graph_ms"), ".2f"), _f(p.get("compiled_graph_ms"), ".2f"),
-                      _f(p.get("static_ms"), ".2f"), _f(p.get("hf_forward_ms"), ".2f")] for p in prefill]
-            out += [f"**{shape}, prefill** (ms for the prompts at once):\n",
-                    _table(["prompts", "tokens each", "captured", "captured, layers compiled", "eager",
-                            "Hugging Face forward"], table)]
+                      _f(p.get("compiled_graph_device_ms"), ".2f"), _f(p.get("static_ms"), ".2f"),
+                      _f(p.get("hf_forward_ms"), ".2f")] for p in prefill]
+            out += [f"**{shape}, prefill** (ms for the prompts at once, from the host: uploads, replay and read-back; "
+                    "GPU ms: the compiled graph's replay alone, CUDA events):\n",
+                    _table(["prompts", "tokens each", "captured", "captured, layers compiled", "GPU ms (compiled)",
+                            "eager", "Hugging Face forward"], table)]
+        loop = entry.get("closed_loop") or []
+        if loop:
+            table = [["joins the step in flight" if r.get("join_prefills") else "waits for it", r.get("concurrency"),
+                      _f(r.get("tokens_per_s")), _f(r.get("ms_per_step"), ".2f"), _f(r.get("device_ms_per_step"), ".2f"),
+                      _f(r.get("prefill_share"), ".3f"), _f(r.get("admitted_per_prefill"), ".1f"),
+                      _f(r.get("mean_rows"), ".1f")] for r in loop]
+            out += [f"**{shape}, the engine alone in a closed loop** (no Triton; each finished sequence replaced at "
+                    "once by a new 32-token prompt, 64 new tokens each):\n",
+                    _table(["prefill", "sequences in flight", "generated tok/s", "ms/step", "GPU ms/step",
+                            "prefill share", "prompts a prefill", "mean batch"], table)]
         for p in entry.get("parity") or []:
             out.append(f"Greedy ids, engine with CUDA graphs ({_cell(p.get('cuda_graphs'))}) vs transformers "
                        f"`generate`, {p.get('dtype')}: {p.get('rows_all_equal')} of {p.get('rows')} rows equal "

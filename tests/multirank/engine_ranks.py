@@ -23,6 +23,7 @@ PROMPTS = [[5, 9, 13, 40], [7, 3], [11, 12, 13, 14, 15, 16, 17], [20, 21]]
 DECODER = sys.argv[3] if len(sys.argv) > 3 else "hf"
 graphs.FIRST_COLUMNS, graphs.BLOCK_TOKENS = 8, 4  # every rank: the step's buckets must agree
 graphs.COMPILE_BACKEND = "eager"  # traced as on a GPU, without compiling code on a small CPU
+engine.JOIN_PREFILLS = True  # the overlapped decoder's prefills join the step in flight on every rank
 
 
 def generate(model, make_engine, decoder: str = "hf") -> dict:
@@ -46,6 +47,8 @@ def generate(model, make_engine, decoder: str = "hf") -> dict:
     eng.step()
     eng.submit(sequences[2:])
     eng.run_until_idle()
+    if decoder == "overlapped":  # the late prompts' prefills joined a step in flight on every rank
+        assert eng.joined == 4, eng.joined  # the first two started the steps, the late two joined them
     return outputs
 
 

@@ -306,9 +306,10 @@ def test_automatic_runtime_choices_follow_the_device(monkeypatch):
 
 
 def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(model):
-    """With sequences running, a lone arrival waits (up to admit_wait_ns) for others to share its prefill; 16
-    running admit once 16 // ADMIT_SHARE are waiting or the oldest waited long enough; with nothing running
-    it is admitted at once. (On a CPU admit_wait_ns is 0: every arrival is admitted at the next step.)"""
+    """With sequences running, a lone arrival waits for others to share its prefill; 16 running admit once
+    16 // ADMIT_SHARE are waiting or the oldest waited long enough: ADMIT_WAIT_STEPS decoding steps, or for a
+    streamed one (its client watches for the first token) admit_wait_ns; with nothing running it is admitted at
+    once. (On a CPU admit_wait_ns is 0: every arrival is admitted at the next step.)"""
     from forge.served.decoder_engine.forge_decoder import engine as engine_mod
 
     engine = engine_for(model, max_rows=32)
@@ -325,7 +326,15 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     engine.submit(late[-1:])
     engine.step()
     assert len(engine._active) == 16 + len(late) and not engine._pending
-    engine.admit_wait_ns = 1  # the oldest has waited long enough: admitted alone
-    engine.submit([Sequence(GenerationRequest([4], 5), lambda s, u: None)])
+    engine.submit([Sequence(GenerationRequest([4], 5), lambda s, u: None)])  # alone: admitted after the steps
+    for _ in range(engine_mod.ADMIT_WAIT_STEPS):  # ... that many decoding steps ran without it
+        engine.step()
+        assert len(engine._pending) == 1
+    engine.step()
+    assert not engine._pending
+    engine.submit([Sequence(GenerationRequest([4], 5, streaming=True), lambda s, u: None)])
+    engine.step()
+    assert len(engine._pending) == 1  # a streamed arrival waits for admit_wait_ns, not for steps
+    engine.admit_wait_ns = 1
     engine.step()
     assert not engine._pending

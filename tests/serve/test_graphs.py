@@ -215,16 +215,17 @@ def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch, pag
             self.replay = run
 
     def capture(self, rows, columns):
-        ids = torch.zeros((rows, columns), dtype=torch.long)
-        slots = torch.full((rows,), self.spare_slot, dtype=torch.long)
-        last = torch.zeros(rows, dtype=torch.long)
-        logits, picks = (t.clone() for t in self._prefill_logits(ids, slots, last))
+        inputs = torch.zeros((rows, columns + 3), dtype=torch.long)
+        ids, slots, last, banned = self.prefill_views(inputs)
+        slots.fill_(self.spare_slot)
+        banned.fill_(-1)
+        logits, picks = (t.clone() for t in self._prefill_logits(ids, slots, last, banned))
 
         def run():
-            for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last)):
+            for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last, banned)):
                 out.copy_(value)
 
-        self.prefill_graphs[(rows, columns)] = (Replayed(run), (ids, slots, last), logits, picks)
+        self.prefill_graphs[(rows, columns)] = (Replayed(run), inputs, logits, picks)
 
     eager = graphs.decoder_for(model, 4, 64, capture=False)
     captured = graphs.decoder_for(model, 4, 64, capture=False, paged=paged)
@@ -586,6 +587,79 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     requests = [GenerationRequest(p, n, streaming=True) for p, n in zip(prompts[:2], lengths[:2])]
     seqs, updates, ahead = _overlap_run(model, requests, "true")
     assert ahead == 0 and [s.output for s in seqs] == plain[:2]
+
+
+def _joined_run(model, requests, overlap: str, *, cancel: int | None = None, late: list[int] = ()):
+    """Run ``requests`` through a 3-slot static engine, those in ``late`` submitted after two steps; request
+    ``cancel`` is cancelled right after its first step() in the batch. Returns (engine, sequences, updates)."""
+    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3, cancel_check_ms=0)
+    engine.use_graphs("auto", capture=False, overlap=overlap)
+    updates: dict[int, list] = {}
+    seqs = [Sequence(r, lambda s, u: updates.setdefault(id(s), []).append(u)) for r in requests]
+    engine.submit([s for i, s in enumerate(seqs) if i not in late])
+    with torch.inference_mode():
+        for step in range(200):
+            if step == 2:
+                engine.submit([seqs[i] for i in late])
+            if cancel is not None and seqs[cancel] in engine._active:
+                seqs[cancel].cancel()
+            if not engine._pending and not engine._active:
+                break
+            engine.step()
+    assert engine._ahead is None and not engine._active
+    return engine, seqs, [updates.get(id(s), []) for s in seqs]
+
+
+def test_prompts_admitted_while_a_step_is_in_flight_join_it(monkeypatch):
+    """Where steps overlap, a prefill does not wait for the step in flight: its picks join that step's, both are
+    read together, and the next step gathers every row's token from them on the device. Six prompts through three
+    slots, rows joining as others leave: one with max_tokens 1 (padding in the step after its prefill), one whose
+    second token is its end_id (min_length 1 bans it as the first), one cancelled right after it joined. Every update equals the engine's one step at
+    a time, and the ids equal transformers. Prompts asking for context logits, or holding prompt-table ids,
+    wait for the step in flight instead (their prefill reads them back)."""
+    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
+
+    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
+    monkeypatch.setattr(engine_mod, "JOIN_PREFILLS", True)
+    model, reference = _model("llama"), _model("llama")
+    prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13], [3, 3, 4]]
+    lengths = [3, 6, 1, 9, 4, 7]
+    plain = [_generate(reference, p, n) for p, n in zip(prompts, lengths)]
+
+    def requests():
+        made = [GenerationRequest(p, n) for p, n in zip(prompts, lengths)]
+        made[4].end_id = plain[4][1]
+        return made
+
+    engine, seqs, updates = _joined_run(model, requests(), "true", cancel=5)
+    base, _, base_updates = _joined_run(model, requests(), "false", cancel=5)
+    _same_updates(updates, base_updates)
+    assert [s.output for s in seqs[:4]] == plain[:4]
+    assert updates[4][-1].reason == "end_id" and seqs[4].output == plain[4][:1]
+    assert updates[5][-1].reason == "cancelled" and seqs[5].output == plain[5][:len(seqs[5].output)]
+    assert engine.joined == engine.admitted == base.admitted == 6 and base.joined == 0
+    assert engine.prefills == base.prefills
+
+    # a prompt whose first argmax is its end_id: min_length 1 bans it, so its first token is the runner-up (the
+    # prefill's picks leave the end_id out), with the log-probability of the logits without it
+    with torch.no_grad():
+        last = reference(torch.tensor([prompts[0]])).logits[0, -1].float()
+    banned = last.clone()
+    banned[int(last.argmax())] = float("-inf")
+    made = GenerationRequest(prompts[0], 2, end_id=int(last.argmax()))
+    engine, seqs, updates = _joined_run(model, [made], "true")
+    assert engine.joined == 1 and seqs[0].output[0] == int(banned.argmax()) != made.end_id
+    assert updates[0][0].logprobs[0] == pytest.approx(float(torch.log_softmax(banned, -1).max()), abs=1e-4)
+
+    # a prompt asking for context logits and one holding a prompt-table id, admitted while steps are in flight
+    made = requests()[:4]
+    made[3].return_context_logits = True
+    made.append(GenerationRequest([2, VOCAB + 1, 6], 4))
+    engine, seqs, updates = _joined_run(model, made, "true", late=[3, 4])
+    _, _, base_updates = _joined_run(model, [GenerationRequest(**vars(r)) for r in made], "false", late=[3, 4])
+    _same_updates(updates, base_updates)
+    assert seqs[3].output == plain[3] and seqs[3].context_logits.shape == (len(prompts[3]), VOCAB)
+    assert engine.joined == 3 and engine.prefills >= 3
 
 
 def test_overlapped_steps_need_static_slots():

@@ -36,7 +36,8 @@ from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E40
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
 ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often while it has work
-ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds")
+ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds",
+                   "prefills", "joined")
 DEVICE_COUNTERS = ("device_seconds", "wait_seconds")  # measured where the engine decodes through CUDA graphs
 
 
@@ -264,7 +265,8 @@ class TritonPythonModel:
             name="forge_decoder_engine_total", description="the engine thread: seconds inside steps "
             "(kind=step_seconds) and prefills (kind=prefill_seconds), decoding steps (kind=decode_steps) and rows "
             "summed over them (kind=decoded_rows), sequences admitted (kind=admitted) and their seconds waited in "
-            "the engine's queue (kind=queued_seconds); with CUDA graphs on a GPU also the device's seconds in "
+            "the engine's queue (kind=queued_seconds), prefills run (kind=prefills) and sequences whose prefill joined the "
+            "decoding step in flight (kind=joined); with CUDA graphs on a GPU also the device's seconds in "
             "decoding steps (kind=device_seconds) and the engine thread's seconds waiting for their tokens "
             "(kind=wait_seconds)", kind=pb_utils.MetricFamily.COUNTER)
         labels = {"model": self.name}
@@ -303,6 +305,7 @@ class TritonPythonModel:
         values = {"step_seconds": engine.step_ns / 1e9, "decode_steps": float(engine.decode_steps),
                   "decoded_rows": float(engine.decoded_rows), "prefill_seconds": engine.prefill_ns / 1e9,
                   "admitted": float(engine.admitted), "queued_seconds": engine.queued_ns / 1e9,
+                  "prefills": float(engine.prefills), "joined": float(engine.joined),
                   "device_seconds": engine.device_ns / 1e9, "wait_seconds": engine.wait_ns / 1e9}
         for kind, counter in self.engine_counters.items():
             value = values[kind]

@@ -522,10 +522,11 @@ class Follower:
         elif cmd.op == "gprefill":
             s = dict(cmd.settings)
             try:  # a refusal (a slot or width check) happens on rank 0 too, which then sends gkeep
-                self.graphs.prefill(cmd.ids.to(device), s.pop("lengths"),
+                self.graphs.prefill(cmd.ids, s.pop("lengths"),
                                     embeds=None if cmd.embeds is None else cmd.embeds.to(device), **s)
             except Exception:  # noqa: BLE001 - whatever rank 0 catches around the same prefill (then gkeep)
-                pass
+                return
+            self.last_picks = self.graphs.picks  # with ``after``: the step in flight's picks, then the prompts
         elif cmd.op == "gkeep":
             self.graphs.keep(cmd.rows)
         elif cmd.op == "greset":

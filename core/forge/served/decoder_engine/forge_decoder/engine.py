@@ -64,6 +64,7 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     arrival_ns: int = field(default_factory=time.time_ns)
+    arrival_step: int = 0  # the engine's decoding steps when it was submitted
     scheduled_ns: int = 0
     first_token_ns: int = 0
     last_token_ns: int = 0
@@ -75,13 +76,16 @@ class Sequence:
 
 @dataclass(eq=False)
 class _Ahead:
-    """A decoding step launched before the host read the one before it (``Engine.overlap``)."""
+    """A decoding step launched before the host read the one before it (``Engine.overlap``), and the prompts
+    admitted since, whose prefill the device runs after it (``joined``: their first tokens follow its picks)."""
 
-    rows: list[Sequence]  # its rows in slot order
+    rows: list[Sequence]  # its rows in slot order, then the joined prompts'
     padding: set[int]  # rows decoded as padding: their sequences end with the step before (or were cancelled)
     picks: torch.Tensor  # the device's [rows, 2] picks, what the next step's tokens are gathered from
     host: torch.Tensor  # ... copied to pinned memory
-    events: tuple | None  # (launched, done) CUDA events (None on a CPU)
+    events: tuple | None  # (launched, done) CUDA events of the step (None on a CPU, or a prefill alone)
+    ready: Any = None  # the CUDA event after the joined prompts' picks are copied too
+    joined: int = 0  # rows at the end that a prefill added
 
 
 def filled_holes(live: list[int]) -> list[int]:
@@ -121,14 +125,23 @@ def choose_dtype(device: torch.device, name: str, checkpoint: str = "float16") -
     return DTYPES.get(name, torch.float32)
 
 
-#: On a GPU a prefill costs about a decoding step whatever its size, so while sequences run, arrivals are
-#: gathered: admitted once len(running) // ADMIT_SHARE are waiting, the oldest has waited ADMIT_WAIT_S, or
-#: nothing runs (H100, SmolLM2 shape, c=64: one prefill per step halved the step rate). The wait adds to the
-#: time to first token: 2 ms against 8 gave a streamed c=16 TTFT p50 of 28 ms against 38, and 6 % more
-#: non-streamed tok/s at c=64 (H200, SmolLM2 shape, streamed steps overlapped then; the default, with streamed
-#: steps one at a time, measured 14 ms on an H100).
+#: On a GPU a prefill keeps the device busy about as long as a decoding step whatever its size (H100, SmolLM2
+#: shape: 1.23 ms for one 32-token prompt, 1.61 for 16, against 1.06 for a 64-row step), so while sequences run,
+#: arrivals are gathered: admitted once len(running) // ADMIT_SHARE are waiting, the oldest has waited
+#: ADMIT_WAIT_STEPS decoding steps (a streamed one, whose client watches for the first token: ADMIT_WAIT_S), or
+#: nothing runs. Free slots do not cap the count waited for: at c=64 one or two free up per step, and admitting
+#: them at once made nearly every prefill one of one or two prompts. H100, SmolLM2 shape, served c=16 / 64:
+#: 4 steps gave 9 400 / 23 850 tok/s against 8 670 / 22 160 (8.9 prompts a prefill, prefill share 0.36 → 0.17);
+#: 8 steps measured 8 800 / 22 340 in another call. 2 ms against 8 gave a streamed c=16 time to first token p50 of
+#: 28 ms against 38 (H200, streamed steps overlapped then).
 ADMIT_SHARE = 4
 ADMIT_WAIT_S = 0.002
+ADMIT_WAIT_STEPS = 4
+#: Whether prefills join the step in flight where they can (``Engine._joins``) instead of waiting for it. Off: on
+#: an H100 (SmolLM2 shape, 16 sequences arriving a few ms apart) a joined prefill led to a device-side index
+#: error within seconds, which no CPU run reproduces; and with whole waves of arrivals (64 prompts a prefill)
+#: joining changed nothing (55 405 tok/s against 55 845). Tests and benchmarks/serve_gpu.py --closed-loop turn it on.
+JOIN_PREFILLS = False
 GPU_ROWS = 64  # sequences in flight on a GPU by default: one decode step costs about the same at 1 and 64 rows
 #: The share of the free GPU memory the CUDA-graph decoder's KV cache may take when
 #: -o kv_cache_free_gpu_mem_fraction is not set (the rest: activations, graphs, the other models).
@@ -201,6 +214,7 @@ class Engine:
         params = inspect.signature(model.forward).parameters
         self._keep_arg = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
         self._cache_position = "cache_position" in params
+        self.vocab = model.get_input_embeddings().num_embeddings  # prompt ids from here on select prompt-table rows
         self._pending: deque[Sequence] = deque()
         self._active: list[Sequence] = []
         self._batch: kvcache.BatchCache | None = None
@@ -213,6 +227,8 @@ class Engine:
         self.decoded_rows = 0  # rows summed over decoding steps (÷ decoding steps: the mean batch)
         self.decode_steps = 0
         self.prefill_ns = 0  # time inside prefills (part of step_ns; not the step in flight settled before one)
+        self.prefills = 0  # prefills run, and of them those that joined the step in flight (``_joins``)
+        self.joined = 0
         self.admitted = 0  # sequences admitted, and their waits from submit to admission summed:
         self.queued_ns = 0  # queued_ns / admitted is the mean wait in the engine's queue
         # Decoding steps through CUDA graphs on a GPU only (``timed``): the device's time in them (CUDA events)
@@ -226,7 +242,7 @@ class Engine:
         # rows only; anything else runs one step at a time.
         self.overlap = False
         self._ahead: _Ahead | None = None
-        self._buffers: list = []  # two (host picks, events) sets the launched steps alternate
+        self._buffers: list = []  # two (host picks, step's events, joined prefill's event) sets that launches alternate
         self._turn = 0
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
@@ -297,9 +313,11 @@ class Engine:
         self.overlap = mode == "true" or (mode == "auto" and self.graphs.capture and reason is None)
         if self.overlap:
             gpu = self.graphs.capture
-            self._buffers = [(torch.zeros((self.max_rows, 2), dtype=torch.float32, pin_memory=gpu),
+            # a step's rows and the prompts joining them can hold up to twice the rows (the step's rows that have
+            # finished are still in it)
+            self._buffers = [(torch.zeros((2 * self.max_rows, 2), dtype=torch.float32, pin_memory=gpu),
                               (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                              if gpu else None)
+                              if gpu else None, torch.cuda.Event() if gpu else None)
                              for _ in range(2)]
             return "steps overlapped"
         return f"steps one at a time ({'-o overlap_steps=false' if mode == 'false' else reason})"
@@ -353,6 +371,7 @@ class Engine:
         """Queue sequences; their callbacks run on the engine thread."""
         for seq in sequences:
             self._prepare(seq)
+            seq.arrival_step = self.decode_steps
         with self._cond:
             self._pending.extend(sequences)
             self._cond.notify_all()
@@ -389,14 +408,18 @@ class Engine:
         self._check_cancelled()
         admitted = self._admit()
         if admitted:
-            # the step in flight reports first: a prefill reads back its own tokens at once (that wait counts
-            # as wait_ns, and the report is decoding work: neither is the prefill's time)
-            self._settle()
+            join = self._joins(admitted)
+            if not join:
+                # the step in flight reports first: a prefill reads back its own tokens at once (that wait counts
+                # as wait_ns, and the report is decoding work: neither is the prefill's time)
+                self._settle()
             begun = time.perf_counter_ns()
             self.admitted += len(admitted)
+            self.prefills += 1
+            self.joined += len(admitted) if join else 0
             now = time.time_ns()
             self.queued_ns += sum(now - s.arrival_ns for s in admitted)
-            self._prefill(admitted)
+            self._prefill(admitted, join)
             self.prefill_ns += time.perf_counter_ns() - begun
         if self._active:
             self.decoded_rows += len(self._active)
@@ -460,9 +483,12 @@ class Engine:
         """Whether waiting sequences wait for more to join them in one prefill (see ADMIT_SHARE)."""
         if not self.admit_wait_ns or not self._active or not self._pending:
             return False
-        enough = min(self.max_rows - len(self._active), max(1, len(self._active) // ADMIT_SHARE))
-        return (len(self._pending) < enough
-                and time.time_ns() - self._pending[0].arrival_ns < self.admit_wait_ns)
+        if len(self._pending) >= max(1, len(self._active) // ADMIT_SHARE):
+            return False
+        oldest = self._pending[0]
+        if oldest.request.streaming:  # its client waits for the first token
+            return time.time_ns() - oldest.arrival_ns < self.admit_wait_ns
+        return self.decode_steps - oldest.arrival_step < ADMIT_WAIT_STEPS
 
     def _need(self, seq: Sequence) -> int:
         """The most tokens ``seq`` can come to hold (what a paged cache promises it at admission)."""
@@ -501,16 +527,22 @@ class Engine:
                 admitted.append(self._pending.popleft())
         return admitted
 
+    def _tabled(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt holds ids past the vocabulary (its prefill embeds them: ``_embed``)."""
+        return max(seq.tokens, default=0) >= self.vocab
+
     def _embed(self, ids: torch.Tensor, admitted: list[Sequence]) -> torch.Tensor | None:
-        """Input embeddings when a prompt holds ids past the vocabulary (None: plain ids will do).
+        """Input embeddings when a prompt holds ids past the vocabulary (None: plain ids will do); ``ids`` on the
+        host.
 
         Such ids select rows of the request's prompt table, or embed as zeros without one (see request.py).
         """
-        table = self.model.get_input_embeddings()
-        vocab = table.num_embeddings
-        outside = ids >= vocab
-        if not bool(outside.any()):
+        if not any(self._tabled(seq) for seq in admitted):
             return None
+        table = self.model.get_input_embeddings()
+        vocab = self.vocab
+        ids = ids.to(self.device)
+        outside = ids >= vocab
         embeds = table(torch.where(outside, torch.zeros_like(ids), ids))
         embeds = embeds.masked_fill(outside.unsqueeze(-1), 0.0)
         for i, seq in enumerate(admitted):
@@ -538,12 +570,22 @@ class Engine:
             kwargs["cache_position"] = torch.arange(past, mask.shape[1], device=self.device)
         return self.model(**kwargs).logits
 
-    def _prefill(self, admitted: list[Sequence]) -> None:
+    def _joins(self, admitted: list[Sequence]) -> bool:
+        """Whether the prefill of ``admitted`` may join the step in flight (or start one where nothing runs):
+        launched without reading that step first, their first tokens read with its picks, the next step gathering
+        every row's token on the device. Where steps overlap and every prompt is plain (what ``_overlappable``
+        asks, no context logits, no prompt table). Without it a prefill waited for the step in flight and read
+        its own tokens back: twice a step's time with the device idle while the host worked."""
+        return (JOIN_PREFILLS and self.overlap and (self._ahead is not None or not self._active)
+                and all(self._overlaps(s, first=True) and not s.request.return_context_logits and not self._tabled(s)
+                        for s in admitted))
+
+    def _prefill(self, admitted: list[Sequence], join: bool = False) -> None:
         scheduled = time.time_ns()
         for seq in admitted:
             seq.scheduled_ns = scheduled
         if self.graphs is not None:
-            self._prefill_static(admitted)
+            self._prefill_static(admitted, join)
             return
         lengths = [len(s.tokens) for s in admitted]
         width = max(lengths)
@@ -552,13 +594,13 @@ class Engine:
         for i, seq in enumerate(admitted):
             ids[i, width - lengths[i]:] = torch.tensor(seq.tokens)
             mask[i, width - lengths[i]:] = 1
+        embeds = self._embed(ids, admitted)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = kvcache.new_cache()
         keep_all = any(s.request.return_context_logits for s in admitted)
         try:
-            logits = self._forward(ids, mask, positions, cache, keep_all=keep_all,
-                                   embeds=self._embed(ids, admitted), rows=admitted)
+            logits = self._forward(ids, mask, positions, cache, keep_all=keep_all, embeds=embeds, rows=admitted)
         except Exception as exc:
             self._prefill_failed(admitted, exc)
             return
@@ -573,14 +615,17 @@ class Engine:
         self._active.extend(admitted)
         self._advance(logits[:, -1, :], admitted)
 
-    def _prefill_static(self, admitted: list[Sequence]) -> None:
+    def _prefill_static(self, admitted: list[Sequence], join: bool = False) -> None:
         """The admitted prompts through the static decoder's own prefill (right-padded, keys and values straight
-        into their slots); plain greedy rows take the argmax it computed."""
+        into their slots); plain greedy rows take the argmax it computed. ``join``: see ``_joins``."""
         lengths = [len(s.tokens) for s in admitted]
-        ids = torch.zeros((len(admitted), max(lengths)), dtype=torch.long)
+        table = np.zeros((len(admitted), max(lengths)), dtype=np.int64)
         for i, seq in enumerate(admitted):
-            ids[i, :lengths[i]] = torch.tensor(seq.tokens)
-        ids = ids.to(self.device)
+            table[i, :lengths[i]] = seq.tokens
+        ids = torch.from_numpy(table)  # on the host: the decoder uploads it without waiting for the device
+        if join:
+            self._prefill_joined(admitted, ids, lengths)
+            return
         keep_all = any(s.request.return_context_logits for s in admitted)
         adapters = self.lora is not None and any(s.request.lora is not None for s in admitted)
         if self.lora is not None:
@@ -591,7 +636,8 @@ class Engine:
         try:
             logits = self.graphs.prefill(ids, lengths, embeds=embeds, all_logits=keep_all, modules=adapters,
                                          needs=[self._need(s) for s in admitted],
-                                         prompts=[list(s.tokens) for s in admitted] if shared else None)
+                                         prompts=[list(s.tokens) for s in admitted] if shared else None,
+                                         banned=[sampling.banned_end(s) for s in admitted])
         except Exception as exc:
             self._prefill_failed(admitted, exc)
             return
@@ -602,8 +648,34 @@ class Engine:
             logits = logits[torch.arange(len(admitted), device=self.device),
                             torch.tensor(lengths, device=self.device) - 1]
         self._active.extend(admitted)
-        plain = all(sampling.plain_greedy(s) for s in admitted)
+        plain = all(sampling.plain_greedy(s, end_banned=True) for s in admitted)  # the picks left banned ends out
         self._advance(logits, admitted, self.graphs.greedy(len(admitted)) if plain else None)
+
+    def _prefill_joined(self, admitted: list[Sequence], ids: torch.Tensor, lengths: list[int]) -> None:
+        """Launch the prefill after the step in flight (``_joins``): its picks join that step's, copied to the same
+        pinned buffer behind them; the rows are read and reported with that step."""
+        prev = self._ahead
+        after = len(prev.rows) if prev is not None else 0
+        if self.lora is not None:
+            self.lora.select(None)
+        try:
+            self.graphs.prefill(ids, lengths, needs=[self._need(s) for s in admitted], after=after,
+                                banned=[sampling.banned_end(s) for s in admitted])
+        except Exception as exc:
+            self._prefill_failed(admitted, exc)
+            return
+        if prev is None:  # nothing in flight: the prefill's picks are read as a launched step's would be
+            host, _events, ready = self._buffers[self._turn]
+            self._turn ^= 1
+            prev = _Ahead([], set(), self.graphs.picks, host, None, ready)
+        n = len(admitted)
+        picks = self.graphs.picks
+        prev.host[after:after + n].copy_(picks[after:after + n], non_blocking=True)
+        if prev.ready is not None:
+            prev.ready.record()
+        self._active.extend(admitted)
+        self._ahead = _Ahead(prev.rows + admitted, prev.padding, picks, prev.host, prev.events, prev.ready,
+                             prev.joined + n)
 
     def _prefill_failed(self, admitted: list[Sequence], exc: Exception) -> None:
         self.log(f"forge decoder prefill failed: {traceback.format_exc()}")
@@ -611,14 +683,21 @@ class Engine:
             self._finish(seq, Update([], [], [], True, "error", f"generation failed: {exc}"))
 
     def _overlappable(self) -> bool:
-        """Whether this step may be launched before the host reads the last one: every row's token is the argmax
-        the graph picks, nothing else is read back from the step (no generation logits), no adapter runs, and no
-        row streams. A streaming row sends a response per token, which keeps the host, not the device, the
-        bottleneck: there overlap gained nothing and took time to first token from 14 to 25 ms (H100, SmolLM2
-        shape, streamed c=16: 2 055 tok/s overlapped, 2 109 one step at a time)."""
-        return self.overlap and all(sampling.plain_greedy(s) and not s.request.return_generation_logits
-                                    and not s.request.streaming
-                                    and (self.lora is None or s.request.lora is None) for s in self._active)
+        """Whether this step may be launched before the host reads the last one: every row ``_overlaps``. With a
+        step (or a joined prefill) in flight, each row's token there is not counted yet: this step picks the one
+        after it, which min_length's ban of the end_id may no longer reach."""
+        ahead = self._ahead is not None
+        return self.overlap and all(self._overlaps(s, first=ahead) for s in self._active)
+
+    def _overlaps(self, seq: Sequence, first: bool = False) -> bool:
+        """Whether ``seq``'s steps may overlap: its token is the argmax the graph picks, nothing else is read back
+        from the step (no generation logits), no adapter runs, and it does not stream. A streaming row sends a
+        response per token, which keeps the host, not the device, the bottleneck: there overlap gained nothing
+        and took time to first token from 14 to 25 ms (H100, SmolLM2 shape, streamed c=16: 2 055 tok/s
+        overlapped, 2 109 one step at a time). ``first``: min_length may ban the end_id from its next token alone
+        (a prompt's first token, whose pick leaves it out: ``sampling.banned_end``; or the token in flight)."""
+        return (sampling.plain_greedy(seq, end_banned=first) and not seq.request.return_generation_logits and not seq.request.streaming
+                and (self.lora is None or seq.request.lora is None))
 
     def _decode(self) -> None:
         if self._overlappable():
@@ -656,7 +735,7 @@ class Engine:
         by its end_id or a stop word is found only when that step is read: this step's token for it is dropped.
         """
         prev, rows, padding = self._ahead, list(self._active), set()
-        host, events = self._buffers[self._turn]
+        host, events, ready = self._buffers[self._turn]
         self._turn ^= 1
         if self.lora is not None:
             self.lora.select(None)
@@ -675,7 +754,7 @@ class Engine:
         host[:len(rows)].copy_(picks[:len(rows)], non_blocking=True)
         if events:
             events[1].record()
-        self._ahead = _Ahead(rows, padding, picks, host, events)
+        self._ahead = _Ahead(rows, padding, picks, host, events, ready)
         if prev is not None:
             self._report(prev)
 
@@ -686,9 +765,13 @@ class Engine:
             self._report(prev)
 
     def _report(self, launched: _Ahead) -> None:
-        """Wait for a launched step (without the GIL) and report its tokens."""
+        """Wait for a launched step (without the GIL) and report its tokens (and the joined prompts' first ones)."""
         if launched.events:
             self._wait(launched.events)
+        if launched.joined and launched.ready is not None:
+            waited = time.perf_counter_ns()
+            launched.ready.synchronize()
+            self.wait_ns += time.perf_counter_ns() - waited
         picks = launched.host.numpy()[:len(launched.rows)].tolist()
         live = [(i, seq) for i, seq in enumerate(launched.rows) if not seq.finished and i not in launched.padding]
         if live:

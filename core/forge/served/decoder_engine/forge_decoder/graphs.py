@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import decode_kernel
-from .kvlayout import PagedBlocks, StaticSlots
+from . import decode_kernel, sampling
+from .kvlayout import PagedBlocks, StaticSlots, upload
 
 
 #: scaled_dot_product_attention takes fewer query heads than key/value heads itself (torch >= 2.5)
@@ -227,8 +227,10 @@ class GraphDecoder:
         self.after_turn = 0
         self.capture = capture and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        # (prompts, width) bucket → (graph, (ids, slots, last) inputs, logits, picks)
+        # (prompts, width) bucket → (graph, inputs [prompts, width + 3] (prefill_views), logits, picks), and the
+        # pinned buffer its inputs are uploaded from, with the event of that upload
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self.prefill_staging: dict[tuple[int, int], tuple] = {}
         self.prefill_capture = self.capture  # off after a capture that failed (then prefill runs eagerly)
         self.log = print
         self.fused: Fused | None = None  # the layers' pieces compiled (use_compile)
@@ -334,7 +336,8 @@ class GraphDecoder:
     # -- the prefill --------------------------------------------------------------------------------
     def prefill(self, ids: torch.Tensor, lengths: list[int], *, embeds: torch.Tensor | None = None,
                 all_logits: bool = False, modules: bool = False, needs: list[int] | None = None,
-                prompts: list[list[int]] | None = None) -> torch.Tensor:
+                prompts: list[list[int]] | None = None, after: int | None = None,
+                banned: list[int] | None = None) -> torch.Tensor:
         """Prompts ``ids`` [n, width] (right-padded; row i holds ``lengths[i]`` tokens) into the next free
         slots: logits of each prompt's last token [n, vocab] (``greedy`` has their argmax), or with
         ``all_logits`` every position's [n, width, vocab]. ``embeds`` [n, width, hidden] replaces the
@@ -342,25 +345,33 @@ class GraphDecoder:
         bucket on a GPU. ``needs``: the tokens each sequence may reach (a paged cache's blocks; default
         max_len). ``prompts``: the prompts' tokens where their keys and values may be shared (a paged cache
         with reuse; never with embeds, adapters or all_logits): a row whose prompt starts with cached full
-        blocks prefills only the rest."""
+        blocks prefills only the rest. ``ids`` on the host: a captured prefill uploads them without waiting for
+        the device. ``after``: the prefill joins a step still in flight, whose first ``after`` picks stay in
+        front of the prompts' (``picks`` is both: the next ``step_after`` gathers every row's token from it).
+        ``banned``: per prompt a token its pick may not be (-1: none; its end_id while min_length forbids it):
+        the picks are the argmax and log-probability of the logits without it, the logits stay as they are."""
         n, width = ids.shape
-        first = self.used
+        first, before = self.used, self.picks
         if first + n > self.rows:
             raise RuntimeError(f"{first + n} rows do not fit the {self.rows} slots")
         if width >= self.max_len:
             raise RuntimeError(f"a prompt of {width} tokens does not fit {self.max_len} columns")
         try:
-            logits = self._prefill_slots(ids, lengths, first, embeds, all_logits, modules, needs, prompts)
+            logits = self._prefill_slots(ids, lengths, first, embeds, all_logits, modules, needs, prompts,
+                                         banned or [-1] * n)
         except BaseException:  # the slots' blocks go back; the engine fails these sequences
             self.cache.keep(list(range(first)), first + n, self.filled)
+            self.picks = before
             raise
         self.used += n
         self.filled = max(self.filled, width)
+        if after:
+            self.picks = torch.cat([before[:after], self.picks[:n]])
         return logits
 
     def _prefill_slots(self, ids: torch.Tensor, lengths: list[int], first: int, embeds: torch.Tensor | None,
                        all_logits: bool, modules: bool, needs: list[int] | None,
-                       prompts: list[list[int]] | None) -> torch.Tensor:
+                       prompts: list[list[int]] | None, banned: list[int]) -> torch.Tensor:
         n = ids.shape[0]
         starts = []
         for i, length in enumerate(lengths):
@@ -370,18 +381,17 @@ class GraphDecoder:
         self.cache.sync()
         fresh = [i for i, start in enumerate(starts) if not start]
         if len(fresh) == n:
-            logits = self._prefill_rows(ids, lengths, torch.arange(first, first + n, device=self.device), embeds,
-                                        all_logits, modules)
+            logits = self._prefill_rows(ids, lengths, list(range(first, first + n)), banned, embeds, all_logits,
+                                        modules)
         else:  # prompts after a reused prefix one by one (eagerly), the others together
             parts = []
             if fresh:
                 longest = max(lengths[i] for i in fresh)
                 parts.append((self._prefill_rows(ids[fresh, :longest], [lengths[i] for i in fresh],
-                                                 torch.tensor([first + i for i in fresh], device=self.device)),
-                              self.picks))
+                                                 [first + i for i in fresh], [banned[i] for i in fresh]), self.picks))
             for i, start in enumerate(starts):
                 if start:
-                    parts.append(self._prefill_after(ids[i:i + 1, start:lengths[i]], first + i, start))
+                    parts.append(self._prefill_after(ids[i:i + 1, start:lengths[i]], first + i, start, banned[i]))
             order = torch.tensor(fresh + [i for i, start in enumerate(starts) if start], device=self.device)
             back = torch.empty_like(order)
             back[order] = torch.arange(n, device=self.device)
@@ -391,24 +401,28 @@ class GraphDecoder:
             self.cache.published(first + i, prompt)
         return logits
 
-    def _prefill_rows(self, ids: torch.Tensor, lengths: list[int], slots: torch.Tensor,
+    def _prefill_rows(self, ids: torch.Tensor, lengths: list[int], slots: list[int], banned: list[int],
                       embeds: torch.Tensor | None = None, all_logits: bool = False,
                       modules: bool = False) -> torch.Tensor:
         """Prompts from position 0 into ``slots``: a captured bucket's replay, or eagerly."""
-        last = torch.tensor([length - 1 for length in lengths], device=self.device)
         bucket = self._prefill_bucket(*ids.shape)
         if bucket is not None and embeds is None and not all_logits and not modules:
-            return self._replay_prefill(bucket, ids, slots, last)
-        logits, self.picks = self._prefill_logits(ids, slots, last, embeds, all_logits, modules)
+            return self._replay_prefill(bucket, ids, slots, lengths, banned)
+        last = upload(torch.tensor([length - 1 for length in lengths]), self.device)
+        logits, self.picks = self._prefill_logits(upload(ids, self.device), upload(torch.tensor(slots), self.device),
+                                                  last, upload(torch.tensor(banned), self.device), embeds,
+                                                  all_logits, modules)
         return logits
 
-    def _prefill_after(self, ids: torch.Tensor, slot: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefill_after(self, ids: torch.Tensor, slot: int, start: int,
+                       banned: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One prompt's tokens [1, w] from position ``start`` (the slot holds the ones before): the last
         token's logits and picks."""
-        h = self._prefill(self.embed(ids), torch.tensor([slot], device=self.device), False, start=start, slot=slot)
-        return self._picks(self.head(self._final_norm(h[:, -1])))
+        h = self._prefill(self.embed(upload(ids, self.device)), upload(torch.tensor([slot]), self.device), False,
+                          start=start, slot=slot)
+        return self._picks(self.head(self._final_norm(h[:, -1])), upload(torch.tensor([banned]), self.device))
 
-    def _prefill_logits(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor,
+    def _prefill_logits(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, banned: torch.Tensor,
                         embeds: torch.Tensor | None = None, all_logits: bool = False,
                         modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill's arithmetic (what a prefill graph captures): logits and picks of the last tokens."""
@@ -416,8 +430,8 @@ class GraphDecoder:
         picked = torch.arange(ids.shape[0], device=self.device)
         if all_logits:
             logits = self.head(self._final_norm(h))
-            return logits, self._picks(logits[picked, last])[1]
-        return self._picks(self.head(self._final_norm(h[picked, last])))
+            return logits, self._picks(logits[picked, last], banned)[1]
+        return self._picks(self.head(self._final_norm(h[picked, last])), banned)
 
     def _prefill_bucket(self, n: int, width: int) -> tuple[int, int] | None:
         """The captured (prompts, width) bucket for a prefill, or None: run it eagerly."""
@@ -431,42 +445,64 @@ class GraphDecoder:
             return None
         return rows, columns
 
-    def _replay_prefill(self, bucket: tuple[int, int], ids: torch.Tensor, slots: torch.Tensor,
-                        last: torch.Tensor) -> torch.Tensor:
+    def _replay_prefill(self, bucket: tuple[int, int], ids: torch.Tensor, slots: list[int],
+                        lengths: list[int], banned: list[int]) -> torch.Tensor:
+        """The bucket's graph over prompts ``ids`` (on the host) into ``slots``: the bucket's inputs are written on
+        the host and uploaded in one copy that does not wait for the device (a step may be in flight)."""
         if bucket not in self.prefill_graphs:
             try:
                 self._capture_prefill(*bucket)
             except Exception as exc:  # run every later prefill eagerly rather than fail requests
                 self.prefill_capture = False
                 self.log(f"forge decoder: prefill runs eagerly: capturing it failed ({type(exc).__name__}: {exc})")
-                logits, self.picks = self._prefill_logits(ids, slots, last)
-                return logits
-        graph, (ids_in, slots_in, last_in), logits, picks = self.prefill_graphs[bucket]
+                return self._prefill_rows(ids, lengths, slots, banned)
+        graph, inputs, logits, picks = self.prefill_graphs[bucket]
+        if bucket not in self.prefill_staging:
+            gpu = self.device.type == "cuda"
+            self.prefill_staging[bucket] = (torch.zeros(inputs.shape, dtype=torch.long, pin_memory=gpu),
+                                            torch.cuda.Event() if gpu else None)
+        staging, uploaded = self.prefill_staging[bucket]
+        if uploaded is not None:
+            uploaded.synchronize()  # this bucket's last upload (long done: a prefill's tokens were read since)
         n, width = ids.shape
-        ids_in.zero_()
-        ids_in[:n, :width].copy_(ids)
-        slots_in.fill_(self.spare_slot)
-        slots_in[:n].copy_(slots)
-        last_in.zero_()
-        last_in[:n].copy_(last)
+        columns = bucket[1]
+        view = staging.numpy()
+        view[:] = 0
+        view[:n, :width] = ids.cpu().numpy()
+        view[:, columns] = self.spare_slot
+        view[:n, columns] = slots
+        view[:n, columns + 1] = [length - 1 for length in lengths]
+        view[:, columns + 2] = -1
+        view[:n, columns + 2] = banned
+        inputs.copy_(staging, non_blocking=True)
+        if uploaded is not None:
+            uploaded.record()
         graph.replay()
         self.picks = picks[:n]
         return logits[:n]
 
+    @staticmethod
+    def prefill_views(inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A captured prefill's inputs ``[prompts, width + 3]`` as (ids, slots, last token's positions, banned
+        tokens)."""
+        columns = inputs.shape[1] - 3
+        return inputs[:, :columns], inputs[:, columns], inputs[:, columns + 1], inputs[:, columns + 2]
+
     def _capture_prefill(self, rows: int, columns: int) -> None:
-        ids = torch.zeros((rows, columns), dtype=torch.long, device=self.device)
-        slots = torch.full((rows,), self.spare_slot, dtype=torch.long, device=self.device)
-        last = torch.zeros(rows, dtype=torch.long, device=self.device)
+        inputs = torch.zeros((rows, columns + 3), dtype=torch.long, device=self.device)
+        ids, slots, last, banned = self.prefill_views(inputs)
+        slots.fill_(self.spare_slot)
+        banned.fill_(-1)
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # warm-up: every prompt writes into the spare slot
-            self._prefill_logits(ids, slots, last)
+            self._prefill_logits(ids, slots, last, banned)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits, picks = self._prefill_logits(ids, slots, last)
+            logits, picks = self._prefill_logits(ids, slots, last, banned)
         self.pool = graph.pool()
-        self.prefill_graphs[(rows, columns)] = (graph, (ids, slots, last), logits, picks)
+        self.prefill_graphs[(rows, columns)] = (graph, inputs, logits, picks)
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
@@ -495,6 +531,8 @@ class GraphDecoder:
         last step's picks, still on the device) at ``positions[i]`` (``spare``: a row whose sequence ends with
         the last step, decoded as padding). ``self.picks`` is this step's."""
         n = len(sources)
+        if max(sources, default=0) >= picks.shape[0]:  # a device-side index error would end every later step
+            raise RuntimeError(f"step_after: a row's source {max(sources)} is past the {picks.shape[0]} picks")
         rows, columns = self._bucket(n, positions, False)
         staging, uploaded = self.after[self.after_turn]
         self.after_turn ^= 1
@@ -588,9 +626,15 @@ class GraphDecoder:
         return torch.matmul(probs, values).view(b, self.heads * dim)
 
     @staticmethod
-    def _picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top = logits.argmax(dim=-1, keepdim=True)
-        logprob = torch.log_softmax(logits.float(), dim=-1).gather(1, top)
+    def _picks(logits: torch.Tensor, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, per row its argmax and log-probability [n, 2]); ``banned`` [n]: a token row i's pick leaves out
+        (-1: none), as sampling.process bans an end_id that min_length forbids."""
+        scores = logits.float()
+        if banned is not None:
+            vocab = torch.arange(scores.shape[-1], device=scores.device)
+            scores = scores.masked_fill(vocab[None, :] == banned[:, None], sampling.NEG_INF)
+        top = scores.argmax(dim=-1, keepdim=True)
+        logprob = torch.log_softmax(scores, dim=-1).gather(1, top)
         return logits, torch.cat([top.float(), logprob], dim=1)
 
 

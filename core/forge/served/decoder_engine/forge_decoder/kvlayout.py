@@ -38,7 +38,7 @@ def _write(cache: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
 def upload(data: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor on ``device`` without waiting for the device: a plain copy to a GPU first waits for
     everything queued before it (the decoding step in flight, where steps overlap)."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or data.device.type != "cpu":
         return data.to(device)
     return data.pin_memory().to(device, non_blocking=True)
 

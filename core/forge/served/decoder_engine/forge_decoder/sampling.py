@@ -36,22 +36,32 @@ def _banned(words: list[list[int]], tokens: list[int]) -> list[int]:
     return banned
 
 
-def _untouched(row: Row) -> bool:
+def _untouched(row: Row, end_banned: bool = False) -> bool:
     """Whether ``process`` leaves the row's logits as they are (no bias, bad words, min length,
-    penalties or temperature apply now). ``process`` skips exactly these rows."""
+    penalties or temperature apply now). ``process`` skips exactly these rows. ``end_banned``: but for the
+    row's end_id, which min_length bans from this token alone."""
     req = row.request
     s = req.sampling
+    ends_banned = req.end_id is not None and row.generated < s.min_length
     return (row.bias is None and not req.bad_words and not s.penalised
-            and not (req.end_id is not None and row.generated < s.min_length)
+            and not (ends_banned and not (end_banned and s.min_length <= row.generated + 1))
             and (s.greedy or s.temperature in (0.0, 1.0)))
 
 
-def plain_greedy(row: Row) -> bool:
+def plain_greedy(row: Row, end_banned: bool = False) -> bool:
     """Whether the row's next token is the argmax of its raw logits (and ``choose`` would change nothing else);
-    never for a guided row, whose grammar masks its logits first."""
+    never for a guided row, whose grammar masks its logits first. ``end_banned``: the argmax without its end_id
+    where min_length bans that from this token alone (a prompt's first token with min_length 1, the default:
+    ``banned_end`` names it)."""
     s = row.request.sampling
-    return (s.greedy and _untouched(row) and s.top_p_decay == 1.0 and s.top_p_reset_id is None
+    return (s.greedy and _untouched(row, end_banned) and s.top_p_decay == 1.0 and s.top_p_reset_id is None
             and getattr(row, "matcher", None) is None)
+
+
+def banned_end(row: Row) -> int:
+    """The end_id that min_length bans from the row's next token, or -1."""
+    req = row.request
+    return req.end_id if req.end_id is not None and row.generated < req.sampling.min_length else -1
 
 
 def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
