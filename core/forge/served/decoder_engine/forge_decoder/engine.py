@@ -402,8 +402,10 @@ class Engine:
                     self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
         self._fail_all("the model is being unloaded", pending=True)
 
+    @torch.inference_mode()
     def step(self) -> None:
-        """One iteration: cancellations, admissions (prefill), one decoding step."""
+        """One iteration: cancellations, admissions (prefill), one decoding step (no autograd, whoever calls it:
+        a pick copied into the pinned host buffers must not carry a graph)."""
         started = time.perf_counter_ns()
         self._check_cancelled()
         admitted = self._admit()
