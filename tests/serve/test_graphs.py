@@ -589,11 +589,15 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     assert ahead == 0 and [s.output for s in seqs] == plain[:2]
 
 
-def _joined_run(model, requests, overlap: str, *, cancel: int | None = None, late: list[int] = ()):
+def _joined_run(model, requests, overlap: str, *, cancel: int | None = None, late: list[int] = (),
+                replayed: bool = False):
     """Run ``requests`` through a 3-slot static engine, those in ``late`` submitted after two steps; request
-    ``cancel`` is cancelled right after its first step() in the batch. Returns (engine, sequences, updates)."""
+    ``cancel`` is cancelled right after its first step() in the batch; ``replayed``: steps and prefills through
+    the decoder's graph paths (with whatever stands in for capturing). Returns (engine, sequences, updates)."""
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3, cancel_check_ms=0)
     engine.use_graphs("auto", capture=False, overlap=overlap)
+    if replayed:
+        engine.graphs.capture = engine.graphs.prefill_capture = True
     updates: dict[int, list] = {}
     seqs = [Sequence(r, lambda s, u: updates.setdefault(id(s), []).append(u)) for r in requests]
     engine.submit([s for i, s in enumerate(seqs) if i not in late])
@@ -660,6 +664,61 @@ def test_prompts_admitted_while_a_step_is_in_flight_join_it(monkeypatch):
     _same_updates(updates, base_updates)
     assert seqs[3].output == plain[3] and seqs[3].context_logits.shape == (len(prompts[3]), VOCAB)
     assert engine.joined == 3 and engine.prefills >= 3
+
+
+def test_a_joined_prefill_keeps_the_step_picks_from_the_shared_graph_pool(monkeypatch):
+    """Captured graphs share one memory pool: a step graph captured after a prefill graph may keep its picks where
+    the prefill graph keeps its scratch, so once the prefill's graph has run those picks are gone. Stood in for
+    on the CPU: steps and prefills through static outputs as replayed graphs have them, each prefill replay
+    scribbling over every step graph's picks. A joined prefill copies the step's picks before its graph runs: the
+    updates equal the engine's one step at a time."""
+    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
+
+    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
+    monkeypatch.setattr(engine_mod, "JOIN_PREFILLS", True)
+
+    class Replayed:
+        def __init__(self, run):
+            self.replay = run
+
+    def capture_step(self, rows, columns):
+        self.inputs[0, :rows] = 0
+        self.inputs[1, :rows] = self.spare  # as the real capture's warm-up: every row writes the spare column
+        logits, picks = (t.clone() for t in self._forward(rows, columns))
+
+        def run():
+            for out, value in zip((logits, picks), self._forward(rows, columns)):
+                out.copy_(value)
+
+        self.graphs[(rows, columns)] = (Replayed(run), logits, picks)
+
+    def capture_prefill(self, rows, columns):
+        inputs = torch.zeros((rows, columns + 3), dtype=torch.long)
+        ids, slots, last, banned = self.prefill_views(inputs)
+        slots.fill_(self.spare_slot)
+        banned.fill_(-1)
+        logits, picks = (t.clone() for t in self._prefill_logits(ids, slots, last, banned))
+
+        def run():
+            for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last, banned)):
+                out.copy_(value)
+            for _graph, _logits, step_picks in self.graphs.values():  # the pool's scratch
+                step_picks.fill_(-1.0)
+
+        self.prefill_graphs[(rows, columns)] = (Replayed(run), inputs, logits, picks)
+
+    monkeypatch.setattr(graphs.GraphDecoder, "_capture", capture_step)
+    monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill", capture_prefill)
+    model = _model("llama")
+    prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13], [3, 3, 4]]
+
+    def requests():
+        return [GenerationRequest(p, n, end_id=7) for p, n in zip(prompts, [3, 6, 1, 9, 4, 7])]
+
+    engine, seqs, updates = _joined_run(model, requests(), "true", late=[4, 5], replayed=True)
+    _, _, base_updates = _joined_run(model, requests(), "false", late=[4, 5])
+    assert engine.joined == 6
+    _same_updates(updates, base_updates)
 
 
 def test_overlapped_steps_need_static_slots():

@@ -138,9 +138,12 @@ ADMIT_SHARE = 4
 ADMIT_WAIT_S = 0.002
 ADMIT_WAIT_STEPS = 4
 #: Whether prefills join the step in flight where they can (``Engine._joins``) instead of waiting for it. Off: on
-#: an H100 (SmolLM2 shape, 16 sequences arriving a few ms apart) a joined prefill led to a device-side index
-#: error within seconds, which no CPU run reproduces; and with whole waves of arrivals (64 prompts a prefill)
-#: joining changed nothing (55 405 tok/s against 55 845). Tests and benchmarks/serve_gpu.py --closed-loop turn it on.
+#: an H100 (SmolLM2 shape, 16 sequences arriving a few ms apart) a joined prefill hit a device-side index error
+#: within seconds. The cause, fixed since but not run on a GPU again: the captured graphs share one memory pool,
+#: so a step graph's picks read after a prefill graph had run could be that graph's scratch (GraphDecoder.prefill
+#: now copies them first; tests/serve/test_graphs.py stands the pool in on the CPU, where the same mistake is an
+#: embedding IndexError). With whole waves of arrivals (64 prompts a prefill) joining changed nothing (55 405
+#: tok/s against 55 845). Tests and benchmarks/serve_gpu.py --closed-loop turn it on.
 JOIN_PREFILLS = False
 GPU_ROWS = 64  # sequences in flight on a GPU by default: one decode step costs about the same at 1 and 64 rows
 #: The share of the free GPU memory the CUDA-graph decoder's KV cache may take when

@@ -352,6 +352,10 @@ class GraphDecoder:
         the picks are the argmax and log-probability of the logits without it, the logits stay as they are."""
         n, width = ids.shape
         first, before = self.used, self.picks
+        if after:
+            # copied before the prefill's graph runs: the graphs share one memory pool, so a step graph captured
+            # after this prefill's may hold its picks where the prefill keeps its scratch
+            before = before[:after].clone()
         if first + n > self.rows:
             raise RuntimeError(f"{first + n} rows do not fit the {self.rows} slots")
         if width >= self.max_len:
@@ -366,7 +370,7 @@ class GraphDecoder:
         self.used += n
         self.filled = max(self.filled, width)
         if after:
-            self.picks = torch.cat([before[:after], self.picks[:n]])
+            self.picks = torch.cat([before, self.picks[:n]])
         return logits
 
     def _prefill_slots(self, ids: torch.Tensor, lengths: list[int], first: int, embeds: torch.Tensor | None,
