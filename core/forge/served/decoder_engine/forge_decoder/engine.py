@@ -578,9 +578,9 @@ class Engine:
     def _joins(self, admitted: list[Sequence]) -> bool:
         """Whether the prefill of ``admitted`` may join the step in flight (or start one where nothing runs):
         launched without reading that step first, their first tokens read with its picks, the next step gathering
-        every row's token on the device. Where steps overlap and every prompt is plain (what ``_overlappable``
-        asks, no context logits, no prompt table). Without it a prefill waited for the step in flight and read
-        its own tokens back: twice a step's time with the device idle while the host worked."""
+        every row's token on the device. With JOIN_PREFILLS, where steps overlap and every prompt is plain (what
+        ``_overlappable`` asks, no context logits, no prompt table). Otherwise a prefill waits for the step in
+        flight and reads its own first tokens back, the device idle meanwhile."""
         return (JOIN_PREFILLS and self.overlap and (self._ahead is not None or not self._active)
                 and all(self._overlaps(s, first=True) and not s.request.return_context_logits and not self._tabled(s)
                         for s in admitted))
