@@ -306,12 +306,14 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
 
 
 def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 16, max_tokens: int = 64,
-                length: int = 32) -> list[dict]:
+                length: int = 32, jitter_ms: float = 0.0) -> list[dict]:
     """The engine alone loaded as the served cells load the server: ``c`` sequences in flight, each one that
-    finishes replaced at once by a new prompt of ``length`` tokens (submitted from the engine's callback), until
-    ``waves`` × c have finished. Its default form (CUDA graphs, compiled, overlapped steps), with prefills joining
+    finishes replaced by a new prompt of ``length`` tokens, until ``waves`` × c have finished. ``jitter_ms`` 0: the
+    replacement is submitted at once from the engine's callback (arrivals in whole waves); else after a random
+    delay up to that long, from a timer thread (arrivals spread out, as a server's clients send them). Its default form (CUDA graphs, compiled, overlapped steps), with prefills joining
     the step in flight (``engine.JOIN_PREFILLS``) and with each prefill waiting for it (the default). What
     the engine makes with admissions, between ``engine_steps`` (steps alone) and the served cells."""
+    import random
     import threading
 
     import torch
@@ -327,6 +329,7 @@ def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 
             engine = engine_mod.Engine(model, Limits(model.config.vocab_size, 512, 1024), max_rows=max(c, 64))
             chosen = engine.use_graphs("auto")
             total, made, ended, live, done = waves * c, [0], [0], [False], threading.Event()
+            delays = random.Random(c)
 
             def finished(seq, update):
                 if not update.finished or not live[0]:
@@ -334,7 +337,10 @@ def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 
                 ended[0] += 1
                 if made[0] < total:
                     made[0] += 1
-                    engine.submit([new(made[0])])
+                    if jitter_ms:
+                        threading.Timer(delays.random() * jitter_ms / 1000, engine.submit, [[new(made[0])]]).start()
+                    else:
+                        engine.submit([new(made[0])])
                 elif ended[0] == total:
                     done.set()
 
@@ -361,7 +367,8 @@ def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 
             delta = {k: getattr(engine, k) - v for k, v in before.items()}
             tokens = sum(len(s.output) for s in sequences)
             steps = delta["decode_steps"] or 1
-            row = {"join_prefills": join, "concurrency": c, "sequences": len(sequences), "chosen": chosen,
+            row = {"join_prefills": join, "concurrency": c, "jitter_ms": jitter_ms, "sequences": len(sequences),
+                   "chosen": chosen,
                    "tokens_per_s": round(tokens / wall, 1), "ms_per_step": round(wall / steps * 1000, 3),
                    "device_ms_per_step": round(delta["device_ns"] / steps / 1e6, 3),
                    "prefill_share": round(delta["prefill_ns"] / wall / 1e9, 3),
@@ -369,7 +376,8 @@ def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 
                    "joined_share": round(delta["joined"] / max(delta["admitted"], 1), 3),
                    "mean_rows": round(delta["decoded_rows"] / steps, 1)}
             results.append(row)
-            print(f"  engine alone, closed loop, c={c}, prefills {'join' if join else 'wait'}: "
+            print(f"  engine alone, closed loop, c={c}, arrivals jittered up to {jitter_ms} ms, "
+                  f"prefills {'join' if join else 'wait'}: "
                   f"{row['tokens_per_s']} tok/s, {row['ms_per_step']} ms/step (device {row['device_ms_per_step']}), "
                   f"prefill share {row['prefill_share']}, {row['admitted_per_prefill']} prompts a prefill, "
                   f"{row['mean_rows']} rows", flush=True)
@@ -646,6 +654,9 @@ def main() -> int:
                         help="the streamed cells' concurrencies (default 16,64)")
     parser.add_argument("--closed-loop", action="store_true",
                         help="only the engine alone in a closed loop, prefills joining steps and not (closed_loop)")
+    parser.add_argument("--jitter-ms", type=float, default=0.0,
+                        help="--closed-loop: each new sequence submitted after a random delay up to this long "
+                             "(default 0: at once, in whole waves)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if not (args.engine_only or args.closed_loop) and args.tokenizer is None:
@@ -672,7 +683,7 @@ def main() -> int:
             root = Path(scratch)
             model_dir = make_model(shape, args.tokenizer, root / "model", args.dtype)
             if args.closed_loop:
-                report["shapes"][shape] = {"closed_loop": closed_loop(model_dir, args.dtype),
+                report["shapes"][shape] = {"closed_loop": closed_loop(model_dir, args.dtype, jitter_ms=args.jitter_ms),
                                            "prefill": prefill_ms(model_dir, args.dtype)}
                 if args.json_out:
                     args.json_out.write_text(json.dumps(report, indent=2, default=str))

@@ -317,12 +317,13 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
         loop = entry.get("closed_loop") or []
         if loop:
             table = [["joins the step in flight" if r.get("join_prefills") else "waits for it", r.get("concurrency"),
+                      f"within {r['jitter_ms']:g} ms" if r.get("jitter_ms") else "at once",
                       _f(r.get("tokens_per_s")), _f(r.get("ms_per_step"), ".2f"), _f(r.get("device_ms_per_step"), ".2f"),
                       _f(r.get("prefill_share"), ".3f"), _f(r.get("admitted_per_prefill"), ".1f"),
                       _f(r.get("mean_rows"), ".1f")] for r in loop]
-            out += [f"**{shape}, the engine alone in a closed loop** (no Triton; each finished sequence replaced at "
-                    "once by a new 32-token prompt, 64 new tokens each):\n",
-                    _table(["prefill", "sequences in flight", "generated tok/s", "ms/step", "GPU ms/step",
+            out += [f"**{shape}, the engine alone in a closed loop** (no Triton; each finished sequence replaced by a "
+                    "new 32-token prompt, at once or after a random delay, 64 new tokens each):\n",
+                    _table(["prefill", "sequences in flight", "replaced", "generated tok/s", "ms/step", "GPU ms/step",
                             "prefill share", "prompts a prefill", "mean batch"], table)]
         for p in entry.get("parity") or []:
             out.append(f"Greedy ids, engine with CUDA graphs ({_cell(p.get('cuda_graphs'))}) vs transformers "
