@@ -650,7 +650,7 @@ def main() -> int:
     parser.add_argument("--profile-gil", type=float, default=0,
                         help="after the cells, seconds of py-spy (--gil) on the served tensorrt_llm model under c=64 "
                         "non-streamed load: each thread's share of the GIL and the functions holding it (0: none)")
-    parser.add_argument("--stream-levels", default="16,64", type=lambda text: tuple(int(c) for c in text.split(",")),
+    parser.add_argument("--stream-levels", type=lambda text: tuple(int(c) for c in text.split(",")),
                         help="the streamed cells' concurrencies (default 16,64)")
     parser.add_argument("--closed-loop", action="store_true",
                         help="only the engine alone in a closed loop, prefills joining steps and not (closed_loop)")
@@ -661,6 +661,13 @@ def main() -> int:
     args = parser.parse_args()
     if not (args.engine_only or args.closed_loop) and args.tokenizer is None:
         parser.error("--tokenizer is needed to serve (or pass --engine-only)")
+    if args.closed_loop and (args.engine_only or args.no_engine or args.soak or args.profile_gil):
+        parser.error("--closed-loop runs alone: leave out --engine-only / --no-engine / --soak / --profile-gil")
+    if args.jitter_ms and not args.closed_loop:
+        parser.error("--jitter-ms spreads the arrivals of --closed-loop; pass --closed-loop too")
+    if args.stream_levels is not None and (args.engine_only or args.closed_loop or args.soak):
+        parser.error("--stream-levels sets the served streamed cells; leave out --engine-only / --closed-loop / --soak")
+    args.stream_levels = args.stream_levels or (16, 64)
     if args.profile_gil:  # checked before minutes of cells, not after them
         if args.engine_only or args.soak:
             parser.error("--profile-gil samples the served cells' model: leave out --engine-only / --soak")
