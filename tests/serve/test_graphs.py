@@ -202,6 +202,45 @@ def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind, compiled
         decoder.prefill(ids[:1], [4])
 
 
+class _Replayed:
+    """What stands in for a CUDA graph on the CPU: ``replay`` runs the captured function into static outputs."""
+
+    def __init__(self, run):
+        self.replay = run
+
+
+def _step_standin(self, rows, columns):
+    """GraphDecoder._capture on the CPU: the step into static outputs that each replay overwrites, as a graph's."""
+    self.inputs[0, :rows] = 0
+    self.inputs[1, :rows] = self.spare  # as the real capture's warm-up: every row writes the spare column
+    logits, picks = (t.clone() for t in self._forward(rows, columns))
+
+    def run():
+        for out, value in zip((logits, picks), self._forward(rows, columns)):
+            out.copy_(value)
+
+    self.graphs[(rows, columns)] = (_Replayed(run), logits, picks)
+
+
+def _prefill_standin(self, rows, columns, scribble: bool = False):
+    """GraphDecoder._capture_prefill on the CPU: the prefill run on its static inputs into static outputs;
+    ``scribble``: each replay then overwrites every step graph's picks, as a shared pool's scratch may."""
+    inputs = torch.zeros((rows, columns + 3), dtype=torch.long)
+    ids, slots, last, banned = self.prefill_views(inputs)
+    slots.fill_(self.spare_slot)
+    banned.fill_(-1)
+    logits, picks = (t.clone() for t in self._prefill_logits(ids, slots, last, banned))
+
+    def run():
+        for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last, banned)):
+            out.copy_(value)
+        if scribble:
+            for _graph, _logits, step_picks in self.graphs.values():
+                step_picks.fill_(-1.0)
+
+    self.prefill_graphs[(rows, columns)] = (_Replayed(run), inputs, logits, picks)
+
+
 @pytest.mark.parametrize("paged", [None, PAGED])
 def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch, paged):
     """The replay path of a captured prefill on the CPU, the CUDA graph stood in for by the captured function
@@ -209,28 +248,10 @@ def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch, pag
     logits, picks and slots equal the eager prefill's, and slots past the admitted ones stay untouched (paged:
     the padding goes to the spare block, the fourth slot holds no block)."""
     model = _model("llama")
-
-    class Replayed:
-        def __init__(self, run):
-            self.replay = run
-
-    def capture(self, rows, columns):
-        inputs = torch.zeros((rows, columns + 3), dtype=torch.long)
-        ids, slots, last, banned = self.prefill_views(inputs)
-        slots.fill_(self.spare_slot)
-        banned.fill_(-1)
-        logits, picks = (t.clone() for t in self._prefill_logits(ids, slots, last, banned))
-
-        def run():
-            for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last, banned)):
-                out.copy_(value)
-
-        self.prefill_graphs[(rows, columns)] = (Replayed(run), inputs, logits, picks)
-
     eager = graphs.decoder_for(model, 4, 64, capture=False)
     captured = graphs.decoder_for(model, 4, 64, capture=False, paged=paged)
     captured.prefill_capture = True
-    monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill", capture)
+    monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill", _prefill_standin)
     prompts = [[5, 17, 30, 4, 8], list(range(40, 51))], [[9, 9, 2]]
     with torch.no_grad():
         for batch in prompts:
@@ -676,39 +697,9 @@ def test_a_joined_prefill_keeps_the_step_picks_from_the_shared_graph_pool(monkey
 
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     monkeypatch.setattr(engine_mod, "JOIN_PREFILLS", True)
-
-    class Replayed:
-        def __init__(self, run):
-            self.replay = run
-
-    def capture_step(self, rows, columns):
-        self.inputs[0, :rows] = 0
-        self.inputs[1, :rows] = self.spare  # as the real capture's warm-up: every row writes the spare column
-        logits, picks = (t.clone() for t in self._forward(rows, columns))
-
-        def run():
-            for out, value in zip((logits, picks), self._forward(rows, columns)):
-                out.copy_(value)
-
-        self.graphs[(rows, columns)] = (Replayed(run), logits, picks)
-
-    def capture_prefill(self, rows, columns):
-        inputs = torch.zeros((rows, columns + 3), dtype=torch.long)
-        ids, slots, last, banned = self.prefill_views(inputs)
-        slots.fill_(self.spare_slot)
-        banned.fill_(-1)
-        logits, picks = (t.clone() for t in self._prefill_logits(ids, slots, last, banned))
-
-        def run():
-            for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last, banned)):
-                out.copy_(value)
-            for _graph, _logits, step_picks in self.graphs.values():  # the pool's scratch
-                step_picks.fill_(-1.0)
-
-        self.prefill_graphs[(rows, columns)] = (Replayed(run), inputs, logits, picks)
-
-    monkeypatch.setattr(graphs.GraphDecoder, "_capture", capture_step)
-    monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill", capture_prefill)
+    monkeypatch.setattr(graphs.GraphDecoder, "_capture", _step_standin)
+    monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill",
+                        lambda self, rows, columns: _prefill_standin(self, rows, columns, scribble=True))
     model = _model("llama")
     prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13], [3, 3, 4]]
 
