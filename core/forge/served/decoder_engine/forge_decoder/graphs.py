@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import decode_kernel, sampling
-from .kvlayout import PagedBlocks, StaticSlots, upload
+from .kvlayout import PagedBlocks, Staging, StaticSlots, upload
 
 
 #: scaled_dot_product_attention takes fewer query heads than key/value heads itself (torch >= 2.5)
@@ -218,19 +218,16 @@ class GraphDecoder:
         with torch.no_grad():
             self._prepare(model)
         self.inputs = torch.zeros((2, rows), dtype=torch.long, device=self.device)  # ids, positions
-        gpu = self.device.type == "cuda"
-        self.staging = torch.zeros((2, rows), dtype=torch.long, pin_memory=gpu)
-        # step_after's inputs: two pinned buffers taken in turn, each with the event of its last upload (a buffer is
-        # written again only once that upload is done, whoever launches the steps: rank 0 or a follower)
-        self.after = [(torch.zeros((2, rows), dtype=torch.long, pin_memory=gpu), torch.cuda.Event() if gpu else None)
-                      for _ in range(2)]
-        self.after_turn = 0
+        # the steps' inputs go through two pinned buffers in turn: where steps overlap, the one written has been
+        # uploaded two launches ago, whoever launches the steps (rank 0 or a follower)
+        self.staging = [Staging((2, rows), self.device) for _ in range(2)]
+        self.staging_turn = 0
         self.capture = capture and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         # (prompts, width) bucket → (graph, inputs [prompts, width + 3] (prefill_views), logits, picks), and the
-        # pinned buffer its inputs are uploaded from, with the event of that upload
+        # Staging its inputs are uploaded from
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
-        self.prefill_staging: dict[tuple[int, int], tuple] = {}
+        self.prefill_staging: dict[tuple[int, int], Staging] = {}
         self.prefill_capture = self.capture  # off after a capture that failed (then prefill runs eagerly)
         self.log = print
         self.fused: Fused | None = None  # the layers' pieces compiled (use_compile)
@@ -462,15 +459,11 @@ class GraphDecoder:
                 return self._prefill_rows(ids, lengths, slots, banned)
         graph, inputs, logits, picks = self.prefill_graphs[bucket]
         if bucket not in self.prefill_staging:
-            gpu = self.device.type == "cuda"
-            self.prefill_staging[bucket] = (torch.zeros(inputs.shape, dtype=torch.long, pin_memory=gpu),
-                                            torch.cuda.Event() if gpu else None)
-        staging, uploaded = self.prefill_staging[bucket]
-        if uploaded is not None:
-            uploaded.synchronize()  # this bucket's last upload (long done: a prefill's tokens were read since)
+            self.prefill_staging[bucket] = Staging(tuple(inputs.shape), self.device)
+        staging = self.prefill_staging[bucket]
         n, width = ids.shape
         columns = bucket[1]
-        view = staging.numpy()
+        view = staging.write()  # this bucket's last upload is long done: a prefill's tokens were read since
         view[:] = 0
         view[:n, :width] = ids.cpu().numpy()
         view[:, columns] = self.spare_slot
@@ -478,9 +471,7 @@ class GraphDecoder:
         view[:n, columns + 1] = [length - 1 for length in lengths]
         view[:, columns + 2] = -1
         view[:n, columns + 2] = banned
-        inputs.copy_(staging, non_blocking=True)
-        if uploaded is not None:
-            uploaded.record()
+        staging.send(inputs)
         graph.replay()
         self.picks = picks[:n]
         return logits[:n]
@@ -518,11 +509,7 @@ class GraphDecoder:
         projection modules, so forward hooks (LoRA adapters) apply to this step."""
         n = len(tokens)
         rows, columns = self._bucket(n, positions, modules)
-        self.staging[0, :n] = torch.as_tensor(tokens)
-        self.staging[1, :n] = torch.as_tensor(positions)
-        self.staging[0, n:rows] = 0
-        self.staging[1, n:rows] = self.spare
-        self.inputs[:, :rows].copy_(self.staging[:, :rows], non_blocking=True)
+        self._upload_inputs(rows, tokens, positions)
         if modules or not self.capture:
             logits, self.picks = self._forward(rows, columns, modules=modules)
             return logits[:n]
@@ -538,24 +525,26 @@ class GraphDecoder:
         if max(sources, default=0) >= picks.shape[0]:  # a device-side index error would end every later step
             raise RuntimeError(f"step_after: a row's source {max(sources)} is past the {picks.shape[0]} picks")
         rows, columns = self._bucket(n, positions, False)
-        staging, uploaded = self.after[self.after_turn]
-        self.after_turn ^= 1
-        if uploaded is not None:
-            uploaded.synchronize()  # done long ago where the steps overlap: two steps have been launched since
-        view = staging.numpy()  # plain numpy writes: no torch call gives the GIL away mid-launch
-        view[0, :n] = sources
-        view[1, :n] = positions
-        view[0, n:rows] = 0
-        view[1, n:rows] = self.spare
-        self.inputs[:, :rows].copy_(staging[:, :rows], non_blocking=True)
-        if uploaded is not None:
-            uploaded.record()
+        self._upload_inputs(rows, sources, positions)
         self.inputs[0, :rows].copy_(picks[:, 0].index_select(0, self.inputs[0, :rows]))
         if not self.capture:
             _logits, self.picks = self._forward(rows, columns)
             return
         graph, _logits, self.picks = self.graphs[(rows, columns)]
         graph.replay()
+
+    def _upload_inputs(self, rows: int, first: list[int], positions: list[int]) -> None:
+        """``inputs[:, :rows]``: ``first`` (tokens, or step_after's sources) and ``positions``, the rows past them
+        padding (token 0 at the spare column), through the next staging buffer."""
+        n = len(first)
+        staging = self.staging[self.staging_turn]
+        self.staging_turn ^= 1
+        view = staging.write()
+        view[0, :n] = first
+        view[1, :n] = positions
+        view[0, n:rows] = 0
+        view[1, n:rows] = self.spare
+        staging.send(self.inputs[:, :rows], rows)
 
     def _bucket(self, n: int, positions: list[int], modules: bool) -> tuple[int, int]:
         """The captured (rows, columns) a step of ``n`` rows at ``positions`` runs as (captured now if new)."""

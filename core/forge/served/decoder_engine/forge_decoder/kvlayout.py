@@ -43,6 +43,29 @@ def upload(data: torch.Tensor, device) -> torch.Tensor:
     return data.pin_memory().to(device, non_blocking=True)
 
 
+class Staging:
+    """A pinned host buffer that uploads go through again and again: written only once its last upload is done (an
+    event on a GPU), so the host never changes what a copy still reads, and nothing waits for the device otherwise."""
+
+    def __init__(self, shape: tuple[int, ...], device) -> None:
+        gpu = torch.device(device).type == "cuda"
+        self.host = torch.zeros(shape, dtype=torch.long, pin_memory=gpu)
+        self.uploaded = torch.cuda.Event() if gpu else None
+
+    def write(self):
+        """The buffer as numpy, to fill in place (plain numpy writes: no torch call gives the GIL away mid-launch),
+        once its last upload is done."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+        return self.host.numpy()
+
+    def send(self, target: torch.Tensor, width: int | None = None) -> None:
+        """Copy the buffer (its first ``width`` columns) into ``target`` without waiting for the device."""
+        target.copy_(self.host if width is None else self.host[:, :width], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+
+
 class StaticSlots:
     """One slot of ``max_len + 1`` columns per row (the last column and the last slot are spares)."""
 
