@@ -310,9 +310,10 @@ def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 
     """The engine alone loaded as the served cells load the server: ``c`` sequences in flight, each one that
     finishes replaced by a new prompt of ``length`` tokens, until ``waves`` × c have finished. ``jitter_ms`` 0: the
     replacement is submitted at once from the engine's callback (arrivals in whole waves); else after a random
-    delay up to that long, from a timer thread (arrivals spread out, as a server's clients send them). Its default form (CUDA graphs, compiled, overlapped steps), with prefills joining
-    the step in flight (``engine.JOIN_PREFILLS``) and with each prefill waiting for it (the default). What
-    the engine makes with admissions, between ``engine_steps`` (steps alone) and the served cells."""
+    delay up to that long, from a timer thread (arrivals spread out, as a server's clients send them). Its
+    default form (CUDA graphs, compiled, overlapped steps), with prefills joining the step in flight
+    (``engine.JOIN_PREFILLS``) and with each prefill waiting for it (the default). What the engine makes with
+    admissions, between ``engine_steps`` (steps alone) and the served cells."""
     import random
     import threading
 

@@ -639,9 +639,9 @@ def test_prompts_admitted_while_a_step_is_in_flight_join_it(monkeypatch):
     """Where steps overlap, a prefill does not wait for the step in flight: its picks join that step's, both are
     read together, and the next step gathers every row's token from them on the device. Six prompts through three
     slots, rows joining as others leave: one with max_tokens 1 (padding in the step after its prefill), one whose
-    second token is its end_id (min_length 1 bans it as the first), one cancelled right after it joined. Every update equals the engine's one step at
-    a time, and the ids equal transformers. Prompts asking for context logits, or holding prompt-table ids,
-    wait for the step in flight instead (their prefill reads them back)."""
+    second token is its end_id (min_length 1 bans it as the first), one cancelled right after it joined. Every
+    update equals the engine's one step at a time, and the ids equal transformers. Prompts asking for context
+    logits, or holding prompt-table ids, wait for the step in flight instead (their prefill reads them back)."""
     from forge.served.decoder_engine.forge_decoder import engine as engine_mod
 
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)

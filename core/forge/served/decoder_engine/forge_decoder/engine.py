@@ -701,7 +701,8 @@ class Engine:
         and took time to first token from 14 to 25 ms (H100, SmolLM2 shape, streamed c=16: 2 055 tok/s
         overlapped, 2 109 one step at a time). ``first``: min_length may ban the end_id from its next token alone
         (a prompt's first token, whose pick leaves it out: ``sampling.banned_end``; or the token in flight)."""
-        return (sampling.plain_greedy(seq, end_banned=first) and not seq.request.return_generation_logits and not seq.request.streaming
+        return (sampling.plain_greedy(seq, end_banned=first) and not seq.request.return_generation_logits
+                and not seq.request.streaming
                 and (self.lora is None or seq.request.lora is None))
 
     def _decode(self) -> None:
@@ -774,9 +775,7 @@ class Engine:
         if launched.events:
             self._wait(launched.events)
         if launched.joined and launched.ready is not None:
-            waited = time.perf_counter_ns()
-            launched.ready.synchronize()
-            self.wait_ns += time.perf_counter_ns() - waited
+            self._wait_for(launched.ready)
         picks = launched.host.numpy()[:len(launched.rows)].tolist()
         live = [(i, seq) for i, seq in enumerate(launched.rows) if not seq.finished and i not in launched.padding]
         if live:
@@ -786,10 +785,14 @@ class Engine:
     def _wait(self, events: tuple) -> None:
         """Wait (without the GIL) for the decoding step between ``events`` = (launched, done); count the wait and
         the device's time in the step."""
-        waited = time.perf_counter_ns()
-        events[1].synchronize()
-        self.wait_ns += time.perf_counter_ns() - waited
+        self._wait_for(events[1])
         self.device_ns += int(events[0].elapsed_time(events[1]) * 1e6)
+
+    def _wait_for(self, done) -> None:
+        """Wait (without the GIL) for the CUDA event ``done``; count the wait."""
+        waited = time.perf_counter_ns()
+        done.synchronize()
+        self.wait_ns += time.perf_counter_ns() - waited
 
     def _advance(self, logits: torch.Tensor | None, rows: list[Sequence],
                  chosen: tuple[list[int], list[float]] | None = None) -> None:
