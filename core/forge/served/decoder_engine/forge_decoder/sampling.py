@@ -42,7 +42,7 @@ def _untouched(row: Row, end_banned: bool = False) -> bool:
     row's end_id, which min_length bans from this token alone."""
     req = row.request
     s = req.sampling
-    ends_banned = req.end_id is not None and row.generated < s.min_length
+    ends_banned = banned_end(row) != -1
     return (row.bias is None and not req.bad_words and not s.penalised
             and not (ends_banned and not (end_banned and s.min_length <= row.generated + 1))
             and (s.greedy or s.temperature in (0.0, 1.0)))
@@ -75,7 +75,7 @@ def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         if row.bias is not None:
             logits[i] += row.bias
         banned = _banned(req.bad_words, row.tokens) if req.bad_words else []
-        if req.end_id is not None and row.generated < req.sampling.min_length:
+        if banned_end(row) != -1:
             banned.append(req.end_id)
         banned = [t for t in banned if 0 <= t < vocab]
         if banned:
