@@ -36,6 +36,7 @@ def generate(model, make_engine, decoder: str = "hf") -> dict:
         assert chosen.startswith(f"{layout} KV cache"), chosen  # not the Hugging Face forward after all
         assert ("torch.compile on (eager)" in chosen) == (decoder == "compiled"), chosen
         assert ("steps overlapped" in chosen) == (decoder == "overlapped"), chosen
+    pickled = eng.group.pickled if decoder != "hf" else 0
     outputs = {}
 
     def done(seq, update):
@@ -49,6 +50,8 @@ def generate(model, make_engine, decoder: str = "hf") -> dict:
     eng.run_until_idle()
     if decoder == "overlapped":  # the late prompts' prefills joined a step in flight on every rank
         assert eng.joined == 4, eng.joined  # the first two started the steps, the late two joined them
+    if decoder != "hf":  # every step, prefill and slot move travelled as plain tensors
+        assert eng.group.pickled == pickled, (eng.group.pickled, pickled)
     return outputs
 
 

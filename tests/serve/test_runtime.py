@@ -179,3 +179,97 @@ def test_a_rank_whose_teardown_did_not_finish_leaves_at_once_with_status_0(tmp_p
         "print('not reached')\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout) == (0, "stopped after 3 steps"), done.stderr
+
+
+def test_the_commands_of_every_step_and_admission_travel_as_tensors_and_come_back_equal():
+    """Rank 0's per-step and per-admission commands pack into a header and an int64 table that the followers
+    unpack to the same command; anything else (adapters, context logits, prompt tables, shared prefixes, setup)
+    is sent pickled."""
+    torch = pytest.importorskip("torch")
+    from forge.served.decoder_engine.forge_decoder import distributed as d
+
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0]], dtype=torch.int32)
+    plain = {"lengths": [3, 2], "needs": [40, 41], "banned": [2, -1], "all_logits": False, "modules": False,
+             "prompts": None}
+
+    def round_trip(cmd):
+        header, table = d._pack(cmd)
+        assert header[0] != 0 and len(header) == d.HEADER
+        rows = table if table is not None else torch.zeros((0, 1), dtype=torch.long)
+        assert rows.dtype == torch.long and list(rows.shape[:1]) == [header[1]] and rows.shape[1] == header[2]
+        return d._unpack(header[0], rows, header[3])
+
+    for after in (None, 0, 3):
+        back = round_trip(d.Command("gprefill", ids=ids, settings={**plain, "after": after}))
+        assert back.op == "gprefill" and back.ids.tolist() == ids.tolist()
+        assert back.settings == {"lengths": [3, 2], "needs": [40, 41], "banned": [2, -1], "after": after}
+    for rows in ([], [0, 2, 1]):
+        assert round_trip(d.Command("gkeep", rows=rows)).rows == rows
+    for op in ("gstep", "gafter"):
+        back = round_trip(d.Command(op, ids=torch.tensor([[4], [1]]), positions=torch.tensor([[9], [3]])))
+        assert (back.op, back.ids[:, 0].tolist(), back.positions[:, 0].tolist()) == (op, [4, 1], [9, 3])
+    back = round_trip(d.Command("decode", ids=torch.tensor([[4]]), positions=torch.tensor([[2]]),
+                                mask=torch.tensor([[1, 1, 0]])))
+    assert (back.ids.tolist(), back.positions.tolist(), back.mask.tolist()) == ([[4]], [[2]], [[1, 1, 0]])
+
+    pickled = [d.Command("gprefill", ids=ids, settings={**plain, "all_logits": True}),
+               d.Command("gprefill", ids=ids, settings={**plain, "modules": True}),
+               d.Command("gprefill", ids=ids, settings={**plain, "prompts": [[5, 6, 7], [8, 9]]}),
+               d.Command("gprefill", ids=ids, embeds=torch.zeros(2, 3, 4), settings=plain),
+               d.Command("gprefill", ids=ids, settings={"lengths": [3, 2]}),
+               d.Command("gprefill", ids=ids, settings={**plain, "unknown": 1}),
+               d.Command("graphs", settings={"rows": 2}), d.Command("greset"), d.Command("stop")]
+    for cmd in pickled:
+        assert d._pack(cmd) == ([0, 0, 0, 0], None), cmd
+
+
+def test_commands_sent_by_rank_0_arrive_equal_at_a_follower_over_gloo(tmp_path):
+    """Two real processes in a gloo group: a step, two slot moves deferred to ride with the next command, a
+    prefill that fits one message and one whose table does not (header and table then travel apart), and
+    pickled commands arrive as sent, in order."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    import forge.served.decoder_engine as runtime
+
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        f"sys.path.insert(0, {str(Path(runtime.__file__).parent)!r})\n"
+        "from forge_decoder import distributed as d\n"
+        "torch.set_num_threads(1)\n"
+        "group = d.join(2)\n"
+        "big = d.MESSAGE // 8\n"
+        "def prefill(n, w, after):\n"
+        "    return d.Command('gprefill', ids=torch.arange(n * w).view(n, w), settings={'lengths': [w] * n,\n"
+        "        'needs': list(range(n)), 'banned': [-1] * n, 'after': after})\n"
+        "sent = [d.Command('gafter', ids=torch.tensor([[1], [0]]), positions=torch.tensor([[7], [5]])),\n"
+        "        d.Command('gkeep', rows=[1, 0]), d.Command('gkeep', rows=[]), prefill(2, 3, None),\n"
+        "        prefill(big, 8, 2), d.Command('graphs', settings={'rows': 4}), d.Command('stop')]\n"
+        "def show(c):\n"
+        "    s = {k: v for k, v in c.settings.items() if k != 'after'} if c.op == 'gprefill' else c.settings\n"
+        "    return (c.op, None if c.ids is None else c.ids.tolist(), None if c.positions is None else\n"
+        "            c.positions.tolist(), c.rows, sorted(s.items()), c.settings.get('after'))\n"
+        "if group.rank == 0:\n"
+        "    for c in sent: group.send(c, defer=c.op == 'gkeep')\n"
+        "    print(group.pickled, group.broadcasts)\n"
+        "else:\n"
+        "    got = [group.receive() for _ in sent]\n"
+        "    print('EQUAL' if [show(c) for c in got] == [show(c) for c in sent] else [show(c) for c in got])\n"
+        "group.close()\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMPI_COMM_WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "OMPI_COMM_WORLD_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    out = [r.communicate(timeout=120) for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0], [o[1][-1500:] for o in out]
+    # graphs and stop went pickled, nothing else; the slot moves rode with the small prefill, the big prefill's
+    # table went apart: 6 broadcasts besides the pickled ones
+    assert out[0][0].split() == ["2", "6"], out[0]
+    assert out[1][0].split() == ["EQUAL"], out[1][0][-2000:]

@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,10 +74,15 @@ def rank_device(name: str) -> torch.device:
     return device
 
 
-#: the CUDA-graph decoder's steps sent as plain tensors: a step of tokens, and one launched before the last was
-#: read (its tokens are the last step's picks of the rows given, on the device)
-STEPS = {"gstep": 2, "gafter": 3}
-KINDS = {kind: op for op, kind in STEPS.items()}
+#: the CUDA-graph decoder's commands sent as plain tensors, one header and one int64 table each: a step of tokens,
+#: one launched before the last was read (its tokens are the last step's picks of the rows given, on the device),
+#: the slots kept after rows finish and a plain prefill (the commands of every step and admission)
+PACKED = {"gstep": 2, "gafter": 3, "gkeep": 4, "gprefill": 5}
+KINDS = {kind: op for op, kind in PACKED.items()}
+HEADER = 4  # kind, rows, columns, extra (a prefill's ``after``, -1 for none); kind 0: pickled, 1: "decode"
+MESSAGE = 1024  # int64s of one broadcast: a count, then each command's header and table (a bigger table apart)
+#: a prefill travels packed when these are all its settings (the engine's plain admissions)
+PLAIN_PREFILL = {"lengths", "needs", "banned", "after", "all_logits", "modules", "prompts"}
 
 
 @dataclass
@@ -87,6 +93,10 @@ class Group:
     size: int
     control: Any = None  # the group of the commands (gloo, waits as long as the server idles)
     compute: Any = None  # the group of the all-reduces (the same on CPUs; NCCL on GPUs)
+    pickled: int = 0  # rank 0: commands sent pickled (none per step or admission: tests count them)
+    broadcasts: int = 0  # rank 0: broadcasts the commands took
+    deferred: list = field(default_factory=list)  # rank 0: packed commands that ride with the next one
+    received: deque = field(default_factory=deque)  # a follower: commands that came with an earlier one
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0 sends ``obj``; every rank returns it."""
@@ -96,39 +106,70 @@ class Group:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
-    def send(self, cmd: "Command") -> None:
-        """Rank 0: one command to every follower. A decoding step, the common case, travels as two plain
-        tensor broadcasts (a header and ids | positions | mask); the rest pickled (3 ms more here)."""
+    def send(self, cmd: "Command", defer: bool = False) -> None:
+        """Rank 0: one command to every follower. The commands of every step and admission (a decoding step,
+        the CUDA-graph decoder's steps, slot moves and plain prefills) travel as an int64 header and table,
+        several in one broadcast of MESSAGE int64s where they fit (a bigger table follows in its own); the
+        rest pickled, which takes about twice as long as two broadcasts. ``defer``: the command waits for the
+        next one and rides in its broadcast (a slot move, which nothing reads before the next step)."""
+        packed = _pack(cmd)
+        if defer and packed[0][0] != 0 and _size(self.deferred + [packed]) <= MESSAGE:
+            self.deferred.append(packed)
+            return
+        if _size(self.deferred + [packed]) > MESSAGE and self.deferred:
+            self._broadcast(self.deferred)
+            self.deferred = []
+        self._broadcast(self.deferred + [packed])
+        self.deferred = []
+        if packed[0][0] == 0:
+            self.pickled += 1
+            self.broadcast(cmd)
+
+    def _broadcast(self, commands: list[tuple[list[int], torch.Tensor | None]]) -> None:
+        """One message of packed commands; the last one's table apart when it does not fit."""
         import torch.distributed as dist
 
-        if cmd.op == "decode":
-            rows, width = cmd.mask.shape
-            dist.broadcast(torch.tensor([1, rows, width]), 0, group=self.control)
-            dist.broadcast(torch.cat([cmd.ids, cmd.positions, cmd.mask], dim=1).to(torch.long), 0, group=self.control)
-            return
-        if cmd.op in STEPS:  # the CUDA-graph decoder's step: tokens (or the last step's rows) | positions
-            dist.broadcast(torch.tensor([STEPS[cmd.op], cmd.ids.shape[0], 2]), 0, group=self.control)
-            dist.broadcast(torch.cat([cmd.ids, cmd.positions], dim=1).to(torch.long), 0, group=self.control)
-            return
-        dist.broadcast(torch.tensor([0, 0, 0]), 0, group=self.control)
-        self.broadcast(cmd)
+        message = torch.zeros(MESSAGE, dtype=torch.long)
+        message[0] = len(commands)
+        at, apart = 1, None
+        for header, table in commands:
+            message[at:at + HEADER] = torch.tensor(header)
+            at += HEADER
+            size = 0 if table is None else table.numel()
+            if at + size > MESSAGE:
+                apart = table
+            elif size:
+                message[at:at + size] = table.reshape(-1)
+                at += size
+        dist.broadcast(message, 0, group=self.control)
+        self.broadcasts += 1
+        if apart is not None:
+            dist.broadcast(apart, 0, group=self.control)
+            self.broadcasts += 1
 
     def receive(self) -> "Command":
         """A follower: the next command of rank 0 (see ``send``)."""
         import torch.distributed as dist
 
-        header = torch.zeros(3, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.control)
-        kind, rows, width = (int(x) for x in header)
-        if kind == 1:
-            step = torch.zeros((rows, width + 2), dtype=torch.long)
-            dist.broadcast(step, 0, group=self.control)
-            return Command("decode", ids=step[:, :1], positions=step[:, 1:2], mask=step[:, 2:])
-        if kind in KINDS:
-            step = torch.zeros((rows, width), dtype=torch.long)
-            dist.broadcast(step, 0, group=self.control)
-            return Command(KINDS[kind], ids=step[:, :1], positions=step[:, 1:2])
-        return self.broadcast()
+        if self.received:
+            return self.received.popleft()
+        message = torch.zeros(MESSAGE, dtype=torch.long)
+        dist.broadcast(message, 0, group=self.control)
+        at = 1
+        for _ in range(int(message[0])):
+            kind, rows, width, extra = (int(x) for x in message[at:at + HEADER])
+            at += HEADER
+            if kind == 0:
+                self.received.append(self.broadcast())
+                continue
+            if at + rows * width <= MESSAGE:
+                table = message[at:at + rows * width].view(rows, width)
+                at += rows * width
+            else:
+                table = torch.zeros((rows, width), dtype=torch.long)
+                dist.broadcast(table, 0, group=self.control)
+            self.received.append(_unpack(kind, table, extra))
+        return self.received.popleft()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -343,6 +384,46 @@ class Command:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
+def _pack(cmd: Command) -> tuple[list[int], torch.Tensor | None]:
+    """``cmd`` as (header, table) for ``Group.send``; kind 0 with no table: it travels pickled."""
+    if cmd.op == "decode":
+        rows, width = cmd.mask.shape
+        return [1, rows, width + 2, 0], torch.cat([cmd.ids, cmd.positions, cmd.mask], dim=1).to(torch.long)
+    if cmd.op in ("gstep", "gafter"):
+        return [PACKED[cmd.op], cmd.ids.shape[0], 2, 0], torch.cat([cmd.ids, cmd.positions], dim=1).to(torch.long)
+    if cmd.op == "gkeep":
+        return [PACKED[cmd.op], len(cmd.rows), 1, 0], torch.tensor(cmd.rows, dtype=torch.long)[:, None] if cmd.rows else None
+    s = cmd.settings
+    if cmd.op == "gprefill" and cmd.embeds is None and set(s) <= PLAIN_PREFILL and not s.get("all_logits") \
+            and not s.get("modules") and s.get("prompts") is None and s.get("needs") is not None \
+            and s.get("banned") is not None:
+        columns = [torch.tensor(s[key], dtype=torch.long)[:, None] for key in ("lengths", "needs", "banned")]
+        after = s.get("after")
+        return ([PACKED[cmd.op], cmd.ids.shape[0], cmd.ids.shape[1] + 3, -1 if after is None else after],
+                torch.cat([cmd.ids.to(torch.long), *columns], dim=1))
+    return [0, 0, 0, 0], None
+
+
+def _size(commands: list[tuple[list[int], torch.Tensor | None]]) -> int:
+    """The int64s of one message carrying ``commands`` (tables included)."""
+    return 1 + sum(HEADER + (0 if table is None else table.numel()) for _header, table in commands)
+
+
+def _unpack(kind: int, table: torch.Tensor, extra: int) -> Command:
+    """The command ``_pack`` made of ``kind``, ``table`` and ``extra``."""
+    op = "decode" if kind == 1 else KINDS[kind]
+    if op == "decode":
+        return Command(op, ids=table[:, :1], positions=table[:, 1:2], mask=table[:, 2:])
+    if op == "gkeep":
+        return Command(op, rows=table[:, 0].tolist())
+    if op == "gprefill":
+        width = table.shape[1] - 3
+        lengths, needs, banned = (table[:, width + i].tolist() for i in range(3))
+        return Command(op, ids=table[:, :width].contiguous(), settings={
+            "lengths": lengths, "needs": needs, "banned": banned, "after": None if extra < 0 else extra})
+    return Command(op, ids=table[:, :1], positions=table[:, 1:2])
+
+
 class LeaderEngine(engine_mod.Engine):
     """The engine of rank 0: the plain engine, announcing every forward pass and cache change first."""
 
@@ -440,7 +521,7 @@ class Announced:
             raise
 
     def keep(self, rows: list[int]) -> None:
-        self._group.send(Command("gkeep", rows=rows))
+        self._group.send(Command("gkeep", rows=rows), defer=True)
         self._decoder.keep(rows)
 
     def reset(self) -> None:
