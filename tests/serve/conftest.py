@@ -1,8 +1,9 @@
 """Fixtures for serving tests: a tiny GPT-2 built with --target python once per session, one shared server.
 
-Four repositories are built through the real CLI (``forge build --family gpt --target python``):
-the newest backend profile, the same with ``--decoupled`` (streaming), ``--backend-version
-v0.5.0`` (UINT32 lengths) and ``--backend-version v0.13.0 -o bls=true`` (tensorrtllm_backend's tools). They are merged into one model repository (different name prefixes)
+Repositories are built through the real CLI (``forge build --family gpt --target python``):
+the newest backend profile, the same with ``--decoupled`` (streaming), ``--decoupled -o engine_process=true``
+(the engine in a process of its own), ``--backend-version v0.5.0`` (UINT32 lengths), ``--backend-version
+v0.13.0 -o bls=true`` (tensorrtllm_backend's tools) and seed 000's ``--target hf-pipeline`` model. They are merged into one model repository (different name prefixes)
 and served by one real tritonserver for the whole session, which keeps CI time low.
 """
 
@@ -20,6 +21,7 @@ from serve_models import MAX_INPUT_LEN, MAX_SEQ_LEN, make_gpt2  # noqa: E402
 BUILDS = {  # name prefix → extra build arguments
     "": [],
     "s_": ["--decoupled"],
+    "p_": ["--decoupled", "-o", "engine_process=true"],  # the engine in a process of its own
     "v5_": ["--backend-version", "v0.5.0"],
     "v13_": ["--backend-version", "v0.13.0", "-o", "bls=true"],  # the release of the tool tests, with BLS
     "hf_": ["--target", "hf-pipeline", "--dtype", "float32"],  # seed 000's per-request pipeline model

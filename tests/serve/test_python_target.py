@@ -416,3 +416,186 @@ def test_python_model_has_exactly_the_tensorrt_llm_interface_of_its_profile(merg
         assert config.backend == "python"
         assert [i.name for i in config.input] == [t.name for t in interface.inputs]
         assert [o.name for o in config.output] == [t.name for t in interface.outputs]
+
+
+# -- the engine in a process of its own (-o engine_process=true: p_ models) ------------------------------
+
+def _outputs(result) -> dict:
+    response = result.get_response()
+    return {o.name: result.as_numpy(o.name).tolist() for o in response.outputs}
+
+
+def _timeless(outputs: dict) -> dict:
+    """Outputs without the ones that hold times (arrival, first token ...) or their differences."""
+    return {k: v for k, v in outputs.items() if "time" not in k and "_ns" not in k and "latency" not in k}
+
+
+def test_the_engine_in_its_own_process_answers_like_the_engine_in_the_stub(server, tokenizer, hf_model):
+    """Every output tensor equal to the same request served with the engine inside the stub (s_), non-streamed
+    and streamed, with log-probabilities and context / generation logits asked for; greedy = transformers."""
+    ids = tokenizer.encode("The capital of France is")
+    extra = {name: np.array([[True]]) for name in ("return_log_probs", "return_context_logits",
+                                                    "return_generation_logits")}
+    for streaming in (False, True):
+        asked = llm_tensors(ids, 12, streaming=np.array([[streaming]]), **extra)
+        hosted, inside = stream(server, "p_tensorrt_llm", asked), stream(server, "s_tensorrt_llm", asked)
+        assert len(hosted) == len(inside) == (12 if streaming else 1)
+        for mine, theirs in zip(hosted, inside):
+            assert _timeless(_outputs(mine)) == _timeless(_outputs(theirs))
+    (single,) = stream(server, "p_tensorrt_llm", llm_tensors(ids, 24))
+    assert single.as_numpy("output_ids")[0, 0].tolist() == ids + hf_greedy(hf_model, ids, 24)
+
+
+def test_the_engine_process_serves_concurrent_requests_and_the_ensemble(server, tokenizer, hf_model):
+    prompts = ["hello", "What is machine learning? " * 3, "a quick brown fox", "hello world " * 5]
+    lengths = [3, 17, 8, 30]
+    results: dict[int, list[int]] = {}
+
+    def ask(index, ids, n):
+        (result,) = stream(server, "p_tensorrt_llm", llm_tensors(ids, n))
+        results[index] = result.as_numpy("output_ids")[0, 0].tolist()
+
+    jobs = [(tokenizer.encode(p), n) for p, n in zip(prompts, lengths)]
+    threads = [threading.Thread(target=ask, args=(i, ids, n)) for i, (ids, n) in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert results == {i: ids + hf_greedy(hf_model, ids, n) for i, (ids, n) in enumerate(jobs)}
+    tensors = {"text_input": np.array([[PROMPT.encode()]], object), "max_tokens": np.array([[10]], np.int32),
+               "stream": np.array([[True]])}
+    mine = [r.as_numpy("text_output").reshape(-1)[0] for r in stream(server, "p_ensemble", tensors)]
+    theirs = [r.as_numpy("text_output").reshape(-1)[0] for r in stream(server, "s_ensemble", tensors)]
+    assert mine == theirs and len(mine) == 10
+
+
+def test_the_engine_process_hears_cancellations_and_stop_requests(server, tokenizer):
+    import tritonclient.grpc as grpc
+
+    ids = tokenizer.encode("hello")
+    budget = MAX_SEQ_LEN - len(ids)
+    before = metric(server, "forge_decoder_finished_total", model="p_tensorrt_llm", reason="cancelled")
+    responses = stream(server, "p_tensorrt_llm", llm_tensors(ids, budget, streaming=np.array([[True]])), cancel_after=2)
+    assert len(responses) == 2
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and metric(server, "forge_decoder_finished_total", model="p_tensorrt_llm",
+                                                 reason="cancelled") == before:
+        time.sleep(0.1)
+    assert metric(server, "forge_decoder_finished_total", model="p_tensorrt_llm", reason="cancelled") == before + 1
+
+    client = grpc.InferenceServerClient(server.grpc_url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer("p_tensorrt_llm", grpc_inputs(llm_tensors(ids, budget, streaming=np.array([[True]]))),
+                                  request_id="p-job", enable_empty_final_response=True)
+        tokens, stopped = 0, False
+        while True:
+            result, error = events.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            if response.outputs:
+                tokens += result.as_numpy("output_ids").shape[-1]
+                if not stopped:
+                    stream(server, "p_tensorrt_llm", llm_tensors(ids, 1, stop=np.array([[True]])), request_id="p-job")
+                    stopped = True
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    assert 1 <= tokens < budget
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"guided_decoding_guide_type": np.array([["regex".encode()]], object),
+      "guided_decoding_guide": np.array([["([a-z]".encode()]], object)}, "guided_decoding_guide"),
+    ({"lora_task_id": np.array([[3]], np.uint64)}, "LoRA task 3 not found in cache"),
+])
+def test_what_the_engine_process_refuses_is_one_error_and_it_keeps_serving(server, tokenizer, extra, message):
+    """Bad inputs tried: an invalid regex guide (or guided decoding unavailable), a LoRA task id never sent
+    with its weights; both are resolved in the engine process and answered as the stub's engine answers."""
+    import tritonclient.grpc as grpc
+
+    ids = tokenizer.encode("hello")
+    for model in ("p_tensorrt_llm", "s_tensorrt_llm"):
+        client = grpc.InferenceServerClient(server.grpc_url)
+        events: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: events.put((result, error)))
+        try:
+            client.async_stream_infer(model, grpc_inputs(llm_tensors(ids, 4, **extra)))
+            _result, error = events.get(timeout=60)
+        finally:
+            client.stop_stream()
+            client.close()
+        assert error is not None and message in str(error), (model, error)
+    (result,) = stream(server, "p_tensorrt_llm", llm_tensors(ids, 4))
+    assert result.as_numpy("output_ids").shape[-1] == len(ids) + 4
+
+
+def _engine_process(server) -> int:
+    from forge.serving.server import python_stubs, repository_processes
+
+    stubs = python_stubs(repository_processes(server.repo))
+    stub = stubs["p_tensorrt_llm"]
+    children = [int(p.name) for p in __import__("pathlib").Path("/proc").iterdir() if p.name.isdigit()
+                and (p / "stat").exists() and _ppid(int(p.name)) == stub]
+    found = [pid for pid in children if "forge_decoder.hosted" in " ".join(_cmdline(pid))]
+    assert len(found) == 1, (stub, children)
+    return found[0]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        text = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return int(text[text.rfind(")") + 2:].split()[1])
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def test_zz_a_killed_engine_process_fails_its_requests_in_bounded_time(server, tokenizer):
+    """kill -9 of the engine process while a request streams: that request gets an error naming the exit
+    within seconds, and later requests to the model get the same error at once (the other models serve on).
+    The last test of this file: the p_ model answers nothing after it."""
+    import os
+    import signal
+
+    import tritonclient.grpc as grpc
+
+    pid = _engine_process(server)
+    ids = tokenizer.encode("hello")
+    client = grpc.InferenceServerClient(server.grpc_url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer("p_tensorrt_llm", grpc_inputs(llm_tensors(ids, MAX_SEQ_LEN - len(ids),
+                                                                            streaming=np.array([[True]]))))
+        result, error = events.get(timeout=60)
+        assert error is None, error
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        while error is None:
+            result, error = events.get(timeout=30)
+        assert "the engine process exited with status -9" in str(error) and time.monotonic() - started < 10
+    finally:
+        client.stop_stream()
+        client.close()
+    client = grpc.InferenceServerClient(server.grpc_url)
+    events = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer("p_tensorrt_llm", grpc_inputs(llm_tensors(ids, 4)))
+        _result, error = events.get(timeout=30)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert error is not None and "the engine process exited with status -9" in str(error)
+    (result,) = stream(server, "s_tensorrt_llm", llm_tensors(ids, 4))
+    assert result.as_numpy("output_ids").shape[-1] == len(ids) + 4

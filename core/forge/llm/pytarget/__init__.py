@@ -76,6 +76,9 @@ def check_spec(spec) -> None:
         raise UsageError(f"--target python at --tp {spec.tp} runs one model instance (its ranks form one group); "
                          f"--instances {spec.options['instances']} would need one group each",
                          hint="drop --instances")
+    if spec.tp > 1 and spec.options.get("engine_process") == "true":
+        raise UsageError(f"-o engine_process=true: at --tp {spec.tp} the engine leads its ranks from the python stub",
+                         hint="drop -o engine_process=true, or build at --tp 1")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
     if spec.options.get("overlap_steps") == "true" and spec.options.get("paged_kv_cache") == "true":
@@ -177,6 +180,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "torch_compile": ctx.option("torch_compile", "auto"),
         "paged_kv_cache": ctx.option("paged_kv_cache", "auto"),
         "overlap_steps": ctx.option("overlap_steps", "auto"),
+        "engine_process": ctx.option("engine_process", "auto"),
         "enable_kv_cache_reuse": bool(truthy(ctx.option("enable_kv_cache_reuse", False))),
         "kv_cache_free_gpu_mem_fraction": ctx.option("kv_cache_free_gpu_mem_fraction"),
         "max_num_tokens": spec.limits.max_num_tokens or max(max_seq_len, 8192),

@@ -28,8 +28,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
-from forge_decoder import guided  # noqa: E402
-from forge_decoder import lora as lora_mod  # noqa: E402
+from forge_decoder import hosted, loading  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
 
@@ -41,9 +40,7 @@ ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_r
 DEVICE_COUNTERS = ("device_seconds", "wait_seconds")  # measured where the engine decodes through CUDA graphs
 
 
-def _parameter(config: dict, key: str, default: str = "") -> str:
-    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
-    return default if value == "" or value.startswith("${") else value
+_parameter = loading.parameter
 
 
 class _Request:
@@ -171,48 +168,18 @@ class TritonPythonModel:
             o["name"]: OutputSpec(np.dtype(pb_utils.triton_string_to_numpy(o["data_type"])), len(o["dims"]))
             for o in config["output"]}
         here = Path(__file__).resolve().parent
-        weights = here / _parameter(config, "weights", "hf")
-        import torch
-
-        device = engine_mod.choose_device(os.environ.get("FORGE_PYTARGET_DEVICE") or _parameter(config, "device", "auto"))
-        dtype = engine_mod.choose_dtype(device, _parameter(config, "compute_dtype", "auto"),
-                                        _parameter(config, "dtype", "float16"))
-        threads = engine_mod.choose_threads(device, int(os.environ.get("FORGE_PYTARGET_THREADS")
-                                                        or _parameter(config, "cpu_threads", "0")), dtype)
-        torch.set_num_threads(threads)
-        tp = int(_parameter(config, "tensor_parallel", "1") or 1)
-        if tp > 1:  # rank 0 of a tensor-parallel group: the followers join every step of the engine
-            from forge_decoder import distributed
-
-            model, make_engine = distributed.lead(tp, weights, device, dtype, threads)
-        else:
-            model, make_engine = engine_mod.load_model(weights, device, dtype), engine_mod.Engine
-        vocab = int(model.get_output_embeddings().weight.shape[0])
-        self.limits = Limits(vocab_size=vocab, hidden_size=int(model.get_input_embeddings().embedding_dim),
-                             max_input_len=int(_parameter(config, "max_input_len", "1024")),
-                             max_seq_len=int(_parameter(config, "max_seq_len", "2048")))
-        self.guides = self._guides(config, here, weights, threads)
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in forge_glue.TRUE
-        rows = engine_mod.choose_rows(device, int(_parameter(config, "inflight_sequences", "0") or 0),
-                                      int(_parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
-        self.engine = make_engine(
-            model, self.limits, max_rows=rows,
-            max_prefill_tokens=int(_parameter(config, "max_num_tokens", "8192")),
-            cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms", "100")),
-            log=pb_utils.Logger.log_error)
-        self.loras = lora_mod.from_parameters(model, lambda key, default: _parameter(config, key, default),
-                                              dtype=dtype, device=device, here=here, log=pb_utils.Logger.log_info)
-        self.engine.lora = None if self.loras is None else self.loras.modules
-        graphs, compiled = _parameter(config, "cuda_graphs", "auto"), _parameter(config, "torch_compile", "auto")
-        paged = _parameter(config, "paged_kv_cache", "auto")
-        reuse = _parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
-        fraction = float(_parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
-        # tp > 1: every rank builds rank 0's decoder (or, where it is off, repeats rank 0's Hugging Face forward)
-        graphs = self.engine.use_graphs(graphs, compile=compiled, paged=paged, reuse=reuse, memory_fraction=fraction,
-                                        overlap=_parameter(config, "overlap_steps", "auto"))
-        if (reuse or fraction) and self.engine.graphs is None:
-            pb_utils.Logger.log_warn("-o enable_kv_cache_reuse / kv_cache_free_gpu_mem_fraction have no effect: "
-                                     "they apply to the CUDA-graph decoder, which is off here")
+        log = {"info": pb_utils.Logger.log_info, "warn": pb_utils.Logger.log_warn, "error": pb_utils.Logger.log_error}
+        if self._hosted(config):  # the engine in its own process; adapters and guides resolved there
+            self.engine = hosted.EngineHost(
+                config, here, name=self.name, cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms",
+                                                                               "100")), **log)
+            self.limits, self.guides, self.loras = self.engine.limits, None, None
+            summary, graphs = self.engine.summary + ", engine in its own process", self.engine.graphs
+        else:
+            loaded = loading.load(config, here, name=self.name, **log)
+            self.engine, self.limits, self.guides, self.loras = loaded.engine, loaded.limits, loaded.guides, loaded.loras
+            summary, graphs = loaded.summary, loaded.graphs
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()
@@ -227,28 +194,25 @@ class TritonPythonModel:
                         for i, box in enumerate(self.outboxes)]
         for thread in self.senders:
             thread.start()
-        self.engine.start()
+        if not isinstance(self.engine, hosted.EngineHost):
+            self.engine.start()
         pb_utils.Logger.log_info(
-            f"forge python target {self.name!r}: {type(model).__name__} on {device} ({dtype}, tp {tp}, "
-            f"{torch.get_num_threads()} torch threads), "
-            f"{rows} sequences in flight, {senders} sender threads, max_input_len {self.limits.max_input_len}, "
-            f"max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}, CUDA graphs {graphs}")
+            f"forge python target {self.name!r}: {summary}, {senders} sender threads, max_input_len "
+            f"{self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}, "
+            f"CUDA graphs {graphs}")
 
-    def _guides(self, config: dict, here: Path, weights: Path, threads: int) -> guided.Guides:
-        """Guided decoding with the model's tokenizer: ``tokenizer_dir`` (relative to ``1/``) when set, else the
-        weights' directory, else the preprocessing model's ``1/tokenizer`` in this repository."""
-        model_dir = here.parent
-        prefix = model_dir.name[: -len("tensorrt_llm")] if model_dir.name.endswith("tensorrt_llm") else ""
-        candidates = [here / d for d in (_parameter(config, "tokenizer_dir"),) if d]
-        candidates += [weights, model_dir.parent / f"{prefix}preprocessing" / "1" / "tokenizer"]
-        found = next((d for d in candidates if any((d / f).is_file() for f in forge_glue.TOKENIZER_CORE)), None)
-        guides = guided.Guides(found, self.limits.vocab_size, threads=threads)
-        reason = guides.unavailable()
-        pb_utils.Logger.log_info(
-            f"forge python target {self.name!r}: guided decoding " + (
-                f"available (xgrammar {guided.version()}, tokenizer {found})" if reason is None
-                else f"unavailable: {reason}; guided requests get an error"))
-        return guides
+    @staticmethod
+    def _hosted(config: dict) -> bool:
+        """``-o engine_process``: auto runs the engine in its own process where it decodes on a GPU at tp 1 (the
+        stub's threads would take the interpreter lock from it between its launches); true: at tp 1 anywhere."""
+        mode = _parameter(config, "engine_process", "auto").lower()
+        tp = int(_parameter(config, "tensor_parallel", "1") or 1)
+        if mode == "true" and tp > 1:
+            raise ValueError(f"-o engine_process=true: at tp {tp} the engine leads its ranks from the stub; "
+                             "build with -o engine_process=auto or false")
+        if mode not in ("auto", "true", "false"):
+            raise ValueError(f"-o engine_process={mode}: expected auto, true or false")
+        return mode == "true" or (mode == "auto" and tp == 1 and loading.choose_device(config).type == "cuda")
 
     def _metrics(self) -> None:
         """Gauges and counters on Triton's metrics endpoint (cancellations show up there)."""
@@ -352,8 +316,9 @@ class TritonPythonModel:
                     continue
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
                              warn=pb_utils.Logger.log_warn)
-                self._resolve_loras(rows)
-                self.guides.prepare(rows)  # compile each row's guided_decoding_guide (a bad one: RequestError)
+                if self.guides is not None:  # else the engine process resolves them
+                    self._resolve_loras(rows)
+                    self.guides.prepare(rows)  # compile each row's guided_decoding_guide (a bad one: RequestError)
             except RequestError as exc:
                 forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue

@@ -248,6 +248,7 @@ class Engine:
         self._buffers: list = []  # two (host picks, step's events, joined prefill's event) sets that launches alternate
         self._turn = 0
         self.lora = None  # lora.LoraModules when the model serves LoRA adapters: each row's adapter per step
+        self.on_step: Callable[[], None] | None = None  # the engine thread calls it after each step and at its end
         self.graphs: graphs.GraphDecoder | None = None  # decoding steps as CUDA graphs (use_graphs)
         self.admit_wait_ns = int(ADMIT_WAIT_S * 1e9) if self.device.type == "cuda" else 0  # see ADMIT_SHARE
         self.reduce = None  # a tensor-parallel rank's all-reduce, for the CUDA-graph decoder (distributed.py)
@@ -403,7 +404,11 @@ class Engine:
                 except Exception as exc:  # keep serving everyone else; fail who was in the step
                     self.log(f"forge decoder step failed: {traceback.format_exc()}")
                     self._fail_all(f"generation failed: {type(exc).__name__}: {exc}")
+                if self.on_step is not None:
+                    self.on_step()
         self._fail_all("the model is being unloaded", pending=True)
+        if self.on_step is not None:
+            self.on_step()
 
     @torch.inference_mode()
     def step(self) -> None:

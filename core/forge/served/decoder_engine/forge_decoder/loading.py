@@ -1,0 +1,110 @@
+"""The decoder a ``tensorrt_llm`` model config describes, loaded: the model, its engine, guides and adapters.
+
+One home for what ``model.py`` (the engine inside the python stub) and ``hosted`` (the engine in a process of
+its own) both do at load. Nothing here imports Triton.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+try:
+    import forge_glue  # beside forge_decoder in the model's version directory
+except ImportError:  # forge's own tree (tests)
+    from ... import forge_glue
+
+from . import engine as engine_mod
+from . import guided
+from . import lora as lora_mod
+from .request import Limits
+
+
+def parameter(config: dict, key: str, default: str = "") -> str:
+    """A model config parameter's string value; ``default`` when unset or an unfilled ``${...}``."""
+    value = config.get("parameters", {}).get(key, {}).get("string_value", "")
+    return default if value == "" or value.startswith("${") else value
+
+
+@dataclass
+class Loaded:
+    """What ``load`` made."""
+
+    engine: Any  # engine.Engine (or the tensor-parallel leader's)
+    limits: Limits
+    guides: guided.Guides
+    loras: lora_mod.AdapterCache | None
+    device: Any
+    summary: str  # the model, device, dtype, tp and torch threads, for the log line
+    graphs: str  # the CUDA-graph decoder's choice (use_graphs)
+
+
+def choose_device(config: dict):
+    return engine_mod.choose_device(os.environ.get("FORGE_PYTARGET_DEVICE") or parameter(config, "device", "auto"))
+
+
+def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[str], None],
+         error: Callable[[str], None], name: str = "tensorrt_llm") -> Loaded:
+    """Load the model of ``here`` (the model version's directory) as ``config`` describes it; ``info`` /
+    ``warn`` / ``error`` log."""
+    import torch
+
+    weights = here / parameter(config, "weights", "hf")
+    device = choose_device(config)
+    dtype = engine_mod.choose_dtype(device, parameter(config, "compute_dtype", "auto"), parameter(config, "dtype", "float16"))
+    threads = engine_mod.choose_threads(device, int(os.environ.get("FORGE_PYTARGET_THREADS")
+                                                    or parameter(config, "cpu_threads", "0")), dtype)
+    torch.set_num_threads(threads)
+    tp = int(parameter(config, "tensor_parallel", "1") or 1)
+    if tp > 1:  # rank 0 of a tensor-parallel group: the followers join every step of the engine
+        from . import distributed
+
+        model, make_engine = distributed.lead(tp, weights, device, dtype, threads)
+    else:
+        model, make_engine = engine_mod.load_model(weights, device, dtype), engine_mod.Engine
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    limits = Limits(vocab_size=vocab, hidden_size=int(model.get_input_embeddings().embedding_dim),
+                    max_input_len=int(parameter(config, "max_input_len", "1024")),
+                    max_seq_len=int(parameter(config, "max_seq_len", "2048")))
+    guides = _guides(config, here, weights, threads, limits, info, name)
+    rows = engine_mod.choose_rows(device, int(parameter(config, "inflight_sequences", "0") or 0),
+                                  int(parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
+    engine = make_engine(
+        model, limits, max_rows=rows,
+        max_prefill_tokens=int(parameter(config, "max_num_tokens", "8192")),
+        cancel_check_ms=float(parameter(config, "cancellation_check_period_ms", "100")), log=error)
+    loras = lora_mod.from_parameters(model, lambda key, default: parameter(config, key, default),
+                                     dtype=dtype, device=device, here=here, log=info)
+    engine.lora = None if loras is None else loras.modules
+    compiled = parameter(config, "torch_compile", "auto")
+    reuse = parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
+    fraction = float(parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
+    # tp > 1: every rank builds rank 0's decoder (or, where it is off, repeats rank 0's Hugging Face forward)
+    graphs = engine.use_graphs(parameter(config, "cuda_graphs", "auto"), compile=compiled,
+                               paged=parameter(config, "paged_kv_cache", "auto"), reuse=reuse,
+                               memory_fraction=fraction, overlap=parameter(config, "overlap_steps", "auto"))
+    if (reuse or fraction) and engine.graphs is None:
+        warn("-o enable_kv_cache_reuse / kv_cache_free_gpu_mem_fraction have no effect: they apply to the "
+             "CUDA-graph decoder, which is off here")
+    summary = (f"{type(model).__name__} on {device} ({dtype}, tp {tp}, {torch.get_num_threads()} torch threads), "
+               f"{rows} sequences in flight")
+    return Loaded(engine, limits, guides, loras, device, summary, graphs)
+
+
+def _guides(config: dict, here: Path, weights: Path, threads: int, limits: Limits, info: Callable[[str], None],
+            name: str) -> guided.Guides:
+    """Guided decoding with the model's tokenizer: ``tokenizer_dir`` (relative to ``1/``) when set, else the
+    weights' directory, else the preprocessing model's ``1/tokenizer`` in this repository."""
+    model_dir = here.parent
+    prefix = model_dir.name[: -len("tensorrt_llm")] if model_dir.name.endswith("tensorrt_llm") else ""
+    candidates = [here / d for d in (parameter(config, "tokenizer_dir"),) if d]
+    candidates += [weights, model_dir.parent / f"{prefix}preprocessing" / "1" / "tokenizer"]
+    found = next((d for d in candidates if any((d / f).is_file() for f in forge_glue.TOKENIZER_CORE)), None)
+    guides = guided.Guides(found, limits.vocab_size, threads=threads)
+    reason = guides.unavailable()
+    info(f"forge python target {name!r}: guided decoding " + (
+        f"available (xgrammar {guided.version()}, tokenizer {found})" if reason is None
+        else f"unavailable: {reason}; guided requests get an error"))
+    return guides
