@@ -273,3 +273,4 @@ def test_commands_sent_by_rank_0_arrive_equal_at_a_follower_over_gloo(tmp_path):
     # table went apart: 6 broadcasts besides the pickled ones
     assert out[0][0].split() == ["2", "6"], out[0]
     assert out[1][0].split() == ["EQUAL"], out[1][0][-2000:]
+

@@ -194,7 +194,9 @@ class TritonPythonModel:
                         for i, box in enumerate(self.outboxes)]
         for thread in self.senders:
             thread.start()
-        if not isinstance(self.engine, hosted.EngineHost):
+        if isinstance(self.engine, hosted.EngineHost):  # the engine waits while the senders are behind
+            self.engine.throttle(lambda: sum(box.qsize() for box in self.outboxes), 2 * senders)
+        else:
             self.engine.start()
         pb_utils.Logger.log_info(
             f"forge python target {self.name!r}: {summary}, {senders} sender threads, max_input_len "

@@ -8,7 +8,11 @@ model and runs the engine. They talk over a socket pair, pickled messages:
 
 * stub → child: ``config`` (once), ``submit`` (a request's rows), ``cancel`` (sequence keys), ``stop``;
 * child → stub: ``ready`` or ``failed`` (after loading), ``log``, ``batch`` (every update of one engine step,
-  with the engine's counters), ``stopped``.
+  with the engine's counters), ``stopped``;
+* stub → child: ``ack`` for each batch, once the responses waiting for the stub's sender threads are few again.
+  The engine runs at most WINDOW batches ahead of the acks: where the stub cannot send responses as fast as
+  the engine makes tokens (streaming, one response per token), the engine waits for it, as it did inside the
+  stub, instead of piling up tokens that every stream's next response would wait behind.
 
 The stub's ``Sequence`` objects stay what ``model.py`` reads: the host copies each update's figures into them
 before calling their callback, so responses are built exactly as with the engine in the stub. The child exits
@@ -33,6 +37,8 @@ from typing import Any, Callable
 from .engine import Sequence, Update
 
 CANCEL_POLL_S = 0.005  # how often the host looks for sequences the stub cancelled (a stop request, an error)
+WINDOW = 2  # batches the engine process may send ahead of the stub's acks
+BACKLOG_POLL_S = 0.0005  # how often the stub looks whether its senders' backlog went down before an ack
 COUNTERS = ("step_ns", "prefill_ns", "decode_steps", "decoded_rows", "admitted", "queued_ns", "prefills", "joined",
             "device_ns", "wait_ns")
 
@@ -71,6 +77,8 @@ class EngineHost:
         self.conn = Connection(ours.detach())
         self.conn.send(("config", config, str(here), name))
         self.timed = False
+        self.backlog: Callable[[], int] = lambda: 0  # responses waiting for the stub's senders (``throttle``)
+        self.backlog_limit = 0
         self._wait_ready(start_timeout)
         self.receiver = threading.Thread(target=self._receive, name="forge-engine-host", daemon=True)
         self.receiver.start()
@@ -104,6 +112,11 @@ class EngineHost:
                 return
 
     # -- what model.py calls -------------------------------------------------------------------------
+    def throttle(self, backlog: Callable[[], int], limit: int) -> None:
+        """Ack each batch only once ``backlog()`` (the updates waiting for the sender threads) is at most
+        ``limit``."""
+        self.backlog, self.backlog_limit = backlog, limit
+
     @property
     def busy(self) -> int:
         return len(self.live)
@@ -152,6 +165,10 @@ class EngineHost:
                 kind = message[0]
                 if kind == "batch":
                     self._deliver(message[1], message[2])
+                    while self.backlog() > self.backlog_limit and self.dead is None:
+                        time.sleep(BACKLOG_POLL_S)
+                    with self.lock:
+                        self.conn.send(("ack",))
                 elif kind == "log":
                     self._log(*message[1:])
                 elif kind == "stopped":
@@ -245,6 +262,9 @@ class Hosted:
         self.sequences: dict[int, Sequence] = {}
         self.cancelled: set[int] = set()
         self.loaded = None
+        self.acks = threading.Condition()
+        self.unacked = 0  # batches sent that the stub has not acked
+        self.open = True  # False once the stub stops us or is gone: nobody acks any more
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -272,10 +292,15 @@ class Hosted:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):  # the stub is gone: nobody reads the results
+                self._close()
                 self.engine.stop(timeout=5.0)
                 return
             kind = message[0]
-            if kind == "submit":
+            if kind == "ack":
+                with self.acks:
+                    self.unacked -= 1
+                    self.acks.notify_all()
+            elif kind == "submit":
                 self._submit(message[1], RequestError)
             elif kind == "cancel":
                 for key in message[1]:
@@ -284,6 +309,7 @@ class Hosted:
                     if seq is not None:
                         seq.cancel()
             elif kind == "stop":
+                self._close()
                 ended = self.engine.stop(timeout=message[1])
                 self.flush()
                 self.send(("stopped", ended))
@@ -311,8 +337,23 @@ class Hosted:
             sequences.append(seq)
         self.engine.submit(sequences)
 
+    def _close(self) -> None:
+        with self.acks:
+            self.open = False
+            self.acks.notify_all()
+
+    def _batch(self, records: list, counters: dict, wait: bool) -> None:
+        """Send one batch; with ``wait`` (the engine thread) wait until at most WINDOW are not acked."""
+        with self.acks:
+            self.unacked += 1
+        self.send(("batch", records, counters))
+        if wait:
+            with self.acks:
+                while self.unacked > WINDOW and self.open:
+                    self.acks.wait(0.1)
+
     def _refuse(self, rows: list, message: str) -> None:
-        self.send(("batch", [(key, Update([], [], [], True, "error", message), {}) for key, _row, _a in rows], {}))
+        self._batch([(key, Update([], [], [], True, "error", message), {}) for key, _row, _a in rows], {}, wait=False)
 
     def _report(self, seq: Sequence, update: Update) -> None:
         """Engine callback: what the stub's sequence needs of this update (a sequence that does not stream
@@ -337,7 +378,7 @@ class Hosted:
             records, self.outbox = self.outbox, []
         if records:
             engine = self.engine
-            self.send(("batch", records, {c: getattr(engine, c) for c in COUNTERS}))
+            self._batch(records, {c: getattr(engine, c) for c in COUNTERS}, wait=True)
 
 
 def main() -> None:
