@@ -33,16 +33,17 @@ def _post(url: str, body: dict, timeout: float = 60.0) -> dict:
         return json.loads(response.read())
 
 
-def _generate(http: str, max_tokens: int, timeout: float = 60.0) -> dict:
-    return _post(f"{http}/v2/models/ensemble/generate",
+def _generate(http: str, max_tokens: int, timeout: float = 60.0, model: str = "ensemble") -> dict:
+    return _post(f"{http}/v2/models/{model}/generate",
                  {"text_input": PROMPT, "max_tokens": max_tokens, "bad_words": "", "stop_words": ""}, timeout)
 
 
 class Load:
     """``n`` clients each sending long generations back to back until stopped or a request fails."""
 
-    def __init__(self, http: str, n: int = 4):
+    def __init__(self, http: str, n: int = 4, model: str = "ensemble"):
         self.http = http
+        self.model = model
         self.halt = threading.Event()
         self.ended: list[tuple[float, float, str]] = []  # (sent, ended, error) of each failed request
         self.answered = 0
@@ -54,7 +55,7 @@ class Load:
         while not self.halt.is_set():
             sent = time.monotonic()
             try:
-                _generate(self.http, 100000, timeout=60)
+                _generate(self.http, 100000, timeout=60, model=self.model)
                 self.answered += 1
             except Exception as exc:  # noqa: BLE001 - any failure is how a client learns of the end
                 self.ended.append((sent, time.monotonic(), f"{type(exc).__name__}: {exc}"))
@@ -185,6 +186,29 @@ def test_no_process_outlives_its_server(repos, handover, end):
     again = Serve(repos[""])  # the same repository: no leftover holds it
     handover["server"] = again
     assert _generate(again.http, 4)["text_output"].startswith(PROMPT)
+
+
+@pytest.mark.parametrize("end", [_sigterm, _sigkill_tritonserver], ids=["sigterm", "sigkill-tritonserver"])
+def test_the_engine_process_goes_with_its_server(repos, end):
+    """-o engine_process=true: the engine's own process (a child of the tensorrt_llm stub) is gone within 15 s of
+    its server's end too, under load, and every client gets its answer or an error."""
+    server = Serve(repos["p_"])
+    load = Load(server.http, model="p_ensemble")
+    try:
+        load.wait_busy()
+        engines = [pid for pid in server.processes()
+                   if b"forge_decoder.hosted" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(engines) == 1 and python_stubs(server.processes()).get("p_tensorrt_llm"), server.processes()
+        started = time.monotonic()
+        end(server)
+        took = _gone(server, started)
+        print(f"{end.__name__}: the engine process and the rest of the server gone after {took:.1f}s")
+        assert repository_processes(server.repo) == [], "a process serving from the repository outlived its server"
+        load.wait_ended(10)
+        assert len(load.ended) == len(load.threads), "a client still waits after its server ended"
+    finally:
+        load.stop()
+        server.end()
 
 
 def test_serve_refuses_a_repository_with_leftover_processes(repos, handover, tmp_path):
