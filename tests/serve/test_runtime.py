@@ -274,3 +274,26 @@ def test_commands_sent_by_rank_0_arrive_equal_at_a_follower_over_gloo(tmp_path):
     assert out[0][0].split() == ["2", "6"], out[0]
     assert out[1][0].split() == ["EQUAL"], out[1][0][-2000:]
 
+
+
+def test_a_process_in_a_sibling_repository_whose_name_starts_alike_is_not_counted(tmp_path):
+    """``repository_processes(repo)`` (what a stopped server must not leave, and the leftovers ``forge serve``
+    refuses to start over) names processes working in ``repo`` and below, not in ``repo-2`` or ``repository``
+    beside it."""
+    import subprocess
+    import sys
+
+    from forge.serving.server import repository_processes
+
+    repo, sibling = tmp_path / "p", tmp_path / "plain"
+    (repo / "m").mkdir(parents=True)
+    sibling.mkdir()
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=cwd)
+               for cwd in (sibling, repo / "m")]
+    try:
+        assert repository_processes(repo) == [workers[1].pid]
+        assert repository_processes(sibling) == [workers[0].pid]
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()

@@ -211,12 +211,12 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
 
 def _refers_to(pid: int, repo: str) -> bool:
     """Whether process ``pid`` serves from ``repo``: its command line, working directory or PYTHONPATH name it."""
-    inside = (repo, repo + os.sep)
     args = _cmdline(pid)
     if any(arg == repo or arg.startswith(repo + os.sep) or arg.endswith("=" + repo) for arg in args):
         return True
     try:
-        if os.readlink(f"/proc/{pid}/cwd").startswith(inside):
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+        if cwd == repo or cwd.startswith(repo + os.sep):  # not a sibling whose name starts alike (repo-2)
             return True
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
