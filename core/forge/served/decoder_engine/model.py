@@ -29,7 +29,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
 from forge_decoder import hosted, loading  # noqa: E402
-from forge_decoder.request import GenerationRequest, Limits, RequestError, is_stop, parse  # noqa: E402
+from forge_decoder.request import GenerationRequest, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -174,12 +174,12 @@ class TritonPythonModel:
             self.engine = hosted.EngineHost(
                 config, here, name=self.name, cancel_check_ms=float(_parameter(config, "cancellation_check_period_ms",
                                                                                "100")), **log)
-            self.limits, self.guides, self.loras = self.engine.limits, None, None
+            self.limits, self.loaded = self.engine.limits, None
             summary, graphs = self.engine.summary + ", engine in its own process", self.engine.graphs
         else:
-            loaded = loading.load(config, here, name=self.name, **log)
-            self.engine, self.limits, self.guides, self.loras = loaded.engine, loaded.limits, loaded.guides, loaded.loras
-            summary, graphs = loaded.summary, loaded.graphs
+            self.loaded = loading.load(config, here, name=self.name, **log)
+            self.engine, self.limits = self.loaded.engine, self.loaded.limits
+            summary, graphs = self.loaded.summary, self.loaded.graphs
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()
@@ -318,9 +318,8 @@ class TritonPythonModel:
                     continue
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
                              warn=pb_utils.Logger.log_warn)
-                if self.guides is not None:  # else the engine process resolves them
-                    self._resolve_loras(rows)
-                    self.guides.prepare(rows)  # compile each row's guided_decoding_guide (a bad one: RequestError)
+                if self.loaded is not None:  # else the engine process resolves adapters and guides
+                    self.loaded.prepare(rows)  # a bad guide or adapter: RequestError
             except RequestError as exc:
                 forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue
@@ -335,13 +334,6 @@ class TritonPythonModel:
             self.engine.submit(pending.sequences)
         self.busy_gauge.set(self.engine.busy)
         return None
-
-    def _resolve_loras(self, rows: list[GenerationRequest]) -> None:
-        """Each row's LoRA adapter from its task id / weights (tensorrtllm_backend's cache semantics)."""
-        if self.loras is not None:
-            self.loras.resolve_rows(rows)
-        elif any(r.lora_task_id is not None or r.lora_weights is not None for r in rows):
-            raise RequestError("this model was built without LoRA modules; leave out lora_task_id / lora_weights")
 
     def finalize(self):
         """Stop before the stub tears down: the engine thread ends (bounded wait) failing what it held, the

@@ -260,7 +260,6 @@ class Hosted:
         self.outbox: list = []
         self.outbox_lock = threading.Lock()
         self.sequences: dict[int, Sequence] = {}
-        self.cancelled: set[int] = set()
         self.loaded = None
         self.acks = threading.Condition()
         self.unacked = 0  # batches sent that the stub has not acked
@@ -304,7 +303,6 @@ class Hosted:
                 self._submit(message[1], RequestError)
             elif kind == "cancel":
                 for key in message[1]:
-                    self.cancelled.add(key)
                     seq = self.sequences.get(key)
                     if seq is not None:
                         seq.cancel()
@@ -316,13 +314,8 @@ class Hosted:
                 return
 
     def _submit(self, rows: list, request_error: type) -> None:
-        requests = [row for _key, row, _arrival in rows]
         try:
-            if self.loaded.loras is not None:
-                self.loaded.loras.resolve_rows(requests)
-            elif any(r.lora_task_id is not None or r.lora_weights is not None for r in requests):
-                raise request_error("this model was built without LoRA modules; leave out lora_task_id / lora_weights")
-            self.loaded.guides.prepare(requests)
+            self.loaded.prepare([row for _key, row, _arrival in rows])
         except request_error as exc:
             self._refuse(rows, str(exc))
             return

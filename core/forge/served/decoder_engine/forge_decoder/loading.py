@@ -19,7 +19,7 @@ except ImportError:  # forge's own tree (tests)
 from . import engine as engine_mod
 from . import guided
 from . import lora as lora_mod
-from .request import Limits
+from .request import Limits, RequestError
 
 
 def parameter(config: dict, key: str, default: str = "") -> str:
@@ -39,6 +39,15 @@ class Loaded:
     device: Any
     summary: str  # the model, device, dtype, tp and torch threads, for the log line
     graphs: str  # the CUDA-graph decoder's choice (use_graphs)
+
+    def prepare(self, rows: list) -> None:
+        """Before a request's rows (GenerationRequest) are submitted: each row's LoRA adapter from its task id /
+        weights (tensorrtllm_backend's cache semantics) and its compiled guide; a bad one raises RequestError."""
+        if self.loras is not None:
+            self.loras.resolve_rows(rows)
+        elif any(r.lora_task_id is not None or r.lora_weights is not None for r in rows):
+            raise RequestError("this model was built without LoRA modules; leave out lora_task_id / lora_weights")
+        self.guides.prepare(rows)
 
 
 def choose_device(config: dict):
