@@ -287,24 +287,30 @@ def test_stop_words_and_end_id_through_the_ensemble(server, tokenizer):
 
 # -- cancellation --------------------------------------------------------------------------------
 
-def test_client_cancellation_stops_generation(server, tokenizer):
-    before = metric(server, "forge_decoder_finished_total", model="s_tensorrt_llm", reason="cancelled")
+# the engine inside the stub (s_) and in a process of its own (p_, -o engine_process=true)
+BOTH_ENGINES = pytest.mark.parametrize("model", ["s_tensorrt_llm", "p_tensorrt_llm"])
+
+
+@BOTH_ENGINES
+def test_client_cancellation_stops_generation(server, tokenizer, model):
+    before = metric(server, "forge_decoder_finished_total", model=model, reason="cancelled")
     ids = tokenizer.encode("hello")
-    responses = stream(server, "s_tensorrt_llm", llm_tensors(ids, MAX_SEQ_LEN - len(ids),
-                                                             streaming=np.array([[True]])), cancel_after=2)
+    responses = stream(server, model, llm_tensors(ids, MAX_SEQ_LEN - len(ids),
+                                                  streaming=np.array([[True]])), cancel_after=2)
     assert len(responses) == 2
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if metric(server, "forge_decoder_finished_total", model="s_tensorrt_llm", reason="cancelled") > before:
+        if metric(server, "forge_decoder_finished_total", model=model, reason="cancelled") > before:
             break
         time.sleep(0.1)
-    assert metric(server, "forge_decoder_finished_total", model="s_tensorrt_llm", reason="cancelled") == before + 1
-    generated = metric(server, "forge_decoder_generated_tokens_total", model="s_tensorrt_llm")
+    assert metric(server, "forge_decoder_finished_total", model=model, reason="cancelled") == before + 1
+    generated = metric(server, "forge_decoder_generated_tokens_total", model=model)
     time.sleep(0.5)
-    assert metric(server, "forge_decoder_generated_tokens_total", model="s_tensorrt_llm") == generated
+    assert metric(server, "forge_decoder_generated_tokens_total", model=model) == generated
 
 
-def test_stop_request_ends_a_running_request(server, tokenizer):
+@BOTH_ENGINES
+def test_stop_request_ends_a_running_request(server, tokenizer, model):
     """TensorRT-LLM's ``stop`` input: a second request with the same id ends the first one early."""
     import tritonclient.grpc as grpc
 
@@ -314,7 +320,7 @@ def test_stop_request_ends_a_running_request(server, tokenizer):
     events: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: events.put((result, error)))
     try:
-        client.async_stream_infer("s_tensorrt_llm", grpc_inputs(llm_tensors(ids, budget, streaming=np.array([[True]]))),
+        client.async_stream_infer(model, grpc_inputs(llm_tensors(ids, budget, streaming=np.array([[True]]))),
                                   request_id="job-1", enable_empty_final_response=True)
         tokens, stopped = 0, False
         while True:
@@ -324,7 +330,7 @@ def test_stop_request_ends_a_running_request(server, tokenizer):
             if response.outputs:
                 tokens += result.as_numpy("output_ids").shape[-1]
                 if not stopped:
-                    stream(server, "s_tensorrt_llm", llm_tensors(ids, 1, stop=np.array([[True]])), request_id="job-1")
+                    stream(server, model, llm_tensors(ids, 1, stop=np.array([[True]])), request_id="job-1")
                     stopped = True
             if response.parameters["triton_final_response"].bool_param:
                 break
@@ -469,44 +475,6 @@ def test_the_engine_process_serves_concurrent_requests_and_the_ensemble(server, 
     assert mine == theirs and len(mine) == 10
 
 
-def test_the_engine_process_hears_cancellations_and_stop_requests(server, tokenizer):
-    import tritonclient.grpc as grpc
-
-    ids = tokenizer.encode("hello")
-    budget = MAX_SEQ_LEN - len(ids)
-    before = metric(server, "forge_decoder_finished_total", model="p_tensorrt_llm", reason="cancelled")
-    responses = stream(server, "p_tensorrt_llm", llm_tensors(ids, budget, streaming=np.array([[True]])), cancel_after=2)
-    assert len(responses) == 2
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and metric(server, "forge_decoder_finished_total", model="p_tensorrt_llm",
-                                                 reason="cancelled") == before:
-        time.sleep(0.1)
-    assert metric(server, "forge_decoder_finished_total", model="p_tensorrt_llm", reason="cancelled") == before + 1
-
-    client = grpc.InferenceServerClient(server.grpc_url)
-    events: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    try:
-        client.async_stream_infer("p_tensorrt_llm", grpc_inputs(llm_tensors(ids, budget, streaming=np.array([[True]]))),
-                                  request_id="p-job", enable_empty_final_response=True)
-        tokens, stopped = 0, False
-        while True:
-            result, error = events.get(timeout=60)
-            assert error is None, error
-            response = result.get_response()
-            if response.outputs:
-                tokens += result.as_numpy("output_ids").shape[-1]
-                if not stopped:
-                    stream(server, "p_tensorrt_llm", llm_tensors(ids, 1, stop=np.array([[True]])), request_id="p-job")
-                    stopped = True
-            if response.parameters["triton_final_response"].bool_param:
-                break
-    finally:
-        client.stop_stream()
-        client.close()
-    assert 1 <= tokens < budget
-
-
 @pytest.mark.parametrize("extra, message", [
     ({"guided_decoding_guide_type": np.array([["regex".encode()]], object),
       "guided_decoding_guide": np.array([["([a-z]".encode()]], object)}, "guided_decoding_guide"),
@@ -515,49 +483,27 @@ def test_the_engine_process_hears_cancellations_and_stop_requests(server, tokeni
 def test_what_the_engine_process_refuses_is_one_error_and_it_keeps_serving(server, tokenizer, extra, message):
     """Bad inputs tried: an invalid regex guide (or guided decoding unavailable), a LoRA task id never sent
     with its weights; both are resolved in the engine process and answered as the stub's engine answers."""
-    import tritonclient.grpc as grpc
-
     ids = tokenizer.encode("hello")
     for model in ("p_tensorrt_llm", "s_tensorrt_llm"):
-        client = grpc.InferenceServerClient(server.grpc_url)
-        events: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: events.put((result, error)))
-        try:
-            client.async_stream_infer(model, grpc_inputs(llm_tensors(ids, 4, **extra)))
-            _result, error = events.get(timeout=60)
-        finally:
-            client.stop_stream()
-            client.close()
+        error = first_error(server, model, llm_tensors(ids, 4, **extra))
         assert error is not None and message in str(error), (model, error)
     (result,) = stream(server, "p_tensorrt_llm", llm_tensors(ids, 4))
     assert result.as_numpy("output_ids").shape[-1] == len(ids) + 4
 
 
-def _engine_process(server) -> int:
-    from forge.serving.server import python_stubs, repository_processes
+def first_error(server, model, tensors, timeout=60.0):
+    """The error of one streamed request's first response (None: it had none)."""
+    import tritonclient.grpc as grpc
 
-    stubs = python_stubs(repository_processes(server.repo))
-    stub = stubs["p_tensorrt_llm"]
-    children = [int(p.name) for p in __import__("pathlib").Path("/proc").iterdir() if p.name.isdigit()
-                and (p / "stat").exists() and _ppid(int(p.name)) == stub]
-    found = [pid for pid in children if "forge_decoder.hosted" in " ".join(_cmdline(pid))]
-    assert len(found) == 1, (stub, children)
-    return found[0]
-
-
-def _ppid(pid: int) -> int | None:
+    client = grpc.InferenceServerClient(server.grpc_url)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
     try:
-        text = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return None
-    return int(text[text.rfind(")") + 2:].split()[1])
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-    except OSError:
-        return []
+        client.async_stream_infer(model, grpc_inputs(tensors))
+        return events.get(timeout=timeout)[1]
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 def test_zz_a_killed_engine_process_fails_its_requests_in_bounded_time(server, tokenizer):
@@ -569,7 +515,9 @@ def test_zz_a_killed_engine_process_fails_its_requests_in_bounded_time(server, t
 
     import tritonclient.grpc as grpc
 
-    pid = _engine_process(server)
+    from forge.serving.server import describe_process, repository_processes
+
+    (pid,) = [pid for pid in repository_processes(server.repo) if "forge_decoder.hosted" in describe_process(pid)]
     ids = tokenizer.encode("hello")
     client = grpc.InferenceServerClient(server.grpc_url)
     events: queue.Queue = queue.Queue()
@@ -587,15 +535,7 @@ def test_zz_a_killed_engine_process_fails_its_requests_in_bounded_time(server, t
     finally:
         client.stop_stream()
         client.close()
-    client = grpc.InferenceServerClient(server.grpc_url)
-    events = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    try:
-        client.async_stream_infer("p_tensorrt_llm", grpc_inputs(llm_tensors(ids, 4)))
-        _result, error = events.get(timeout=30)
-    finally:
-        client.stop_stream()
-        client.close()
+    error = first_error(server, "p_tensorrt_llm", llm_tensors(ids, 4), timeout=30)
     assert error is not None and "the engine process exited with status -9" in str(error)
     (result,) = stream(server, "s_tensorrt_llm", llm_tensors(ids, 4))
     assert result.as_numpy("output_ids").shape[-1] == len(ids) + 4
