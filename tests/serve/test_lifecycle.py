@@ -196,8 +196,7 @@ def test_the_engine_process_goes_with_its_server(repos, end):
     load = Load(server.http, model="p_ensemble")
     try:
         load.wait_busy()
-        engines = [pid for pid in server.processes()
-                   if b"forge_decoder.hosted" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        engines = [pid for pid in server.processes() if "forge_decoder.hosted" in describe_process(pid)]
         assert len(engines) == 1 and python_stubs(server.processes()).get("p_tensorrt_llm"), server.processes()
         started = time.monotonic()
         end(server)
