@@ -493,6 +493,44 @@ def test_what_the_engine_process_refuses_is_one_error_and_it_keeps_serving(serve
     assert result.as_numpy("output_ids").shape[-1] == len(ids) + 4
 
 
+def test_short_requests_under_the_cancel_watcher_never_crash_the_server(server):
+    """The engine process's cancel watcher asks each live request whether its client went away (every 5 ms for
+    p_). A request whose final response was sent meanwhile must not be asked: tritonserver has freed its response
+    factory and segfaulted (TRITONBACKEND_ResponseFactoryIsCancelled) within about 550 such requests here."""
+    import tritonclient.grpc as grpc
+
+    done, errors = [0], []
+    stop = time.monotonic() + 6.0
+
+    def client_loop():
+        client = grpc.InferenceServerClient(server.grpc_url)
+        events: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: events.put((result, error)))
+        try:
+            while time.monotonic() < stop and not errors:
+                client.async_stream_infer("p_tensorrt_llm", grpc_inputs(llm_tensors([1, 2, 3, 4], 2)),
+                                          enable_empty_final_response=True)
+                while True:
+                    result, error = events.get(timeout=30)
+                    if error is not None:
+                        errors.append(str(error))
+                        return
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        break
+                done[0] += 1
+        finally:
+            client.stop_stream()
+            client.close()
+
+    threads = [threading.Thread(target=client_loop) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and server.process.poll() is None, (errors[:1], done[0])
+    assert done[0] > 550
+
+
 def first_error(server, model, tensors, timeout=60.0):
     """The error of one streamed request's first response (None: it had none)."""
     import tritonclient.grpc as grpc

@@ -38,6 +38,7 @@ ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds",
                    "prefills", "joined")
 DEVICE_COUNTERS = ("device_seconds", "wait_seconds")  # measured where the engine decodes through CUDA graphs
+RESPONSE_COUNTERS = ("responses", "build_seconds", "send_seconds")
 
 
 _parameter = loading.parameter
@@ -64,7 +65,16 @@ class _Request:
         self.lock = threading.Lock()
 
     def is_cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        """Whether the client went away. Never asked of the server once the final response is sent: tritonserver
+        frees the request's response factory then, and asking crashes it (SIGSEGV in
+        TRITONBACKEND_ResponseFactoryIsCancelled; seen under load with the engine process's cancel watcher).
+        While a sender thread is answering the request the answer is no: it is asked again at the next check."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            return self.done or self.sender.is_cancelled()
+        finally:
+            self.lock.release()
 
     def cancel(self, stopped: bool = False) -> None:
         self.stopped = self.stopped or stopped
@@ -76,6 +86,8 @@ class _Request:
         return row.pad_id if row.pad_id is not None else (row.end_id if row.end_id is not None else 0)
 
     def _send(self, results: list[RowResult] | None, final: bool, error: str | None = None) -> None:
+        started = time.perf_counter_ns()
+        built = started
         try:
             if error is not None:
                 forge_glue.send(self.sender, exc=RuntimeError(error), flags=FINAL)
@@ -84,9 +96,11 @@ class _Request:
             else:
                 # only what the client asked for (see forge_glue), and only that is computed
                 tensors = assemble(results, self.model.output_specs, self._pad(), wanted=self.wanted)
+                built = time.perf_counter_ns()
                 forge_glue.send(self.sender, tensors, flags=FINAL if final else 0)
         except Exception as exc:  # the client went away; nothing else to do for it
             self.model.log_warn(f"could not send a response for request {self.request_id!r}: {exc}")
+        self.model.sent(built - started, time.perf_counter_ns() - built)
         if final:
             self.done = True
             self.model.forget(self)
@@ -241,32 +255,58 @@ class TritonPythonModel:
         self.published_engine = {kind: 0.0 for kind in self.engine_counters}
         self.engine_published_at = 0.0
         self.unpublished_tokens = 0
+        self.metric_responses = pb_utils.MetricFamily(
+            name="forge_decoder_responses_total", description="the sender threads: responses sent (kind=responses), "
+            "seconds building their tensors (kind=build_seconds) and inside the server's send call, a round trip to "
+            "tritonserver (kind=send_seconds)", kind=pb_utils.MetricFamily.COUNTER)
+        self.response_counters = {kind: self.metric_responses.Metric(labels={**labels, "kind": kind})
+                                  for kind in RESPONSE_COUNTERS}
+        self.unpublished_responses = dict.fromkeys(RESPONSE_COUNTERS, 0.0)
         self.busy_gauge = self.metric_sequences.Metric(labels=labels)
         self.token_counter = self.metric_tokens.Metric(labels=labels)
         self.finished = {reason: self.metric_finished.Metric(labels={**labels, "reason": reason})
                          for reason in ("length", "end_id", "stop_words", "cancelled", "error")}
+        self.unpublished_finished = dict.fromkeys(self.finished, 0)
+
+    def sent(self, build_ns: int, send_ns: int) -> None:
+        """A sender thread sent one response: ``build_ns`` building its tensors, ``send_ns`` in the send call."""
+        with self.count_lock:
+            waiting = self.unpublished_responses
+            waiting["responses"] += 1
+            waiting["build_seconds"] += build_ns / 1e9
+            waiting["send_seconds"] += send_ns / 1e9
 
     def count(self, update: engine_mod.Update, tokens: int) -> None:
-        """Metrics are IPC calls to the server: count ``tokens`` generated locally, publish when a sequence
-        finishes (the engine's counters at most every ENGINE_METRICS_S under load, and whenever it falls
-        idle)."""
+        """Metrics are IPC calls to the server, each holding this stub's GIL: count ``tokens`` generated and
+        sequences finished locally, publish them with the engine's counters at most every ENGINE_METRICS_S under
+        load, and whenever the engine falls idle."""
         with self.count_lock:
-            self._count(update, tokens)
+            self.unpublished_tokens += tokens
+            if not update.finished or self.token_counter is None:
+                return
+            if update.reason in self.unpublished_finished:
+                self.unpublished_finished[update.reason] += 1
+            self._publish()
 
-    def _count(self, update: engine_mod.Update, tokens: int) -> None:
-        self.unpublished_tokens += tokens
-        if not update.finished or self.token_counter is None:
-            return
-        self.token_counter.increment(self.unpublished_tokens)
-        self.unpublished_tokens = 0
-        if update.reason in self.finished:
-            self.finished[update.reason].increment(1)
+    def _publish(self) -> None:
+        """(count_lock held) Everything counted locally to the metrics endpoint, unless the engine is busy and
+        did so less than ENGINE_METRICS_S ago."""
         busy = self.engine.busy
-        self.busy_gauge.set(busy)
         now = time.monotonic()
         if busy and now - self.engine_published_at < ENGINE_METRICS_S:
             return
         self.engine_published_at = now
+        self.busy_gauge.set(busy)
+        if self.unpublished_tokens:
+            self.token_counter.increment(self.unpublished_tokens)
+            self.unpublished_tokens = 0
+        for reason, count in self.unpublished_finished.items():
+            if count:
+                self.finished[reason].increment(count)
+                self.unpublished_finished[reason] = 0
+        for kind, counter in self.response_counters.items():
+            counter.increment(self.unpublished_responses[kind])
+            self.unpublished_responses[kind] = 0.0
         engine = self.engine
         values = {"step_seconds": engine.step_ns / 1e9, "decode_steps": float(engine.decode_steps),
                   "decoded_rows": float(engine.decoded_rows), "prefill_seconds": engine.prefill_ns / 1e9,
@@ -332,7 +372,9 @@ class TritonPythonModel:
             with self.lock:
                 self.requests[id(pending)] = pending
             self.engine.submit(pending.sequences)
-        self.busy_gauge.set(self.engine.busy)
+        with self.count_lock:  # the gauge counts the new sequences (published at most every ENGINE_METRICS_S)
+            if self.token_counter is not None:
+                self._publish()
         return None
 
     def finalize(self):
@@ -363,8 +405,9 @@ class TritonPythonModel:
             finally:
                 request.lock.release()
         if ended:  # nothing left that counts: release the metrics while their channel is open
-            self.busy_gauge = self.token_counter = self.finished = self.engine_counters = None
+            self.busy_gauge = self.token_counter = self.finished = self.engine_counters = self.response_counters = None
             self.metric_sequences = self.metric_finished = self.metric_tokens = self.metric_engine = None
+            self.metric_responses = None
         # Finished requests are cycles (request → sequence → its callback → request) that only the cyclic
         # collector frees; left to the interpreter's teardown, their senders' destructors use the stub's
         # shared memory after it is gone (the segfault of issue 36, ResponseSender::~ResponseSender in
