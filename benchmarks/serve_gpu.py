@@ -26,7 +26,9 @@ For each model shape (random weights, seeded; the tokenizer of SmolLM2):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -151,6 +153,7 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
     bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
     before, models_before = engine_counters(server, engine_model), model_durations(server)
+    cpu_before = process_cpu(server)
     processes = max(1, min(processes, concurrency))  # at most one process per client
     if processes > 1:
         samples = _in_processes(server.grpc_url, model, tokenizer.name_or_path, stream, items, concurrency, processes)
@@ -158,7 +161,8 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
     else:
         samples, wall = bench.run(server.grpc_url, target, items, concurrency=concurrency)
     return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall),
-            "triton_ms": per_request_ms(models_before, model_durations(server)), "client_processes": processes}
+            "triton_ms": per_request_ms(models_before, model_durations(server)), "client_processes": processes,
+            "cpu_cores": cores_busy(cpu_before, process_cpu(server), wall)}
 
 
 def _target(url: str, model: str, tokenizer, stream: bool):
@@ -200,6 +204,51 @@ def _client_process(url, model, tokenizer_dir, stream, items, concurrency, ready
     ready.wait(600)
     samples, _ = bench.run(url, target, items, concurrency=concurrency)
     results.put(samples)
+
+
+def process_cpu(server) -> dict[str, float]:
+    """CPU seconds used so far by each process of the server's session (Linux /proc), by role: ``tritonserver``,
+    each python model's stub (its model name), ``<model> engine`` (an engine process, by its stub's model),
+    ``other``."""
+    from forge.serving.server import session_processes
+    from forge.serving.supervisor import stub_processes
+
+    if server.process is None:
+        return {}
+    ticks, stubs = os.sysconf("SC_CLK_TCK"), stub_processes(server)
+    used: dict[str, float] = {}
+    for pid in session_processes(server.process.pid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp session … utime(11) stime(12)
+        if pid == server.process.pid:
+            role = "tritonserver"
+        elif pid in stubs:
+            role = stubs[pid]
+        elif b"forge_decoder.hosted" in command:
+            role = f"{stubs.get(_parent(pid), '?')} engine"
+        else:
+            role = "other"
+        used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return used
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2:].split()[1])
+
+
+def cores_busy(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Each role's CPU time between two ``process_cpu`` snapshots per second of the cell: 1.0 is one core kept
+    busy the whole time (a process whose Python threads share one GIL cannot go much beyond it)."""
+    busy = {role: round((after[role] - before.get(role, 0.0)) / wall_s, 2) for role in after if wall_s > 0}
+    return {role: value for role, value in sorted(busy.items(), key=lambda kv: -kv[1]) if value > 0}
 
 
 #: Triton's per-model counters (microseconds summed over requests) that split a request's time
@@ -651,8 +700,14 @@ def main() -> int:
     parser.add_argument("--profile-gil", type=float, default=0,
                         help="after the cells, seconds of py-spy (--gil) on the served tensorrt_llm model under c=64 "
                         "non-streamed load: each thread's share of the GIL and the functions holding it (0: none)")
+    parser.add_argument("--profile-of", type=lambda text: tuple(text.split(",")), default=("stub",),
+                        help="--profile-gil: what is sampled, comma-separated: stub (default), engine (its engine "
+                        "process), both under c=64 non-streamed load, or stub-streamed / engine-streamed (the "
+                        "--decoupled build's, under c=16 streamed load)")
     parser.add_argument("--stream-levels", type=lambda text: tuple(int(c) for c in text.split(",")),
                         help="the streamed cells' concurrencies (default 16,64)")
+    parser.add_argument("--levels", type=lambda text: tuple(int(c) for c in text.split(",") if c),
+                        help="the served non-streamed cells' concurrencies (default 1,16,64; empty: none)")
     parser.add_argument("--closed-loop", action="store_true",
                         help="only the engine alone in a closed loop, prefills joining steps and not (closed_loop)")
     parser.add_argument("--jitter-ms", type=float, default=0.0,
@@ -668,10 +723,15 @@ def main() -> int:
         parser.error("--jitter-ms spreads the arrivals of --closed-loop; pass --closed-loop too")
     if args.stream_levels is not None and (args.engine_only or args.closed_loop or args.soak):
         parser.error("--stream-levels sets the served streamed cells; leave out --engine-only / --closed-loop / --soak")
+    if args.levels is not None and (args.engine_only or args.closed_loop or args.soak):
+        parser.error("--levels sets the served non-streamed cells; leave out --engine-only / --closed-loop / --soak")
     args.stream_levels = args.stream_levels or (16, 64)
+    args.levels = (1, 16, 64) if args.levels is None else args.levels
     if args.profile_gil:  # checked before minutes of cells, not after them
         if args.engine_only or args.soak:
             parser.error("--profile-gil samples the served cells' model: leave out --engine-only / --soak")
+        if not set(args.profile_of) <= set(PROFILES):
+            parser.error(f"--profile-of: expected some of {', '.join(PROFILES)}")
         args.py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         if not Path(args.py_spy).is_file():
             parser.error("--profile-gil needs py-spy (pip install py-spy) in this environment")
@@ -729,13 +789,13 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
     runtime = find_note(manifest, "python_target").get("runtime", {})
     rows, served_dtype = [], runtime.get("on_this_machine", {}).get("compute_dtype", args.dtype)
     started = time.perf_counter()
-    with TritonServer(repo, startup_timeout=900) as server:
+    with TritonServer(repo, startup_timeout=900) as server, _log_tail_on_failure(server):
         startup_s = round(time.perf_counter() - started, 1)
         print(f"{shape}: tritonserver ready in {startup_s} s (every model loaded, the decoders' warm-up included)",
               flush=True)
         greedy = check_greedy(server, model_dir, tokenizer, served_dtype)
         print(f"{shape}: served greedy ids vs transformers ({served_dtype}): {json.dumps(greedy)}", flush=True)
-        for name, model, levels, stream in (("forge default build", "ensemble", (1, 16, 64), False),
+        for name, model, levels, stream in (("forge default build", "ensemble", args.levels, False),
                                             ("forge --decoupled build, streamed", "d_ensemble", args.stream_levels, True),
                                             ("seed-000 hf-pipeline", "seed_ensemble", () if args.no_seed else (1, 16),
                                              False)):
@@ -747,18 +807,30 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                 summary.update({"run": f"{shape} {name}, c={c}", "concurrency": c, "server": name})
                 rows.append(summary)
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "
-                      f"{json.dumps({k: v for k, v in summary.items() if k.startswith('engine_')})}; Triton ms "
-                      f"per request {json.dumps(summary['triton_ms'])}", flush=True)
-        gil = profile_gil(server, tokenizer, args) if args.profile_gil else None
+                      f"{json.dumps({k: v for k, v in summary.items() if k.startswith(('engine_', 'sender_'))})}; Triton ms "
+                      f"per request {json.dumps(summary['triton_ms'])}; CPU cores busy "
+                      f"{json.dumps(summary['cpu_cores'])}", flush=True)
+        gil = {of: profile_gil(server, tokenizer, args, of) for of in args.profile_of} if args.profile_gil else None
     print(format_table(rows, label="run"))
     print(f"{shape}: forge default build chose {json.dumps(runtime)}")
     by = {(r["server"], r["concurrency"]): r["tokens_per_s"] for r in rows}
     seed = by.get(("seed-000 hf-pipeline", 16))
-    ratio = by[("forge default build", 16)] / seed if seed else None
+    ratio = by[("forge default build", 16)] / seed if seed and ("forge default build", 16) in by else None
     if ratio is not None:
         print(f"{shape}: forge default / seed-000 model generated tok/s at concurrency 16: {ratio:.1f}x")
     return {"greedy": greedy, "rows": rows, "ratio_c16": ratio, "runtime": runtime, "startup_s": startup_s,
             **({"gil_profile": gil} if gil else {})}
+
+
+@contextlib.contextmanager
+def _log_tail_on_failure(server, lines: int = 60):
+    """A failed cell prints the end of tritonserver's log (a crashed server says why there)."""
+    try:
+        yield
+    except Exception:
+        log = server.log_file.read_text(errors="replace").splitlines() if server.log_file else []
+        print(f"tritonserver log ({server.log_file}), last {lines} lines:", *log[-lines:], sep="\n", flush=True)
+        raise
 
 
 def _thread_kind(frames: list[str]) -> str:
@@ -770,25 +842,41 @@ def _thread_kind(frames: list[str]) -> str:
     return "execute" if any(".execute (" in f for f in frames) else name or "other"
 
 
-def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -> dict:
-    """``--profile-gil`` seconds of ``py-spy record --gil`` (samples of the thread holding the GIL) on the
-    default build's tensorrt_llm model under closed-loop non-streamed load: each thread's share of the samples
-    and the functions (own time and with what they call) holding it most."""
+#: What ``--profile-of`` samples: the process (the tensorrt_llm model's stub or its engine process) of which
+#: build, under which closed-loop load (model, concurrency, streamed)
+PROFILES = {"stub": ("tensorrt_llm", False, "ensemble", 64, False),
+            "engine": ("tensorrt_llm", True, "ensemble", 64, False),
+            "stub-streamed": ("d_tensorrt_llm", False, "d_ensemble", 16, True),
+            "engine-streamed": ("d_tensorrt_llm", True, "d_ensemble", 16, True)}
+
+
+def profile_gil(server, tokenizer, args, of: str = "stub", top: int = 25) -> dict:
+    """``--profile-gil`` seconds of ``py-spy record --gil`` (samples of the thread holding the GIL) on one served
+    process under closed-loop load (``PROFILES[of]``): each thread's share of the samples and the functions (own
+    time and with what they call) holding it most."""
     import collections
     import subprocess
     import threading
 
     from forge.serving.supervisor import stub_processes
 
-    pid = next((p for p, name in stub_processes(server).items() if name == "tensorrt_llm"), None)
+    model, engine, ensemble, concurrency, stream = PROFILES[of]
+    pid = next((p for p, name in stub_processes(server).items() if name == model), None)
     if pid is None:
-        raise RuntimeError("no python-backend process serves tensorrt_llm")
+        raise RuntimeError(f"no python-backend process serves {model}")
+    if engine:  # the stub's child running the engine (-o engine_process)
+        from forge.serving.server import session_processes
+
+        pid = next((c for c in session_processes(server.process.pid) if _parent(c) == pid
+                    and b"forge_decoder.hosted" in Path(f"/proc/{c}/cmdline").read_bytes()), None)
+        if pid is None:
+            raise RuntimeError(f"{model} runs its engine inside its stub: no engine process to profile")
     out = Path(tempfile.mkdtemp(prefix="forge-gil-")) / "gil.txt"
     stop = threading.Event()
 
     def drive() -> None:
         while not stop.is_set():
-            load(server, "ensemble", tokenizer, concurrency, 4 * concurrency, args.max_tokens)
+            load(server, ensemble, tokenizer, concurrency, 4 * concurrency, args.max_tokens, stream=stream)
 
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
@@ -811,12 +899,13 @@ def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -
             inclusive[frame] += n
     share = {k: round(v / total, 3) for k, v in threads.most_common()}
     held = round(total / (200 * args.profile_gil), 3)  # samples are taken only while some thread holds the GIL
-    report = {"pid": pid, "samples": total, "seconds": args.profile_gil, "concurrency": concurrency,
+    report = {"of": of, "pid": pid, "samples": total, "seconds": args.profile_gil, "concurrency": concurrency,
+              "streamed": stream,
               "gil_held_share": held, "thread_share": share,
               "own": [(f, round(n / total, 3)) for f, n in own.most_common(top)],
               "inclusive": [(f, round(n / total, 3)) for f, n in inclusive.most_common(top)],
               "collapsed": str(out)}
-    print(f"  GIL held {held:.0%} of the time under c={concurrency}; by thread (of {total} samples): "
+    print(f"  {of}: GIL held {held:.0%} of the time under c={concurrency}; by thread (of {total} samples): "
           f"{json.dumps(share)}", flush=True)
     for title, rows in (("own", report["own"]), ("inclusive", report["inclusive"])):
         print(f"  GIL held, top functions ({title}):", flush=True)
@@ -826,7 +915,8 @@ def profile_gil(server, tokenizer, args, concurrency: int = 64, top: int = 25) -
 
 
 def engine_counters(server, model: str | None) -> dict[str, float]:
-    """The served engine's own counters (forge_decoder_engine_total) from the metrics endpoint."""
+    """The served engine's own counters (forge_decoder_engine_total) and its senders' (forge_decoder_responses_total,
+    as ``sender_<kind>``) from the metrics endpoint."""
     import re
     import urllib.request
 
@@ -836,10 +926,11 @@ def engine_counters(server, model: str | None) -> dict[str, float]:
                                 else server.metrics_url, timeout=10) as response:
         text = response.read().decode()
     found = {}
-    for kind, value in re.findall(r'forge_decoder_engine_total\{[^}]*kind="(\w+)"[^}]*model="%s"[^}]*\} (\S+)'
-                                  % re.escape(model), text) + re.findall(
-            r'forge_decoder_engine_total\{[^}]*model="%s"[^}]*kind="(\w+)"[^}]*\} (\S+)' % re.escape(model), text):
-        found[kind] = float(value)
+    for family, prefix in (("forge_decoder_engine_total", ""), ("forge_decoder_responses_total", "sender_")):
+        for kind, value in re.findall(r'%s\{[^}]*kind="(\w+)"[^}]*model="%s"[^}]*\} (\S+)'
+                                      % (family, re.escape(model)), text) + re.findall(
+                r'%s\{[^}]*model="%s"[^}]*kind="(\w+)"[^}]*\} (\S+)' % (family, re.escape(model)), text):
+            found[prefix + kind] = float(value)
     return found
 
 
@@ -864,6 +955,13 @@ def engine_share(before: dict, after: dict, wall_s: float) -> dict:
         for kind in ("device", "wait"):
             spent = after[f"{kind}_seconds"] - before.get(f"{kind}_seconds", 0.0)
             extra[f"engine_{kind}_ms_per_step"] = round(spent / steps * 1000, 3)
+    responses = after.get("sender_responses", 0) - before.get("sender_responses", 0)
+    if responses:  # the stub's sender threads: per response, and their threads kept busy (of sender_threads)
+        for kind in ("build", "send"):
+            spent = after[f"sender_{kind}_seconds"] - before.get(f"sender_{kind}_seconds", 0.0)
+            extra[f"sender_{kind}_ms"] = round(spent / responses * 1000, 3)
+            extra[f"sender_{kind}_threads"] = round(spent / wall_s, 2)
+        extra["sender_responses_per_s"] = round(responses / wall_s, 1)
     return {**extra, "engine_busy": round(busy / wall_s, 3),
             "engine_mean_rows": round((after["decoded_rows"] - before["decoded_rows"]) / steps, 1) if steps else None,
             "engine_ms_per_step": round(busy / steps * 1000, 3) if steps else None}

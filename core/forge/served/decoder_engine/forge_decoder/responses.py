@@ -52,56 +52,68 @@ def _padded(rows: list[list], fill, dtype) -> np.ndarray:
     return out
 
 
+def _column(results: list[RowResult], value, dtype) -> np.ndarray:
+    return np.array([[value(r)] for r in results], dtype=dtype)
+
+
+def _log_probs(results: list[RowResult]) -> np.ndarray:
+    if any(r.want_logprobs for r in results):
+        return _padded([r.logprobs if r.want_logprobs else [] for r in results], 0.0, np.float32)
+    return np.zeros((len(results), 1, 1), np.float32)
+
+
+def _context_logits(results: list[RowResult]) -> np.ndarray:
+    with_context = [r.context_logits for r in results if r.context_logits is not None]
+    if not with_context:
+        return np.zeros((len(results), 1, 1), np.float32)
+    length = max(c.shape[0] for c in with_context)
+    context = np.zeros((len(results), length, with_context[0].shape[1]), np.float32)
+    for i, r in enumerate(results):
+        if r.context_logits is not None:
+            context[i, : r.context_logits.shape[0]] = r.context_logits
+    return context
+
+
+def _generation_logits(results: list[RowResult]) -> np.ndarray:
+    with_generation = [r.generation_logits for r in results if r.generation_logits]
+    if not with_generation:
+        return np.zeros((len(results), 1, 1, 1), np.float32)
+    steps = max(len(g) for g in with_generation)
+    generation = np.zeros((len(results), 1, steps, with_generation[0][0].shape[-1]), np.float32)
+    for i, r in enumerate(results):
+        for j, step in enumerate(r.generation_logits):
+            generation[i, 0, j] = step
+    return generation
+
+
+#: How each output is computed from the rows' results (only those a response carries are computed: a streamed
+#: response is built once per token)
+OUTPUTS = {
+    "output_ids": lambda results, pad_id: _padded([r.ids for r in results], pad_id, np.int64),
+    "sequence_length": lambda results, _pad: _column(results, lambda r: len(r.ids), np.int64),
+    "cum_log_probs": lambda results, _pad: _column(
+        results, lambda r: r.cum_logprob if r.want_logprobs else 0.0, np.float32),
+    "batch_index": lambda results, _pad: _column(results, lambda r: r.batch_index, np.int64),
+    "arrival_time_ns": lambda results, _pad: _column(results, lambda r: r.arrival_ns, np.int64),
+    "first_token_time_ns": lambda results, _pad: _column(results, lambda r: r.first_token_ns, np.int64),
+    "first_scheduled_time_ns": lambda results, _pad: _column(results, lambda r: r.scheduled_ns, np.int64),
+    "last_token_time_ns": lambda results, _pad: _column(results, lambda r: r.last_token_ns, np.int64),
+    "num_input_tokens": lambda results, _pad: _column(results, lambda r: r.input_tokens, np.int64),
+    "num_output_tokens": lambda results, _pad: _column(results, lambda r: r.output_tokens, np.int64),
+    "sequence_index": lambda results, _pad: np.zeros((len(results), 1), dtype=np.int64),
+    "output_log_probs": lambda results, _pad: _log_probs(results),
+    "context_logits": lambda results, _pad: _context_logits(results),
+    "generation_logits": lambda results, _pad: _generation_logits(results),
+}
+
+
 def assemble(results: list[RowResult], specs: Mapping[str, OutputSpec], pad_id: int = 0,
              wanted: set[str] | None = None) -> dict[str, np.ndarray]:
-    """The configured outputs in ``wanted`` (None: all) for ``results`` (one entry per row), cast to their dtypes."""
-    if wanted is not None:
-        specs = {name: spec for name, spec in specs.items() if name in wanted}
-    batch = len(results)
-    tensors: dict[str, np.ndarray] = {
-        "output_ids": _padded([r.ids for r in results], pad_id, np.int64),
-        "sequence_length": np.array([[len(r.ids)] for r in results], dtype=np.int64),
-        "cum_log_probs": np.array([[r.cum_logprob if r.want_logprobs else 0.0] for r in results], np.float32),
-        "batch_index": np.array([[r.batch_index] for r in results], dtype=np.int64),
-        "arrival_time_ns": np.array([[r.arrival_ns] for r in results], dtype=np.int64),
-        "first_token_time_ns": np.array([[r.first_token_ns] for r in results], dtype=np.int64),
-        "first_scheduled_time_ns": np.array([[r.scheduled_ns] for r in results], dtype=np.int64),
-        "last_token_time_ns": np.array([[r.last_token_ns] for r in results], dtype=np.int64),
-        "num_input_tokens": np.array([[r.input_tokens] for r in results], dtype=np.int64),
-        "num_output_tokens": np.array([[r.output_tokens] for r in results], dtype=np.int64),
-        "sequence_index": np.zeros((batch, 1), dtype=np.int64),
-    }
-    if any(r.want_logprobs for r in results):
-        tensors["output_log_probs"] = _padded([r.logprobs if r.want_logprobs else [] for r in results],
-                                              0.0, np.float32)
-    else:
-        tensors["output_log_probs"] = np.zeros((batch, 1, 1), np.float32)
-    with_context = [r.context_logits for r in results if r.context_logits is not None]
-    if with_context:
-        length = max(c.shape[0] for c in with_context)
-        vocab = with_context[0].shape[1]
-        context = np.zeros((batch, length, vocab), np.float32)
-        for i, r in enumerate(results):
-            if r.context_logits is not None:
-                context[i, : r.context_logits.shape[0]] = r.context_logits
-        tensors["context_logits"] = context
-    else:
-        tensors["context_logits"] = np.zeros((batch, 1, 1), np.float32)
-    with_generation = [r.generation_logits for r in results if r.generation_logits]
-    if with_generation:
-        steps = max(len(g) for g in with_generation)
-        vocab = with_generation[0][0].shape[-1]
-        generation = np.zeros((batch, 1, steps, vocab), np.float32)
-        for i, r in enumerate(results):
-            for j, step in enumerate(r.generation_logits):
-                generation[i, 0, j] = step
-        tensors["generation_logits"] = generation
-    else:
-        tensors["generation_logits"] = np.zeros((batch, 1, 1, 1), np.float32)
-
+    """The configured outputs in ``wanted`` (None: all) for ``results`` (one entry per row), cast to their dtypes;
+    configured outputs this runtime cannot compute are left out."""
     out: dict[str, np.ndarray] = {}
     for name, spec in specs.items():
-        value = tensors.get(name)
-        if value is not None:
-            out[name] = np.ascontiguousarray(value.astype(spec.dtype, copy=False))
+        make = OUTPUTS.get(name)
+        if make is not None and (wanted is None or name in wanted):
+            out[name] = np.ascontiguousarray(make(results, pad_id).astype(spec.dtype, copy=False))
     return out
