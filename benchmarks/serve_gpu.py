@@ -206,24 +206,23 @@ def _client_process(url, model, tokenizer_dir, stream, items, concurrency, ready
     results.put(samples)
 
 
-def process_cpu(server) -> dict[str, float]:
-    """CPU seconds used so far by each process of the server's session (Linux /proc), by role: ``tritonserver``,
-    each python model's stub (its model name), ``<model> engine`` (an engine process, by its stub's model),
-    ``other``."""
+def process_cpu(server) -> dict[tuple, float]:
+    """CPU seconds used so far by each thread of the server's session (Linux /proc), keyed (role, thread id,
+    thread name); roles: ``tritonserver``, each python model's stub (its model name), ``<model> engine`` (an engine
+    process, by its stub's model), ``other``."""
     from forge.serving.server import session_processes
     from forge.serving.supervisor import stub_processes
 
     if server.process is None:
         return {}
     ticks, stubs = os.sysconf("SC_CLK_TCK"), stub_processes(server)
-    used: dict[str, float] = {}
+    used: dict[tuple, float] = {}
     for pid in session_processes(server.process.pid):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp session … utime(11) stime(12)
         if pid == server.process.pid:
             role = "tritonserver"
         elif pid in stubs:
@@ -232,7 +231,14 @@ def process_cpu(server) -> dict[str, float]:
             role = f"{stubs.get(_parent(pid), '?')} engine"
         else:
             role = "other"
-        used[role] = used.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+        for task in tasks:
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()  # state ppid pgrp session … utime(11) stime(12)
+            name = stat[stat.index("(") + 1:stat.rfind(")")]
+            used[(role, int(task.name), name)] = (int(fields[11]) + int(fields[12])) / ticks
     return used
 
 
@@ -244,11 +250,21 @@ def _parent(pid: int) -> int | None:
     return int(stat[stat.rfind(")") + 2:].split()[1])
 
 
-def cores_busy(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """Each role's CPU time between two ``process_cpu`` snapshots per second of the cell: 1.0 is one core kept
-    busy the whole time (a process whose Python threads share one GIL cannot go much beyond it)."""
-    busy = {role: round((after[role] - before.get(role, 0.0)) / wall_s, 2) for role in after if wall_s > 0}
-    return {role: value for role, value in sorted(busy.items(), key=lambda kv: -kv[1]) if value > 0}
+def cores_busy(before: dict[tuple, float], after: dict[tuple, float], wall_s: float) -> dict[str, dict]:
+    """Each role's CPU time between two ``process_cpu`` snapshots per second of the cell (1.0: one core kept busy
+    the whole time; the Python threads of one process share one GIL) and its busiest thread's (name and cores):
+    a thread near 1.0 is what the role waits on."""
+    if wall_s <= 0:
+        return {}
+    roles: dict[str, dict] = {}
+    for key, seconds in after.items():
+        busy = (seconds - before.get(key, 0.0)) / wall_s
+        role = roles.setdefault(key[0], {"cores": 0.0, "busiest_thread": None, "busiest_cores": 0.0})
+        role["cores"] += busy
+        if busy > role["busiest_cores"]:
+            role["busiest_thread"], role["busiest_cores"] = key[2], busy
+    return {role: {k: round(v, 2) if isinstance(v, float) else v for k, v in entry.items()}
+            for role, entry in sorted(roles.items(), key=lambda kv: -kv[1]["cores"]) if entry["cores"] >= 0.005}
 
 
 #: Triton's per-model counters (microseconds summed over requests) that split a request's time
