@@ -355,7 +355,8 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
                 engine.step()  # prefill
                 ms, device_ms = timed_steps(engine, steps)
             used = engine.graphs.attention if engine.graphs is not None else None  # what auto chose
-            results.append({"cuda_graphs": mode, "attention": used, "torch_compile": compiled,
+            results.append({"cuda_graphs": mode, "attention": used, "attention_asked": graphs.ATTENTION,
+                            "torch_compile": compiled,
                             "paged_kv_cache": paged, "overlap_steps": overlap, "chosen": chosen,
                             "setup_s": round(setup, 1), "rows": rows, "ms_per_step": round(ms, 3),
                             "device_ms_per_step": None if device_ms is None else round(device_ms, 3),
@@ -990,7 +991,7 @@ def served_share(entry: dict) -> list[dict]:
     from forge.served.decoder_engine.forge_decoder import graphs
 
     engine = {r["rows"]: r["tokens_per_s"] for r in entry.get("engine", [])
-              if r["cuda_graphs"] == "true" and r["attention"] == graphs.ATTENTION
+              if r["cuda_graphs"] == "true" and r.get("attention_asked", r["attention"]) == graphs.ATTENTION
               and r.get("torch_compile", "false") == "auto" and r.get("paged_kv_cache", "false") == "false"
               and r.get("overlap_steps", "auto") == "auto"}
     shares = []

@@ -298,6 +298,28 @@ def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
                     "beside the client's p50 and the mean wait in the engine's queue; a model that answers through its "
                     "response sender counts until its `execute` returns):\n",
                     _table(["cell", "client p50 ms", "engine queue ms", *[f"`{m}` ms" for m in models]], table)]
+        busy = [r for r in rows if r.get("cpu_cores")]
+        if busy:
+            def role(name: str) -> str:  # the streamed build's models carry the d_ prefix
+                return name[2:] if name.startswith("d_") else name
+            totals: dict[str, float] = {}
+            for r in busy:
+                for name, value in r["cpu_cores"].items():
+                    totals[role(name)] = max(totals.get(role(name), 0.0), value["cores"])
+            roles = [name for name, most in sorted(totals.items(), key=lambda kv: -kv[1]) if most >= 0.05]
+
+            def cores(r: dict, name: str) -> str:
+                value = next((v for n, v in r["cpu_cores"].items() if role(n) == name), None)
+                return "—" if value is None else f"{value['cores']:.2f} ({value['busiest_cores']:.2f})"
+            table = [[_cell(r.get("run", "")), _f(r.get("tokens_per_s")), *[cores(r, name) for name in roles],
+                      _f(r.get("sender_build_ms"), ".2f"), _f(r.get("sender_send_ms"), ".2f"),
+                      _f(r.get("sender_responses_per_s"), ".0f")] for r in busy]
+            out += [f"**{shape}, where the CPU goes** (cores each server process kept busy during the cell, its "
+                    "busiest thread in brackets: a process whose Python threads share one GIL cannot go much past one "
+                    "core; the `tensorrt_llm` model's sender threads: ms per response building its tensors and in "
+                    "the send call, a round trip to tritonserver):\n",
+                    _table(["cell", "generated tok/s", *[f"`{name}` cores" for name in roles],
+                            "build ms", "send ms", "responses/s"], table)]
         kernels = entry.get("kernels_per_step")
         if kernels:
             out.append(f"CUDA kernels per decoding step at one row ({kernels['layers']} layers): " + ", ".join(
