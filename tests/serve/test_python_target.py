@@ -249,6 +249,41 @@ def test_a_request_with_two_rows_gets_both_answers_padded(server, tokenizer, hf_
     assert set(out[0, 0, len(a) + 5:].tolist()) <= {7}
 
 
+def outputs_of(result) -> set[str]:
+    return {output.name for output in result.get_response().outputs}
+
+
+TIMINGS = {"arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns"}
+
+
+def test_which_outputs_a_response_carries_follows_the_backend_version(server, tokenizer):
+    """The executor-based backend (v0.14.0 on, the default v1.0.0 interface here) answers with output_ids and
+    sequence_length, adds log probs, logits, timings and token counts only when the request asks for them and
+    batch_index only for a request of several rows; v0.13.0 answers with every output, zero-filled."""
+    ids = tokenizer.encode("hello world")
+    plain = infer(server, "tensorrt_llm", llm_tensors(ids, 3))
+    assert outputs_of(plain) == {"output_ids", "sequence_length"}
+    flags = {name: np.array([[True]]) for name in ("return_log_probs", "return_context_logits",
+                                                   "return_generation_logits", "return_perf_metrics",
+                                                   "return_num_input_tokens", "return_num_output_tokens")}
+    asked = infer(server, "tensorrt_llm", llm_tensors(ids, 3, **flags))
+    assert outputs_of(asked) == {"output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "context_logits",
+                                 "generation_logits", "num_input_tokens", "num_output_tokens"} | TIMINGS
+    assert asked.as_numpy("num_input_tokens").tolist() == [[len(ids)]]
+    assert asked.as_numpy("num_output_tokens").tolist() == [[3]]
+    first, last = asked.as_numpy("first_token_time_ns")[0, 0], asked.as_numpy("last_token_time_ns")[0, 0]
+    assert asked.as_numpy("arrival_time_ns")[0, 0] <= first <= last
+    two = {"input_ids": np.array([ids, ids], np.int32), "input_lengths": np.array([[len(ids)]] * 2, np.int32),
+           "request_output_len": np.array([[2], [2]], np.int32)}
+    assert outputs_of(infer(server, "tensorrt_llm", two)) == {"output_ids", "sequence_length", "batch_index"}
+    old = infer(server, "v13_tensorrt_llm", llm_tensors(ids, 3))
+    assert {"cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index"} <= outputs_of(old)
+    assert not old.as_numpy("output_log_probs").any() and old.as_numpy("context_logits").shape == (1, 1, 1)
+    # streamed: every response carries the same outputs
+    for response in stream(server, "s_tensorrt_llm", llm_tensors(ids, 3, streaming=np.array([[True]]))):
+        assert outputs_of(response) == {"output_ids", "sequence_length"}
+
+
 def test_per_request_sampling_seeds_and_stop_words(server, tokenizer, merged_repo):
     ids = tokenizer.encode("hello world")
     seed = seed_input(merged_repo)

@@ -17,6 +17,7 @@ from ...components import Artifact, Component, TritonModel
 from ...errors import UsageError
 from ... import served
 from ... import tritonconfig as tc
+from .. import profiles
 
 RUNTIME_PACKAGE = "forge_decoder"  # the runtime's package name inside the model directory
 WEIGHTS_DIR = "hf"
@@ -187,6 +188,9 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_beam_width": 1,
         "cancellation_check_period_ms": ctx.option("cancellation_check_period_ms", 100),
         "exclude_input_in_output": None if exclude is None else truthy(exclude),
+        # which outputs a response carries: the executor-based backend (v0.14.0 on) sends log probs, logits,
+        # timings and token counts only when the request asks for them, older ones every output, zero-filled
+        "response_outputs": "asked" if profiles.parse_version(profile.version) >= (0, 14, 0) else "all",
         **_lora_parameters(adapter, component, spec, profile),
     }
     config = tc.model_config(

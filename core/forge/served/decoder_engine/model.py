@@ -30,11 +30,11 @@ import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import engine as engine_mod  # noqa: E402
 from forge_decoder import hosted, loading  # noqa: E402
 from forge_decoder.request import GenerationRequest, RequestError, is_stop, parse  # noqa: E402
-from forge_decoder.responses import OutputSpec, RowResult, assemble  # noqa: E402
+from forge_decoder.responses import OutputSpec, RowResult, assemble, carried  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
-ENGINE_METRICS_S = 0.5  # the engine's counters are published at most this often while it has work
+ENGINE_METRICS_S = 0.5  # metrics are published this often while the engine has work (each is an IPC call)
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds",
                    "prefills", "joined")
 DEVICE_COUNTERS = ("device_seconds", "wait_seconds")  # measured where the engine decodes through CUDA graphs
@@ -51,7 +51,7 @@ class _Request:
                  wanted: set[str] | None = None):
         self.model = model
         self.sender = sender
-        self.wanted = wanted  # the outputs the client asked for (read in execute; None: all)
+        self.wanted = wanted  # the outputs every response carries (responses.carried; None: all configured)
         self.request_id = request_id
         self.rows = rows
         self.streaming = any(r.streaming for r in rows)
@@ -183,6 +183,8 @@ class TritonPythonModel:
             for o in config["output"]}
         here = Path(__file__).resolve().parent
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in forge_glue.TRUE
+        # "asked": the outputs of the executor-based backend (v0.14.0 on), see responses.carried
+        self.asked_only = _parameter(config, "response_outputs", "all") == "asked"
         log = {"info": pb_utils.Logger.log_info, "warn": pb_utils.Logger.log_warn, "error": pb_utils.Logger.log_error}
         if self._hosted(config):  # the engine in its own process; adapters and guides resolved there
             self.engine = hosted.EngineHost(
@@ -204,6 +206,9 @@ class TritonPythonModel:
         self.outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(senders)]
         self.turns = itertools.count()
         self.count_lock = threading.Lock()  # the metrics' local sums, shared by the senders
+        self.publisher_stop = threading.Event()
+        self.publisher = threading.Thread(target=self._publisher, name="forge-metrics", daemon=True)
+        self.publisher.start()
         self.senders = [threading.Thread(target=self._send_loop, args=(box,), name=f"forge-sender-{i}", daemon=True)
                         for i, box in enumerate(self.outboxes)]
         for thread in self.senders:
@@ -253,7 +258,7 @@ class TritonPythonModel:
         kinds = ENGINE_COUNTERS + (DEVICE_COUNTERS if self.engine.timed else ())
         self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind}) for kind in kinds}
         self.published_engine = {kind: 0.0 for kind in self.engine_counters}
-        self.engine_published_at = 0.0
+        self.published_busy = -1
         self.unpublished_tokens = 0
         self.metric_responses = pb_utils.MetricFamily(
             name="forge_decoder_responses_total", description="the sender threads: responses sent (kind=responses), "
@@ -278,25 +283,32 @@ class TritonPythonModel:
 
     def count(self, update: engine_mod.Update, tokens: int) -> None:
         """Metrics are IPC calls to the server, each holding this stub's GIL: count ``tokens`` generated and
-        sequences finished locally, publish them with the engine's counters at most every ENGINE_METRICS_S under
-        load, and whenever the engine falls idle."""
+        sequences finished locally; they are published when the engine falls idle and otherwise by the
+        publisher thread, every ENGINE_METRICS_S."""
         with self.count_lock:
             self.unpublished_tokens += tokens
             if not update.finished or self.token_counter is None:
                 return
             if update.reason in self.unpublished_finished:
                 self.unpublished_finished[update.reason] += 1
-            self._publish()
+            if not self.engine.busy:
+                self._publish()
+
+    def _publisher(self) -> None:
+        """Publishes what was counted every ENGINE_METRICS_S until ``finalize``."""
+        while not self.publisher_stop.wait(ENGINE_METRICS_S):
+            with self.count_lock:
+                if self.token_counter is None:
+                    return
+                self._publish()
 
     def _publish(self) -> None:
-        """(count_lock held) Everything counted locally to the metrics endpoint, unless the engine is busy and
-        did so less than ENGINE_METRICS_S ago."""
+        """(count_lock held) What was counted locally since the last time, and the engine's counters, to the
+        metrics endpoint (only what changed: each is an IPC call)."""
         busy = self.engine.busy
-        now = time.monotonic()
-        if busy and now - self.engine_published_at < ENGINE_METRICS_S:
-            return
-        self.engine_published_at = now
-        self.busy_gauge.set(busy)
+        if busy != self.published_busy:
+            self.busy_gauge.set(busy)
+            self.published_busy = busy
         if self.unpublished_tokens:
             self.token_counter.increment(self.unpublished_tokens)
             self.unpublished_tokens = 0
@@ -305,8 +317,9 @@ class TritonPythonModel:
                 self.finished[reason].increment(count)
                 self.unpublished_finished[reason] = 0
         for kind, counter in self.response_counters.items():
-            counter.increment(self.unpublished_responses[kind])
-            self.unpublished_responses[kind] = 0.0
+            if self.unpublished_responses[kind]:
+                counter.increment(self.unpublished_responses[kind])
+                self.unpublished_responses[kind] = 0.0
         engine = self.engine
         values = {"step_seconds": engine.step_ns / 1e9, "decode_steps": float(engine.decode_steps),
                   "decoded_rows": float(engine.decoded_rows), "prefill_seconds": engine.prefill_ns / 1e9,
@@ -315,8 +328,9 @@ class TritonPythonModel:
                   "device_seconds": engine.device_ns / 1e9, "wait_seconds": engine.wait_ns / 1e9}
         for kind, counter in self.engine_counters.items():
             value = values[kind]
-            counter.increment(value - self.published_engine[kind])
-            self.published_engine[kind] = value
+            if value != self.published_engine[kind]:
+                counter.increment(value - self.published_engine[kind])
+                self.published_engine[kind] = value
 
     def _send_loop(self, outbox: queue.SimpleQueue) -> None:
         while (item := outbox.get()) is not None:
@@ -366,15 +380,13 @@ class TritonPythonModel:
             except Exception as exc:  # malformed tensors: still one clear error, never a dead model
                 forge_glue.send(sender, exc=ValueError(f"invalid request: {type(exc).__name__}: {exc}"), flags=FINAL)
                 continue
-            pending = _Request(self, sender, request_id, rows, forge_glue.requested(request))
+            pending = _Request(self, sender, request_id, rows,
+                               carried(rows, self.output_specs, forge_glue.requested(request), self.asked_only))
             pending.sequences = [engine_mod.Sequence(row, pending.on_update, pending.is_cancelled, pending)
                                  for row in rows]
             with self.lock:
                 self.requests[id(pending)] = pending
             self.engine.submit(pending.sequences)
-        with self.count_lock:  # the gauge counts the new sequences (published at most every ENGINE_METRICS_S)
-            if self.token_counter is not None:
-                self._publish()
         return None
 
     def finalize(self):
@@ -384,6 +396,8 @@ class TritonPythonModel:
         destroyed during interpreter teardown crashes the stub). A request's sender is then a closed one: an
         engine thread still inside a step sends nothing after this returns."""
         forge_glue.exit_if_orphaned()  # a dead server: nothing to answer, and calls into it can block
+        self.publisher_stop.set()
+        self.publisher.join(timeout=2.0)
         ended = self.engine.stop(timeout=5.0)
         forge_glue.exit_if_orphaned()
         for outbox in self.outboxes:  # the senders answer what the engine reported up to here, then stop

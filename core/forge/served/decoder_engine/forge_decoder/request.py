@@ -113,6 +113,8 @@ class GenerationRequest:
     return_context_logits: bool = False
     return_generation_logits: bool = False
     return_perf_metrics: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
     exclude_input: bool = False
     streaming: bool = False
     batch_index: int = 0
@@ -209,8 +211,8 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
         "end_id", "pad_id", "temperature", "runtime_top_k", "runtime_top_p", "runtime_top_p_min",
         "runtime_top_p_decay", "runtime_top_p_reset_ids", "repetition_penalty", "presence_penalty",
         "frequency_penalty", "min_length", "random_seed", "return_log_probs", "return_context_logits",
-        "return_generation_logits", "return_perf_metrics", "exclude_input_in_output", "streaming",
-        "beam_width", "num_return_sequences")}
+        "return_generation_logits", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
+        "exclude_input_in_output", "streaming", "beam_width", "num_return_sequences")}
 
     _check_decoder_prompt(tensors, batch)
     tables, prompt_vocab = _prompt_tables(tensors, batch)
@@ -311,6 +313,8 @@ def parse(tensors: Mapping[str, np.ndarray], limits: Limits, *, decoupled: bool,
             return_context_logits=bool(get("return_context_logits", row, False)),
             return_generation_logits=bool(get("return_generation_logits", row, False)),
             return_perf_metrics=bool(get("return_perf_metrics", row, False)),
+            return_num_input_tokens=bool(get("return_num_input_tokens", row, False)),
+            return_num_output_tokens=bool(get("return_num_output_tokens", row, False)),
             exclude_input=bool(get("exclude_input_in_output", row, exclude_input)),
             streaming=streaming, batch_index=row, prompt_table=table,
             lora_task_id=None if lora_ids is None else int(np.asarray(lora_ids[row]).astype(np.uint64).item()),

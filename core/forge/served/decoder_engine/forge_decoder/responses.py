@@ -3,8 +3,11 @@
 Shapes follow tensorrtllm_backend: ``output_ids`` ``[batch, beam, tokens]``, ``sequence_length``
 ``[batch, beam]``, ``cum_log_probs`` ``[batch, beam]``, ``output_log_probs`` ``[batch, beam, tokens]``,
 ``context_logits`` ``[batch, prompt, vocab]``, ``generation_logits`` ``[batch, beam, tokens, vocab]``,
-``batch_index`` ``[batch, 1]``. Log probs and logits a request did not ask for are zeros of the
-minimal shape, as the backend returns them. Outputs this runtime cannot compute (KV-cache block
+``batch_index`` ``[batch, 1]``. Which outputs a response carries follows the backend version the repository
+was built for (``carried``): up to v0.13.0 every configured output, log probs and logits a request did not
+ask for as zeros of the minimal shape; from v0.14.0 (the executor-based backend) only what the request asked
+for (``return_log_probs``, ``return_*_logits``, ``return_perf_metrics``, ``return_num_*_tokens``) and
+``batch_index`` only for a request of several rows. Outputs this runtime cannot compute (KV-cache block
 statistics, draft-token acceptance) are left out of every response, never zero-filled as if measured:
 a client that asks for them gets no such tensor.
 """
@@ -105,6 +108,26 @@ OUTPUTS = {
     "context_logits": lambda results, _pad: _context_logits(results),
     "generation_logits": lambda results, _pad: _generation_logits(results),
 }
+
+
+#: The outputs the executor-based backend (v0.14.0 on) sends only to a request that sets the flag
+ASKED_BY = {"cum_log_probs": "return_log_probs", "output_log_probs": "return_log_probs",
+            "context_logits": "return_context_logits", "generation_logits": "return_generation_logits",
+            "arrival_time_ns": "return_perf_metrics", "first_scheduled_time_ns": "return_perf_metrics",
+            "first_token_time_ns": "return_perf_metrics", "last_token_time_ns": "return_perf_metrics",
+            "num_input_tokens": "return_num_input_tokens", "num_output_tokens": "return_num_output_tokens"}
+
+
+def carried(rows: list, specs: Mapping[str, OutputSpec], wanted: set[str] | None, asked_only: bool) -> set[str]:
+    """The outputs every response to a request of ``rows`` (its ``GenerationRequest``s) carries: the configured
+    ones the client wants (``wanted``; None: all), and with ``asked_only`` (a v0.14.0+ interface) only those its
+    flags ask for, ``batch_index`` only for several rows and ``sequence_index`` never (one sequence per row)."""
+    names = {name for name in specs if name in OUTPUTS and (wanted is None or name in wanted)}
+    if not asked_only:
+        return names
+    return {name for name in names
+            if (name not in ASKED_BY or any(getattr(row, ASKED_BY[name]) for row in rows))
+            and (name != "batch_index" or len(rows) > 1) and name != "sequence_index"}
 
 
 def assemble(results: list[RowResult], specs: Mapping[str, OutputSpec], pad_id: int = 0,
