@@ -153,7 +153,7 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
     bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
     before, models_before = engine_counters(server, engine_model), model_durations(server)
-    cpu_before = process_cpu(server)
+    cpu_before, client_before = process_cpu(server), _client_cpu()
     processes = max(1, min(processes, concurrency))  # at most one process per client
     if processes > 1:
         samples = _in_processes(server.grpc_url, model, tokenizer.name_or_path, stream, items, concurrency, processes)
@@ -162,7 +162,16 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
         samples, wall = bench.run(server.grpc_url, target, items, concurrency=concurrency)
     return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall),
             "triton_ms": per_request_ms(models_before, model_durations(server)), "client_processes": processes,
-            "cpu_cores": cores_busy(cpu_before, process_cpu(server), wall)}
+            "cpu_cores": cores_busy(cpu_before, process_cpu(server), wall),
+            "client_cores": round((_client_cpu() - client_before) / wall, 2) if wall else None}
+
+
+def _client_cpu() -> float:
+    """CPU seconds of this process and its finished children (the client processes of a cell, once joined)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _target(url: str, model: str, tokenizer, stream: bool):
@@ -826,7 +835,7 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "
                       f"{json.dumps({k: v for k, v in summary.items() if k.startswith(('engine_', 'sender_'))})}; Triton ms "
                       f"per request {json.dumps(summary['triton_ms'])}; CPU cores busy "
-                      f"{json.dumps(summary['cpu_cores'])}", flush=True)
+                      f"{json.dumps(summary['cpu_cores'])}, the client's {summary['client_cores']}", flush=True)
         gil = {of: profile_gil(server, tokenizer, args, of) for of in args.profile_of} if args.profile_gil else None
     print(format_table(rows, label="run"))
     print(f"{shape}: forge default build chose {json.dumps(runtime)}")
