@@ -119,7 +119,8 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(long_repo):
                      "max_tokens": MAX_TOKENS, "stream": True, "stream_options": {"include_usage": True}}
         chat = Stream(f"{base}/v1/chat/completions", chat_body)
         triton = Stream(f"{info['http']}/v2/models/ensemble/generate_stream",
-                        {"text_input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True})
+                        {"text_input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
+                       "return_num_output_tokens": True})
         chat.wait_started()
         triton.wait_started()
 
@@ -176,7 +177,8 @@ class Reconnecting:
     def _run(self) -> None:
         while not self.halt.is_set():
             stream = Stream(f"{self.http}/v2/models/ensemble/generate_stream",
-                            {"text_input": "hello", "max_tokens": 40, "temperature": 0.0, "stream": True})
+                            {"text_input": "hello", "max_tokens": 40, "temperature": 0.0, "stream": True,
+                             "return_num_output_tokens": True})
             stream.thread.join(120)
             last = json.loads(stream.events[-1]) if stream.events else {}
             if stream.error is None and last.get("num_output_tokens") == 40:
@@ -198,7 +200,8 @@ def test_sigterm_waits_for_tritons_own_streams_while_clients_keep_reconnecting(l
     try:
         clients = [Reconnecting(info["http"]) for _ in range(3)]
         long = Stream(f"{info['http']}/v2/models/ensemble/generate_stream",
-                      {"text_input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True})
+                      {"text_input": "hello", "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True,
+                       "return_num_output_tokens": True})
         long.wait_started()
         signalled = time.monotonic()
         serve.send_signal(signal.SIGTERM)
