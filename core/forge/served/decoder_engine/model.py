@@ -63,18 +63,14 @@ class _Request:
         self.done = False
         self.stopped = False  # a TensorRT-LLM ``stop`` request ended it: answer with what was generated
         self.lock = threading.Lock()
+        self.finishing = threading.Lock()  # held around the final response and ``done``, see is_cancelled
 
     def is_cancelled(self) -> bool:
         """Whether the client went away. Never asked of the server once the final response is sent: tritonserver
         frees the request's response factory then, and asking crashes it (SIGSEGV in
-        TRITONBACKEND_ResponseFactoryIsCancelled; seen under load with the engine process's cancel watcher).
-        While a sender thread is answering the request the answer is no: it is asked again at the next check."""
-        if not self.lock.acquire(blocking=False):
-            return False
-        try:
+        TRITONBACKEND_ResponseFactoryIsCancelled; seen under load with the engine process's cancel watcher)."""
+        with self.finishing:
             return self.done or self.sender.is_cancelled()
-        finally:
-            self.lock.release()
 
     def cancel(self, stopped: bool = False) -> None:
         self.stopped = self.stopped or stopped
@@ -86,6 +82,15 @@ class _Request:
         return row.pad_id if row.pad_id is not None else (row.end_id if row.end_id is not None else 0)
 
     def _send(self, results: list[RowResult] | None, final: bool, error: str | None = None) -> None:
+        if not final:
+            self._respond(results, final, error)
+            return
+        with self.finishing:
+            self._respond(results, final, error)
+            self.done = True
+        self.model.forget(self)
+
+    def _respond(self, results: list[RowResult] | None, final: bool, error: str | None) -> None:
         started = time.perf_counter_ns()
         built = started
         try:
@@ -101,9 +106,6 @@ class _Request:
         except Exception as exc:  # the client went away; nothing else to do for it
             self.model.log_warn(f"could not send a response for request {self.request_id!r}: {exc}")
         self.model.sent(built - started, time.perf_counter_ns() - built)
-        if final:
-            self.done = True
-            self.model.forget(self)
 
     def on_update(self, seq: engine_mod.Sequence, update: engine_mod.Update) -> None:
         """Engine callback (engine thread): queue the update for the sender thread with what it reads of the
@@ -184,7 +186,10 @@ class TritonPythonModel:
         here = Path(__file__).resolve().parent
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in forge_glue.TRUE
         # "asked": the outputs of the executor-based backend (v0.14.0 on), see responses.carried
-        self.asked_only = _parameter(config, "response_outputs", "all") == "asked"
+        outputs = _parameter(config, "response_outputs", "all")
+        if outputs not in ("asked", "all"):
+            raise ValueError(f"parameter response_outputs={outputs}: expected asked or all")
+        self.asked_only = outputs == "asked"
         log = {"info": pb_utils.Logger.log_info, "warn": pb_utils.Logger.log_warn, "error": pb_utils.Logger.log_error}
         if self._hosted(config):  # the engine in its own process; adapters and guides resolved there
             self.engine = hosted.EngineHost(
