@@ -219,16 +219,16 @@ def process_cpu(server) -> dict[tuple, float]:
     """CPU seconds used so far by each thread of the server's session (Linux /proc), keyed (role, thread id,
     thread name); roles: ``tritonserver``, each python model's stub (its model name), ``<model> engine`` (an engine
     process, by its stub's model), ``other``."""
-    from forge.serving.server import session_processes
+    from forge.serving.server import engine_processes, session_processes
     from forge.serving.supervisor import stub_processes
 
     if server.process is None:
         return {}
-    ticks, stubs = os.sysconf("SC_CLK_TCK"), stub_processes(server)
+    pids = session_processes(server.process.pid)
+    ticks, stubs, engines = os.sysconf("SC_CLK_TCK"), stub_processes(server), engine_processes(pids)
     used: dict[tuple, float] = {}
-    for pid in session_processes(server.process.pid):
+    for pid in pids:
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
             tasks = list(Path(f"/proc/{pid}/task").iterdir())
         except OSError:
             continue
@@ -236,8 +236,8 @@ def process_cpu(server) -> dict[tuple, float]:
             role = "tritonserver"
         elif pid in stubs:
             role = stubs[pid]
-        elif b"forge_decoder.hosted" in command:
-            role = f"{stubs.get(_parent(pid), '?')} engine"
+        elif pid in engines:
+            role = f"{stubs.get(engines[pid], '?')} engine"
         else:
             role = "other"
         for task in tasks:
@@ -249,14 +249,6 @@ def process_cpu(server) -> dict[tuple, float]:
             name = stat[stat.index("(") + 1:stat.rfind(")")]
             used[(role, int(task.name), name)] = (int(fields[11]) + int(fields[12])) / ticks
     return used
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rfind(")") + 2:].split()[1])
 
 
 def cores_busy(before: dict[tuple, float], after: dict[tuple, float], wall_s: float) -> dict[str, dict]:
@@ -833,8 +825,8 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                 summary.update({"run": f"{shape} {name}, c={c}", "concurrency": c, "server": name})
                 rows.append(summary)
                 print(f"  {summary['run']}: {summary['tokens_per_s']:.1f} tok/s; engine "
-                      f"{json.dumps({k: v for k, v in summary.items() if k.startswith(('engine_', 'sender_'))})}; Triton ms "
-                      f"per request {json.dumps(summary['triton_ms'])}; CPU cores busy "
+                      f"{json.dumps({k: v for k, v in summary.items() if k.startswith(('engine_', 'sender_'))})}; "
+                      f"Triton ms per request {json.dumps(summary['triton_ms'])}; CPU cores busy "
                       f"{json.dumps(summary['cpu_cores'])}, the client's {summary['client_cores']}", flush=True)
         gil = {of: profile_gil(server, tokenizer, args, of) for of in args.profile_of} if args.profile_gil else None
     print(format_table(rows, label="run"))
@@ -891,10 +883,10 @@ def profile_gil(server, tokenizer, args, of: str = "stub", top: int = 25) -> dic
     if pid is None:
         raise RuntimeError(f"no python-backend process serves {model}")
     if engine:  # the stub's child running the engine (-o engine_process)
-        from forge.serving.server import session_processes
+        from forge.serving.server import engine_processes, session_processes
 
-        pid = next((c for c in session_processes(server.process.pid) if _parent(c) == pid
-                    and b"forge_decoder.hosted" in Path(f"/proc/{c}/cmdline").read_bytes()), None)
+        pid = next((engine for engine, stub in engine_processes(session_processes(server.process.pid)).items()
+                    if stub == pid), None)
         if pid is None:
             raise RuntimeError(f"{model} runs its engine inside its stub: no engine process to profile")
     out = Path(tempfile.mkdtemp(prefix="forge-gil-")) / "gil.txt"

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from forge.serving.server import describe_process, python_stubs, repository_processes, session_processes
+from forge.serving.server import (describe_process, engine_processes, python_stubs, repository_processes,
+                                  session_processes)
 
 GONE_WITHIN = 15.0
 PROMPT = "hello world"
@@ -196,7 +197,7 @@ def test_the_engine_process_goes_with_its_server(repos, end):
     load = Load(server.http, model="p_ensemble")
     try:
         load.wait_busy()
-        engines = [pid for pid in server.processes() if "forge_decoder.hosted" in describe_process(pid)]
+        engines = list(engine_processes(server.processes()))
         assert len(engines) == 1 and python_stubs(server.processes()).get("p_tensorrt_llm"), server.processes()
         started = time.monotonic()
         end(server)

@@ -590,9 +590,9 @@ def test_zz_a_killed_engine_process_fails_its_requests_in_bounded_time(server, t
 
     import tritonclient.grpc as grpc
 
-    from forge.serving.server import describe_process, repository_processes
+    from forge.serving.server import engine_processes, repository_processes
 
-    (pid,) = [pid for pid in repository_processes(server.repo) if "forge_decoder.hosted" in describe_process(pid)]
+    (pid,) = engine_processes(repository_processes(server.repo))
     ids = tokenizer.encode("hello")
     client = grpc.InferenceServerClient(server.grpc_url)
     events: queue.Queue = queue.Queue()

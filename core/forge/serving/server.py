@@ -256,6 +256,16 @@ def python_stubs(pids: "list[int]") -> dict[str, int]:
     return found
 
 
+def engine_processes(pids: "list[int]") -> dict[int, int]:
+    """The python target's engine processes among ``pids`` (``-o engine_process``): engine pid → its stub's pid."""
+    found = {}
+    for pid in pids:
+        stat = _stat(pid)
+        if stat is not None and "forge_decoder.hosted" in _cmdline(pid):
+            found[pid] = stat[1]
+    return found
+
+
 def _state(pid: int) -> str | None:
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
