@@ -41,8 +41,6 @@ from forge.cli import main
      "-o torch_compile=true belongs to the CUDA-graph decoder, and -o cuda_graphs=false turns"),
     (["--target", "python", "-o", "torch_compile=always"], "-o torch_compile=always is not valid"),
     (["--target", "python", "-o", "engine_process=maybe"], "-o engine_process=maybe is not valid"),
-    (["--target", "python", "--tp", "2", "-o", "engine_process=true"],
-     "-o engine_process=true: at --tp 2 the engine leads its ranks from the python stub"),
     (["--target", "tensorrtllm", "-o", "engine_process=true"], "-o engine_process has no effect on --target tensorrtllm"),
     (["--target", "tensorrtllm", "-o", "torch_compile=true"], "-o torch_compile has no effect on --target tensorrtllm"),
     (["-o", "max_num_images=2"], "unknown -o max_num_images for family gpt"),
@@ -142,12 +140,13 @@ def test_sender_threads_reach_the_served_model_and_zero_is_refused(tiny_gpt2, tm
 
 
 def test_engine_process_reaches_the_served_model(tiny_gpt2, tmp_path):
-    """-o engine_process: auto by default (the model decides: on where it decodes on a GPU at tp 1), the choice in
-    the model's parameters; auto at --tp 2 is kept (the model keeps the engine in the stub there)."""
+    """-o engine_process: auto by default (the model decides: on where it decodes on a GPU), the choice in the
+    model's parameters, at --tp 2 too (the engine process then leads the ranks)."""
     from forge import tritonconfig
 
     for args, expected in (([], "auto"), (["-o", "engine_process=false"], "false"),
-                           (["-o", "engine_process=true"], "true"), (["--tp", "2"], "auto")):
+                           (["-o", "engine_process=true"], "true"), (["--tp", "2"], "auto"),
+                           (["--tp", "2", "-o", "engine_process=true"], "true")):
         out = tmp_path / f"hosted-{expected}-{len(args)}"
         assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      *args]) == 0

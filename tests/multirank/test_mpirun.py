@@ -80,6 +80,22 @@ def wait_gone(repo: Path, timeout: float = 30) -> list[str]:
     return leftovers(repo)
 
 
+def restarted_then_stopped(server: Serve, answers: dict[str, str]) -> tuple[int, str]:
+    """Wait (at most 180 s) until the restarted world answers PROMPTS[0] as ``answers`` has it, then SIGTERM;
+    forge serve's (exit status, stderr)."""
+    http = server.info["http"].removeprefix("http://")
+    deadline = time.monotonic() + 180
+    while True:
+        assert server.process.poll() is None and time.monotonic() < deadline, "not restarted"
+        try:
+            assert ask(http, "ensemble", PROMPTS[0]) == answers[PROMPTS[0]]
+            break
+        except ForgeError:  # a dead rank's error, or not served yet: refused, or failed while the world restarts
+            time.sleep(1)
+    server.process.send_signal(signal.SIGTERM)
+    return server.finish()
+
+
 def grpc_answer(grpc_url: str, prompt: str) -> str:
     from forge.serving.client import GrpcSession, generate_payload, text_of
 
@@ -106,16 +122,7 @@ def test_gpt_tp2_answers_like_tp1_a_dead_follower_restarts_the_world_and_sigterm
         assert "tp 2" in (tmp_path / "server.log").read_text()
         # --restart on-failure (the default): a dead follower rank restarts the world, which answers again
         os.kill(follower_pid(repo), signal.SIGKILL)
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.process.poll() is None and time.monotonic() < deadline, "not restarted"
-            try:
-                assert ask(http, "ensemble", PROMPTS[0]) == reference["gpt"][PROMPTS[0]]
-                break
-            except ForgeError:  # not served yet: refused, or failed while the world restarts
-                time.sleep(1)
-        server.process.send_signal(signal.SIGTERM)
-        status, stderr = server.finish()
+        status, stderr = restarted_then_stopped(server, reference["gpt"])
     finally:
         server.stop()
     assert status == 0, stderr
@@ -150,6 +157,39 @@ def test_llama_tp2_answers_like_tp1_and_under_restart_never_a_dead_rank_stops_th
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     assert lines[0].startswith("forge: error: rank 1 (the follower of model 'tensorrt_llm') exited on signal 9")
     assert "; not restarting (--restart never)" in lines[0]
+    assert wait_gone(repo) == []
+
+
+@pytest.mark.heavy
+def test_llama_tp2_with_the_engine_in_its_own_process_answers_like_tp1_and_its_death_restarts_the_world(
+        models, reference, tmp_path):
+    """``-o engine_process=true`` at --tp 2: the engine process, not the stub, leads the follower; answers equal tp 1
+    (also together); a SIGKILL of the engine process takes its follower with it and forge serve restarts the world;
+    SIGTERM then leaves nothing."""
+    from conftest import build
+
+    from forge.serving.server import engine_processes
+
+    need_mpirun()
+    repo = build("llama", models["llama"], tmp_path / "llama-tp2-hosted", "--tp", "2", "--max-input-len", "32",
+                 "--max-seq-len", "64", "-o", "engine_process=true")
+    server = Serve(repo, tmp_path / "server.log")
+    try:
+        http = server.info["http"].removeprefix("http://")
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda prompt: ask(http, "ensemble", prompt), PROMPTS))
+        assert answers == [reference["llama"][prompt] for prompt in PROMPTS]
+        log = (tmp_path / "server.log").read_text()
+        assert "tp 2" in log and "engine in its own process" in log
+        engines = engine_processes([int(line.split(":", 1)[0]) for line in leftovers(repo)])
+        assert len(engines) == 1, leftovers(repo)
+        os.kill(next(iter(engines)), signal.SIGKILL)
+        status, stderr = restarted_then_stopped(server, reference["llama"])  # the old world cannot answer
+    finally:
+        server.stop()
+    assert status == 0, stderr
+    assert "forge: rank 1 (the follower of model 'tensorrt_llm') exited" in stderr, stderr
+    assert "restarting tritonserver" in stderr
     assert wait_gone(repo) == []
 
 

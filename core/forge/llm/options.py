@@ -88,8 +88,8 @@ FORGE = (
            choices=("auto", "true", "false")),
     Option("engine_process", "choice", "python target: the continuous-batching engine in a process of its own "
            "beside the python stub, so the stub's request and response threads never hold the interpreter lock "
-           "the engine needs between its GPU launches (auto: where the model decodes on a GPU at tp 1; true: at tp "
-           "1 anywhere; false: inside the stub)", "auto", PYTHON, choices=("auto", "true", "false")),
+           "the engine needs between its GPU launches; at tp > 1 that process leads the ranks (auto: where the model "
+           "decodes on a GPU; true: anywhere; false: inside the stub)", "auto", PYTHON, choices=("auto", "true", "false")),
     Option("overlap_steps", "choice", "python target: each decoding step launched before the host has read the one "
            "before it, so between steps the GPU does not wait for the host (auto: where the steps are captured on "
            "a GPU with static slots (any tp), for steps whose rows are all plain greedy and not streamed; true: that "

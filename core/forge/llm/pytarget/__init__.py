@@ -77,9 +77,6 @@ def check_spec(spec) -> None:
         raise UsageError(f"--target python at --tp {spec.tp} runs one model instance (its ranks form one group); "
                          f"--instances {spec.options['instances']} would need one group each",
                          hint="drop --instances")
-    if spec.tp > 1 and spec.options.get("engine_process") == "true":
-        raise UsageError(f"-o engine_process=true: at --tp {spec.tp} the engine leads its ranks from the python stub",
-                         hint="drop -o engine_process=true, or build at --tp 1")
     if spec.limits.max_beam_width > 1:
         raise UsageError("--target python does not do beam search", hint="use --max-beam-width 1")
     if spec.options.get("overlap_steps") == "true" and spec.options.get("paged_kv_cache") == "true":

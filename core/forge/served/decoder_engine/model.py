@@ -229,16 +229,13 @@ class TritonPythonModel:
 
     @staticmethod
     def _hosted(config: dict) -> bool:
-        """``-o engine_process``: auto runs the engine in its own process where it decodes on a GPU at tp 1 (the
-        stub's threads would take the interpreter lock from it between its launches); true: at tp 1 anywhere."""
+        """``-o engine_process``: auto runs the engine in its own process where it decodes on a GPU (the stub's
+        threads would take the interpreter lock from it between its launches; at tp > 1 that process leads the
+        ranks); true: anywhere."""
         mode = _parameter(config, "engine_process", "auto").lower()
-        tp = int(_parameter(config, "tensor_parallel", "1") or 1)
-        if mode == "true" and tp > 1:
-            raise ValueError(f"-o engine_process=true: at tp {tp} the engine leads its ranks from the stub; "
-                             "build with -o engine_process=auto or false")
         if mode not in ("auto", "true", "false"):
             raise ValueError(f"-o engine_process={mode}: expected auto, true or false")
-        return mode == "true" or (mode == "auto" and tp == 1 and loading.choose_device(config).type == "cuda")
+        return mode == "true" or (mode == "auto" and loading.choose_device(config).type == "cuda")
 
     def _metrics(self) -> None:
         """Gauges and counters on Triton's metrics endpoint (cancellations show up there)."""
