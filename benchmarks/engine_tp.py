@@ -58,7 +58,17 @@ def measure(engine_factory, model, device, *, compile: str = "false") -> list[di
     return out
 
 
-def worker(model_dir: str, compile: str = "auto", hang_s: float = 0) -> None:
+class _NoSum:
+    """``--all-reduce none``: the ranks skip their sums (wrong tokens; what a step costs without them)."""
+
+    def takes(self, tensor) -> bool:
+        return tensor.is_cuda
+
+    def __call__(self, tensor):
+        return tensor
+
+
+def worker(model_dir: str, compile: str = "auto", hang_s: float = 0, all_reduce: str = "auto") -> None:
     """One rank under mpirun: rank 0 measures (printing one json line), the others follow. With ``hang_s``,
     a rank still running after that long prints every thread's stack and exits (where a hang waits)."""
     import torch
@@ -76,16 +86,20 @@ def worker(model_dir: str, compile: str = "auto", hang_s: float = 0) -> None:
         group = distributed.join(size)
         settings = group.broadcast().settings
         model = distributed.load_shard(settings["weights"], device, torch.float16 if device.type == "cuda"
-                                       else torch.float32, group)
+                                       else torch.float32, group, "nccl" if all_reduce == "none" else all_reduce)
+        group.summed = _NoSum() if all_reduce == "none" else group.summed
         distributed.Follower(model, group).run()
         if not group.close():  # as a served follower does
             distributed.leave_now()
         return
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    model, make_engine = distributed.lead(size, model_dir, device, dtype, 1)
-    rows = measure(make_engine, model, device, compile=compile)
-    print("RESULT " + json.dumps(rows), flush=True)  # before the teardown: a hang there keeps the numbers
+    model, make_engine = distributed.lead(size, model_dir, device, dtype, 1, "nccl" if all_reduce == "none" else all_reduce)
     group = make_engine.keywords["group"]
+    group.summed = _NoSum() if all_reduce == "none" else group.summed
+    rows = measure(make_engine, model, device, compile=compile)
+    for row in rows:
+        row["all_reduce"] = "none (sums skipped)" if all_reduce == "none" else group.summing
+    print("RESULT " + json.dumps(rows), flush=True)  # before the teardown: a hang there keeps the numbers
     group.send(distributed.Command("stop"))
     if not group.close():
         print("teardown: the process groups' teardown did not finish", flush=True)
@@ -102,11 +116,14 @@ def main() -> int:
     parser.add_argument("--no-tp1", action="store_true", help="only tp N (tp 1 measured before)")
     parser.add_argument("--hang-s", type=float, default=0,
                         help="a tp N rank still running after this many seconds prints its threads' stacks and exits")
+    parser.add_argument("--all-reduce", default="auto",
+                        help="how the tp N ranks sum, comma-separated to compare: auto, nccl, one-shot, two-shot, "
+                             "peer-sum, or none (sums skipped: the step's cost without them, wrong tokens)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a rank under mpirun: the model directory
     args = parser.parse_args()
     sys.path.insert(0, runtime_path())
     if args.worker:
-        worker(args.worker, args.tp_compile, args.hang_s)
+        worker(args.worker, args.tp_compile, args.hang_s, args.all_reduce)
         return 0
 
     import torch
@@ -134,25 +151,27 @@ def main() -> int:
             torch.cuda.empty_cache() if device.type == "cuda" else None
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
                    "PYTHONPATH": os.pathsep.join(p for p in (runtime_path(), os.environ.get("PYTHONPATH")) if p)}
-            cmd = ["mpirun", "--allow-run-as-root", "-n", str(args.tp), "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
-                   "-x", "PYTHONPATH", sys.executable, __file__, "--worker", str(model_dir),
-                   "--tp-compile", args.tp_compile, "--hang-s", str(args.hang_s)]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-            found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if not found:
-                print(f"{shape} tp {args.tp}: mpirun exited {done.returncode}\n{done.stdout[-3000:]}\n"
-                      f"{done.stderr[-12000:]}", flush=True)
-                entry[f"tp{args.tp}"] = {"error": (done.stderr or done.stdout)[-2000:]}
-            else:  # the numbers are printed before the teardown: a rank failing there still measured them
-                entry[f"tp{args.tp}"] = json.loads(found[0].removeprefix("RESULT "))
+            for method in args.all_reduce.split(","):
+                key = f"tp{args.tp}" if method == "auto" else f"tp{args.tp}_{method}"
+                cmd = ["mpirun", "--allow-run-as-root", "-n", str(args.tp), "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
+                       "-x", "PYTHONPATH", sys.executable, __file__, "--worker", str(model_dir),
+                       "--tp-compile", args.tp_compile, "--hang-s", str(args.hang_s), "--all-reduce", method]
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+                found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+                if not found:
+                    print(f"{shape} {key}: mpirun exited {done.returncode}\n{done.stdout[-3000:]}\n"
+                          f"{done.stderr[-12000:]}", flush=True)
+                    entry[key] = {"error": (done.stderr or done.stdout)[-2000:]}
+                    continue
+                # the numbers are printed before the teardown: a rank failing there still measured them
+                entry[key] = json.loads(found[0].removeprefix("RESULT "))
                 entry["tp_compile"] = args.tp_compile
-                entry["mpirun_exit"] = done.returncode
+                entry[f"{key}_mpirun_exit"] = done.returncode
                 if "teardown: " in done.stdout:  # rank 0 left without finishing it (leave_now)
-                    entry["teardown"] = "the process groups' teardown did not finish"
+                    entry[f"{key}_teardown"] = "the process groups' teardown did not finish"
                 if done.returncode:
-                    entry["teardown_error"] = (done.stderr or done.stdout)[-2000:]
-                print(f"{shape} tp {args.tp}: {json.dumps(entry[f'tp{args.tp}'])}; mpirun exited {done.returncode}",
-                      flush=True)
+                    entry[f"{key}_teardown_error"] = (done.stderr or done.stdout)[-2000:]
+                print(f"{shape} {key}: {json.dumps(entry[key])}; mpirun exited {done.returncode}", flush=True)
             report["shapes"][shape] = entry
         if args.json_out:
             args.json_out.write_text(json.dumps(report, indent=2, default=str))

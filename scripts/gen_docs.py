@@ -424,9 +424,36 @@ def _engine_tp_render(name: str, data: dict, meta: dict) -> list[str]:
         failed = [k for k in entry if isinstance(entry[k], dict) and "error" in entry[k]]
         if failed:
             out.append(f"Not measured: {', '.join(failed)} (the run failed; its error is in the file).\n")
-        if entry.get("mpirun_exit"):
-            out.append(f"The ranks failed at exit after measuring (mpirun exit status {entry['mpirun_exit']}; "
+        for key in [k for k in entry if k.endswith("mpirun_exit") and entry[k]]:
+            form = key.removesuffix("mpirun_exit").rstrip("_") or "tp N"
+            out.append(f"{form}: the ranks failed at exit after measuring (mpirun exit status {entry[key]}; "
                        "its error is in the file).\n")
+    return out
+
+
+def _allreduce_matches(data: dict) -> bool:
+    return str(data.get("command", "")).startswith("python benchmarks/allreduce_tp.py") and isinstance(
+        data.get("methods"), dict)
+
+
+def _allreduce_render(name: str, data: dict, meta: dict) -> list[str]:
+    out = [_cell(data["note"]) + "\n"] if data.get("note") else []
+    methods = {m: cells for m, cells in data["methods"].items() if isinstance(cells, list)}
+    shapes = sorted({(c["rows"], c["hidden"]) for cells in methods.values() for c in cells}, key=lambda s: (s[1], s[0]))
+
+    def cell(method: str, shape: tuple[int, int]) -> str:
+        found = next((c for c in methods[method] if (c["rows"], c["hidden"]) == shape), None)
+        if found is None or "error" in found:
+            return "—"
+        return _f(found["us_per_all_reduce"], ".1f") + ("" if found.get("right_sum") else " (wrong sum)")
+
+    out += [f"µs per all-reduce of [rows, hidden] inside a CUDA graph ({data.get('chain', '?')} chained, tp "
+            f"{data.get('tp', '?')}):\n",
+            _table(["rows × hidden", *[_code(m) for m in methods]],
+                   [[f"{r} × {h}", *[cell(m, (r, h)) for m in methods]] for r, h in shapes])]
+    failed = [m for m, cells in data["methods"].items() if isinstance(cells, dict)]
+    if failed:
+        out.append(f"Not measured: {', '.join(failed)} (the error is in the file).\n")
     return out
 
 
@@ -465,6 +492,8 @@ def _table_render(name: str, data: dict, meta: dict) -> list[str]:
 READERS: list[tuple[str, str, Callable[[dict], bool], Callable[[str, dict, dict], list[str]]]] = [
     ("serve_tp", "Tensor parallel, served (`benchmarks/serve_tp.py`)", _serve_tp_matches, _serve_tp_render),
     ("engine_tp", "Tensor parallel, the engine alone (`benchmarks/engine_tp.py`)", _engine_tp_matches, _engine_tp_render),
+    ("allreduce_tp", "All-reduce between the GPUs of one host (`benchmarks/allreduce_tp.py`)", _allreduce_matches,
+     _allreduce_render),
     ("serve_gpu", "Decoder serving on a GPU (`benchmarks/serve_gpu.py`)", _serve_gpu_matches, _serve_gpu_render),
     ("openai_front", "The OpenAI API front (`benchmarks/openai_front.py`)", _openai_front_matches, _openai_front_render),
     ("table", "Measurements", _table_matches, _table_render),

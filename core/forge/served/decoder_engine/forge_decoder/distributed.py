@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import allreduce
 from . import engine as engine_mod
 from . import graphs, kvcache
 
@@ -171,7 +172,14 @@ class Group:
             self.received.append(_unpack(kind, table, extra))
         return self.received.popleft()
 
+    summed: Any = None  # a faster sum of the compute group (SymmetricSum), where one was set up
+    summing: str = "gloo"  # how the sums are taken, in words (use_all_reduce)
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over the ranks (every rank calls this, in the same order); in place, or a new
+        tensor where the symmetric-memory sum took it."""
+        if self.summed is not None and self.summed.takes(tensor):
+            return self.summed(tensor)
         import torch.distributed as dist
 
         dist.all_reduce(tensor, group=self.compute)
@@ -238,6 +246,26 @@ def use_device(group: Group, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         group.compute = dist.new_group(backend="nccl")
+
+
+#: how the ranks sum their row-parallel outputs on GPUs: NCCL, or through symmetric memory (allreduce.py)
+ALL_REDUCES = ("nccl",) + allreduce.KINDS
+AUTO_ALL_REDUCE = "nccl"  # what ``auto`` takes on GPUs
+SYMMETRIC_ROWS = 512  # rows of [rows, hidden] the symmetric buffer holds: a decoding step's; bigger sums take NCCL
+
+
+def use_all_reduce(group: Group, kind: str, device: torch.device, dtype: torch.dtype, hidden: int) -> str:
+    """Sum the decoding steps' row-parallel outputs the ``kind`` way (``nccl`` or one of ALL_REDUCES) on a GPU;
+    what is in use, in words. Every rank calls this, in the same order, with the same ``kind``."""
+    if kind not in ALL_REDUCES + ("auto",):
+        raise DistributedError(f"all-reduce {kind!r}: expected auto or one of {', '.join(ALL_REDUCES)}")
+    if device.type != "cuda":
+        return "gloo"
+    kind = AUTO_ALL_REDUCE if kind == "auto" else kind
+    group.summed = None
+    if kind != "nccl":
+        group.summed = allreduce.SymmetricSum(kind, group.compute, device, dtype, SYMMETRIC_ROWS * hidden)
+    return "NCCL" if kind == "nccl" else f"symmetric memory ({kind}), NCCL above {SYMMETRIC_ROWS} rows"
 
 
 # -- sharding ------------------------------------------------------------------------------------------
@@ -358,11 +386,13 @@ def _set_features(module, *, out: int | None = None, inp: int | None = None, con
         module.in_features = inp
 
 
-def load_shard(weights, device: torch.device, dtype: torch.dtype, group: Group):
-    """The Hugging Face model with this rank's shard of each split module (loaded whole, then cut)."""
+def load_shard(weights, device: torch.device, dtype: torch.dtype, group: Group, all_reduce: str = "auto"):
+    """The Hugging Face model with this rank's shard of each split module (loaded whole, then cut); its sums
+    taken the ``all_reduce`` way (``use_all_reduce``)."""
     model = engine_mod.load_model(weights, torch.device("cpu"), dtype)
     use_device(group, device)
     shard(model, group.size, group.rank, group)
+    group.summing = use_all_reduce(group, all_reduce, device, dtype, int(model.config.hidden_size))
     return model.to(device).eval()
 
 
@@ -626,7 +656,7 @@ def watch_leader(settings: dict[str, Any]) -> None:
     forge_glue.exit_with_parent(also=leader, what="follower")
 
 
-def lead(tp: int, weights, device: torch.device, dtype: torch.dtype, threads: int):
+def lead(tp: int, weights, device: torch.device, dtype: torch.dtype, threads: int, all_reduce: str = "auto"):
     """Rank 0: form the group, tell the followers what to load, load this rank's shard.
 
     Returns the model and the engine class to run it with (the followers join its every step).
@@ -638,6 +668,7 @@ def lead(tp: int, weights, device: torch.device, dtype: torch.dtype, threads: in
         device = rank_device(device.type)
     group.broadcast(Command("settings", settings={
         "weights": str(weights), "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-        "threads": threads, "pid": os.getpid(), "host": socket.gethostname()}))  # pid/host: see watch_leader
-    return load_shard(weights, device, dtype, group), functools.partial(LeaderEngine, group=group)
+        "threads": threads, "pid": os.getpid(), "host": socket.gethostname(),  # pid/host: see watch_leader
+        "all_reduce": all_reduce}))
+    return load_shard(weights, device, dtype, group, all_reduce), functools.partial(LeaderEngine, group=group)
 

@@ -31,7 +31,7 @@ def main() -> int:
         device = distributed.rank_device(settings["device"])
         torch.set_num_threads(int(settings["threads"]))
         dtype = engine_mod.DTYPES[settings["dtype"]]
-        model = distributed.load_shard(settings["weights"], device, dtype, group)
+        model = distributed.load_shard(settings["weights"], device, dtype, group, settings.get("all_reduce", "auto"))
         print(f"{prefix}: {type(model).__name__} shard on {device} ({settings['dtype']}), following rank 0",
               flush=True)
         follower = distributed.Follower(model, group)
