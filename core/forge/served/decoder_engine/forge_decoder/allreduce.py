@@ -110,7 +110,7 @@ class SymmetricSum:
 
     def takes(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype == self.dtype and tensor.is_cuda and tensor.is_contiguous() \
-            and tensor.numel() <= self.buffer.numel() and (tensor.numel() * self.buffer.element_size()) % 16 == 0
+            and 0 < tensor.numel() <= self.buffer.numel() and (tensor.numel() * self.buffer.element_size()) % 16 == 0
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         n = tensor.numel()
