@@ -144,14 +144,18 @@ def check_greedy(server, model_dir: Path, tokenizer, dtype: str, n: int = 32) ->
 
 def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int,
          stream: bool = False, engine_model: str | None = None, processes: int = 1) -> dict:
-    """One closed-loop cell after a short warm-up; with ``engine_model``, what its engine did in the cell.
+    """One closed-loop cell after two warm-up waves at the cell's concurrency (the decoder captures a prefill graph
+    the first time a batch of prompts of its size arrives; that one-time capture is the warm-up's, recorded as
+    ``warmup_s``, not the cell's); with ``engine_model``, what its engine did in the cell.
     With ``processes`` > 1 the clients are split over that many client processes (one Python's GIL can be
     what limits a streamed cell: every response is parsed by the client), started together."""
     from forge.serving import bench
 
     target = _target(server.grpc_url, model, tokenizer, stream)
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
-    bench.run(server.grpc_url, target, items[:2], concurrency=1)  # warm-up
+    warmup = time.perf_counter()
+    bench.run(server.grpc_url, target, items[:2 * concurrency], concurrency=concurrency)
+    warmup_s = round(time.perf_counter() - warmup, 2)
     before, models_before = engine_counters(server, engine_model), model_durations(server)
     cpu_before, client_before = process_cpu(server), _client_cpu()
     processes = max(1, min(processes, concurrency))  # at most one process per client
@@ -163,7 +167,7 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
     return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall),
             "triton_ms": per_request_ms(models_before, model_durations(server)), "client_processes": processes,
             "cpu_cores": cores_busy(cpu_before, process_cpu(server), wall),
-            "client_cores": round((_client_cpu() - client_before) / wall, 2) if wall else None}
+            "client_cores": round((_client_cpu() - client_before) / wall, 2) if wall else None, "warmup_s": warmup_s}
 
 
 def _client_cpu() -> float:
