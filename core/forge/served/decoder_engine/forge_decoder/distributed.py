@@ -98,6 +98,8 @@ class Group:
     broadcasts: int = 0  # rank 0: broadcasts the commands took
     deferred: list = field(default_factory=list)  # rank 0: packed commands that ride with the next one
     received: deque = field(default_factory=deque)  # a follower: commands that came with an earlier one
+    summed: Any = None  # a faster sum of the compute group (allreduce.SymmetricSum), where one was set up
+    summing: str = "gloo"  # how the sums are taken, in words (use_all_reduce)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0 sends ``obj``; every rank returns it."""
@@ -171,9 +173,6 @@ class Group:
                 dist.broadcast(table, 0, group=self.control)
             self.received.append(_unpack(kind, table, extra))
         return self.received.popleft()
-
-    summed: Any = None  # a faster sum of the compute group (SymmetricSum), where one was set up
-    summing: str = "gloo"  # how the sums are taken, in words (use_all_reduce)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum of ``tensor`` over the ranks (every rank calls this, in the same order); in place, or a new
