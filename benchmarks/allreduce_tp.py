@@ -23,13 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+from engine_tp import runtime_path  # beside this script: the runtime directory a served repository ships
+
 CHAIN = 64  # all-reduces captured in one graph
 REPLAYS = 50
-METHODS = ("nccl", "one-shot", "two-shot", "peer-sum", "fused")
-
-
-def runtime_path() -> str:
-    return str(Path(__file__).resolve().parents[1] / "core" / "forge" / "served" / "decoder_engine")
+METHODS = ("nccl", "one-shot", "two-shot", "peer-sum", "fused")  # distributed.ALL_REDUCES (not imported here)
 
 
 def _first(exc: BaseException) -> str:
