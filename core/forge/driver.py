@@ -153,6 +153,7 @@ class Driver:
             result.commands = record.commands
             stored = self.cache.put(key, result, workdir)
             shutil.rmtree(workdir, ignore_errors=True)
+        (self.cache.root / key).mkdir(parents=True, exist_ok=True)  # an artifact outside the cache has no entry
         (self.cache.root / key / "record.json").write_text(
             json.dumps({"commands": record.commands, "notes": record.notes}, default=str))
         return stored

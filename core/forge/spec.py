@@ -34,6 +34,7 @@ class Limits:
     max_seq_len: int = 2048
     max_num_tokens: int | None = None
     max_beam_width: int = 1
+    given: tuple[str, ...] = ()  # the limits the user set (the others are these defaults)
 
 
 @dataclass

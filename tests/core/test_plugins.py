@@ -150,7 +150,7 @@ def test_decoder_options_are_made_when_first_read(tmp_path):
     (~20 ms of every command, though only build/options/validate read them); reading them does, and they are
     the same options as the ones made directly."""
     code = ("import sys\nfrom forge.plugins import load_registry\nfamilies = load_registry().families\n"
-            "assert 'forge.llm.profiles' not in sys.modules\n"
+            "assert 'forge.profiles' not in sys.modules\n"
             "from forge.llm.options import LORA, decoder_options\n"
             "from forge_llava import VISION_OPTIONS\n"
             "assert tuple(families['llama'].options) == decoder_options() + (LORA,)\n"

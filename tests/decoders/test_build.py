@@ -9,7 +9,7 @@ from forge import hookimpl
 from forge import tritonconfig as tc
 from forge.cli import main
 from forge.components import Artifact
-from forge.llm import profiles
+from forge import profiles
 from forge.llm.interface import tensorrt_llm_io
 from forge.testing import use_plugins
 from forge.validate import validate_repository

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from forge.errors import UsageError
-from forge.llm import profiles
-from forge.llm.profiles import RELEASES, Release, add, build, i, o, resolve
+from forge import profiles
+from forge.profiles import RELEASES, Release, add, build, i, o, resolve
 
 TEMPLATES = json.loads((Path(__file__).parent / "data" / "tensorrtllm_backend_templates.json").read_text())
 PLACEHOLDERS = {profiles.LOGITS: "${logits_datatype}", profiles.PROMPT_TABLE: "${prompt_embedding_table_data_type}",

@@ -10,7 +10,8 @@ import pytest
 import helpers
 from forge import tritonconfig as tc
 from forge.errors import ForgeError, UsageError
-from forge.llm import profiles, repository
+from forge import profiles
+from forge.llm import repository
 from forge.served import PREPROCESSING
 
 # The ensembles' interfaces as read from tensorrtllm_backend's ensemble/config.pbtxt at each tag:

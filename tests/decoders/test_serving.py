@@ -13,7 +13,7 @@ import pytest
 
 import engine_double
 import helpers
-from forge.llm import profiles
+from forge import profiles
 
 pytestmark = pytest.mark.heavy
 

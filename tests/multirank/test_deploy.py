@@ -18,7 +18,7 @@ def deploy(*argv: str) -> int:
 
 
 def test_slurm_script_for_a_tp2_python_repository_in_the_profile_container(repos, tmp_path, capsys):
-    from forge.llm import profiles
+    from forge import profiles
 
     repo = repos["gpt-tp2"]
     out = tmp_path / "job.sbatch"

@@ -451,7 +451,7 @@ def test_hf_pipeline_target_answers_like_transformers_and_refuses_word_lists(ser
 
 def test_python_model_has_exactly_the_tensorrt_llm_interface_of_its_profile(merged_repo):
     from forge import tritonconfig
-    from forge.llm import profiles
+    from forge import profiles
 
     for prefix, version in (("", profiles.NEWEST), ("v5_", "v0.5.0")):
         config = tritonconfig.read(merged_repo / f"{prefix}tensorrt_llm")

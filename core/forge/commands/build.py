@@ -44,9 +44,10 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the family's; 'forge plugins' lists each family's)")
     p.add_argument("--backend-version", default=None, metavar="X",
                    help="tensorrtllm_backend profile, e.g. v0.5.0, v0.13.0 (default: newest)")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help=f"default {Limits.max_batch_size}; the LLM-API layout leaves it to TensorRT-LLM unless given")
+    p.add_argument("--max-input-len", type=int, default=None, help=f"default {Limits.max_input_len} (as above)")
+    p.add_argument("--max-seq-len", type=int, default=None, help=f"default {Limits.max_seq_len} (as above)")
     p.add_argument("--max-num-tokens", type=int, default=None)
     p.add_argument("--max-beam-width", type=int, default=1)
     p.add_argument("--decoupled", action="store_true", help="streaming (decoupled) tensorrt_llm / BLS models")
@@ -119,11 +120,17 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
         dtype=args.dtype or BuildSpec.dtype, dtype_given=args.dtype is not None, quant=tuple(_split(args.quant)),
         target=args.target,
         backend_version=args.backend_version,
-        limits=Limits(max_batch_size=args.max_batch_size, max_input_len=args.max_input_len,
-                      max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
-                      max_beam_width=args.max_beam_width),
+        limits=_limits(args),
         options=options, name_prefix=args.name_prefix, dry_run=args.dry_run,
         allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    """The size limits, remembering which were given (a layout may leave the others to the runtime)."""
+    names = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
+    given = tuple(n for n in names if getattr(args, n) is not None)
+    values = {n: getattr(args, n) for n in given}
+    return Limits(**values, max_beam_width=args.max_beam_width, given=given)
 
 
 def print_plan(plans: list, out: Path) -> None:

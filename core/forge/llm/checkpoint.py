@@ -734,7 +734,7 @@ def export(adapter: DecoderAdapter, source: Path, ctx, *, hf_config: Mapping[str
     """
     from forge.hf import inspect_checkpoint
 
-    from .profiles import BUILD_FLAGS, parse_version
+    from ..profiles import BUILD_FLAGS, parse_version
 
     spec = ctx.spec
     source = Path(source)

@@ -16,7 +16,7 @@ from forge.components import Artifact
 from forge.errors import ForgeError
 
 from . import loadercheck
-from .profiles import BUILD_FLAGS, parse_version
+from ..profiles import BUILD_FLAGS, parse_version
 
 ARTIFACT_KIND = "trtllm-engine"
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from forge.errors import UsageError
 
-from . import profiles
-from .profiles import Parameter, Profile, Tensor
+from .. import profiles
+from ..profiles import Parameter, Profile, Tensor
 
 if TYPE_CHECKING:
     from forge.tritonconfig import mc

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from forge.errors import ForgeError, UsageError
 
-from .profiles import parse_version
+from ..profiles import parse_version
 
 # subprocess, tarfile and tempfile are imported where they are used: every export imports this
 # module, and most never run the checker (start-up is part of the export's time)

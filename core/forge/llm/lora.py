@@ -382,7 +382,7 @@ def build_flags(lora: Mapping[str, Mapping[str, Any]], dtype: str) -> list[str]:
 
 def check_build(spec, profile, adapters: list[Adapter]) -> None:
     """Refuse ``--lora`` where the chosen backend version or option values cannot serve the adapters."""
-    from .profiles import BUILD_FLAGS, PROFILES, parse_version
+    from ..profiles import BUILD_FLAGS, PROFILES, parse_version
 
     if profile.interface("tensorrt_llm").input("lora_weights") is None:
         first = next(p.version for p in PROFILES.values() if p.interface("tensorrt_llm").input("lora_weights"))
@@ -435,3 +435,20 @@ def served_modules(family: DecoderAdapter) -> str:
     """The python target's map of TensorRT-LLM module id → transformers module path (``{i}`` = layer)."""
     return json.dumps({str(MODULE_IDS[t.module]): path for path, t in family.lora_targets.items()},
                       separators=(",", ":"))
+
+
+#: The TensorRT-LLM modules the LLM API's PyTorch backend takes LoRA weights for (its default mapping to
+#: Hugging Face names: attn_q/k/v → q/k/v_proj, attn_dense → o_proj, mlp_h_to_4h → gate_proj,
+#: mlp_4h_to_h → down_proj, mlp_gate → up_proj).
+LLMAPI_MODULES = frozenset({"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h",
+                            "mlp_gate", "mlp_gate_up"})
+
+
+def check_llmapi_modules(family: DecoderAdapter, spec, profile) -> None:
+    """Refuse adapters that patch modules the LLM API's PyTorch backend of ``profile`` takes no LoRA for."""
+    for adapter in for_build(family, spec, spec.source_for(family.family)):
+        other = sorted(set(adapter.module_names) - LLMAPI_MODULES)
+        if other:
+            raise UsageError(f"LoRA adapter {adapter.name} patches {', '.join(other)}, which TensorRT-LLM "
+                             f"{profile.version}'s PyTorch backend serves no LoRA for",
+                             hint=f"it takes {', '.join(sorted(LLMAPI_MODULES))}")

@@ -30,7 +30,7 @@ from forge import tritonconfig as tc
 from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import UsageError
 
-from . import profiles
+from .. import profiles
 from .interface import LLM, PRE, profile_of, resolve_dtype, truthy
 
 OPTION = "prompt_table"  # the decoder component's option naming the encoder that fills its table

@@ -17,9 +17,9 @@ from forge.components import Option
 from forge.contract import check_value
 from forge.errors import UsageError
 
-from . import profiles
+from .. import profiles
 from .interface import BLS, profile_of, truthy
-from .profiles import Parameter, Profile
+from ..profiles import Parameter, Profile
 
 TRTLLM = ("tensorrtllm",)
 PYTHON = ("python",)

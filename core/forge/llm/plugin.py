@@ -34,7 +34,12 @@ class DecoderPlugin:
         from .options import check_options, has_trtllm_build, no_trtllm_build
 
         profile = check_options(spec)  # bad -o values / --backend-version fail before any stage runs
-        if (spec.target or "tensorrtllm") == "tensorrtllm" and not spec.dry_run and not has_trtllm_build(profile.version):
+        target = spec.target or "tensorrtllm"
+        if profile.llmapi:
+            from .llmapi import check_spec as check_llmapi
+
+            check_llmapi(spec, profile, target, self.adapter)
+        elif target == "tensorrtllm" and not spec.dry_run and not has_trtllm_build(profile.version):
             raise UsageError(no_trtllm_build(profile.version),
                              hint="build for --backend-version 0.8.0 or newer, or --target python (it serves this "
                                   "release's interface)")
@@ -74,6 +79,10 @@ class DecoderPlugin:
             from . import hfpipeline
 
             return hfpipeline.export(component.source, ctx)
+        if ctx.target == "tensorrtllm" and _llmapi(ctx):  # the LLM API loads the checkpoint as it is
+            from . import llmapi
+
+            return llmapi.export(self.adapter, component.source, ctx)
         from . import checkpoint
 
         return checkpoint.export(self.adapter, component.source, ctx)
@@ -82,14 +91,18 @@ class DecoderPlugin:
     def forge_quantize(self, component, artifact, ctx):
         if not self._mine(component) or not ctx.spec.quant:
             return None
+        if _llmapi(ctx):
+            from . import llmapi
+
+            return llmapi.quantize(self.adapter, component.source, artifact, ctx)
         from . import quantize
 
         return quantize.quantize(self.adapter, component.source, artifact, ctx)
 
     @hookimpl
     def forge_compile(self, component, artifact, ctx):
-        if not self._mine(component) or ctx.target != "tensorrtllm":
-            return None  # the python target serves the checkpoint as it is
+        if not self._mine(component) or ctx.target != "tensorrtllm" or _llmapi(ctx):
+            return None  # the python target and the LLM API serve the checkpoint as it is
         from . import engine, multimodal
 
         table = multimodal.prompt_table(component)  # an encoder fills its prompt table (llava)
@@ -114,3 +127,10 @@ class DecoderPlugin:
 
         return [edge for c in components if self._mine(c) and ctx.spec.target != "hf-pipeline"
                 for edge in repository.edges(c, models, ctx)]
+
+
+def _llmapi(ctx) -> bool:
+    """Whether the build's backend release writes the LLM-API layout (no engine, model.yaml)."""
+    from .interface import profile_of
+
+    return profile_of(ctx.spec).llmapi

@@ -1,6 +1,6 @@
 """The Triton side of a decoder: preprocessing, tensorrt_llm, postprocessing, BLS and ensemble edges.
 
-Every tensor, parameter and dtype comes from the backend-version profile (:mod:`forge.llm.profiles`),
+Every tensor, parameter and dtype comes from the backend-version profile (:mod:`forge.profiles`),
 so a repository built with ``--backend-version v0.5.0`` looks to clients exactly like one made from
 that release's templates, and the newest release is the default. Tokenizer files are copied into
 each python model's ``1/tokenizer``, so the repository is self-contained.
@@ -18,12 +18,13 @@ from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import ForgeError, UsageError
 from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
 
-from . import multimodal, profiles
+from .. import profiles
+from . import multimodal
 from .engine import sequence_limits  # the one clamping rule of prompt and sequence limits
 from .interface import (BLS, LLM, POST, PRE, truthy, message_input, parameter_value, profile_of,
                         resolve_dtype, tensorrt_llm_io, tensorrt_llm_parameters)
 from .options import check_options
-from .profiles import Profile, Tensor
+from ..profiles import Profile, Tensor
 
 TOKENIZER_DIR = "tokenizer"  # inside each python model's version directory
 
@@ -276,6 +277,8 @@ LLM_BUILDERS: Mapping[str, Callable[..., tuple[TritonModel, Path | None]]] = {
 def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonModel]:
     """Every Triton model of a decoder component (the ensemble comes from :func:`edges`)."""
     profile = check_options(ctx.spec)
+    if profile.llmapi:
+        return [_llmapi_model(adapter, component, artifact, ctx, profile)]
     meta = dict(artifact.meta or {})
     tokenizer = tokenizer_files(component.source)
     defaults = _tokenizer_defaults(component.source, ctx.spec)
@@ -294,6 +297,24 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     ctx.log(f"{component.name}: tensorrtllm_backend {profile.version} interface "
             f"(container {profile.container})")
     return models
+
+
+def _llmapi_model(adapter, component: Component, artifact: Artifact, ctx, profile: Profile) -> TritonModel:
+    """The one model of an LLM-API release's repository: ``tensorrt_llm`` taking text (either target)."""
+    tokenizer_files(component.source)  # a checkpoint without a tokenizer fails here, with the reason
+    if ctx.target == "tensorrtllm":
+        from . import llmapi
+
+        model = llmapi.emit(adapter, component, artifact, ctx, profile)
+    elif ctx.target == "python":
+        model, _ = _python_llm(adapter, component, artifact, ctx, profile)
+        _ship_loras(adapter, component, ctx, model)
+    else:
+        raise UsageError(f"decoders build for --target tensorrtllm or python, not {ctx.target}")
+    where = profile.container or "no NGC tritonserver container ships it yet"
+    ctx.note("backend", {"version": profile.version, "container": profile.container, "layout": profile.layout})
+    ctx.log(f"{component.name}: TensorRT-LLM {profile.version} LLM-API interface ({where})")
+    return model
 
 
 def _ship_loras(adapter, component: Component, ctx, llm: TritonModel) -> None:
@@ -317,6 +338,8 @@ def _ship_loras(adapter, component: Component, ctx, llm: TritonModel) -> None:
 def edges(component: Component, models: Mapping[str, TritonModel], ctx) -> list[Edge]:
     """The ensemble of a decoder component: ``text_input`` → preprocessing → tensorrt_llm → postprocessing."""
     profile = profile_of(ctx.spec)
+    if profile.llmapi:  # one model takes text itself: nothing to wire
+        return []
     ensemble = component.ensemble
     name = {role: component.model_name(role) for role in (PRE, LLM, POST)}
     routes = profiles.routes(profile, include=lambda model, t: not t.multimodal)

@@ -6,6 +6,8 @@ ship ``forge_text.py``. The build imports these files for parity checks, never t
 
     decoder/          preprocessing, postprocessing, tensorrt_llm_bls  →  <model>/1/model.py
     decoder_engine/   the python target's tensorrt_llm model (model.py) and its engine (forge_decoder/)
+    llmapi/           the LLM-API layout's tensorrt_llm model on TensorRT-LLM's LLM API (--target tensorrtllm)
+    forge_llmapi.py   the LLM-API interface's requests and responses, shipped with both targets' model
     hf_pipeline.py    --target hf-pipeline: the Hugging Face text-generation pipeline per request
     encoder/          tokenizer, image preprocessing, ONNX Runtime encoder
     multimodal/       multimodal_encoders: images → the decoder's prompt table (llava)
@@ -22,6 +24,8 @@ POSTPROCESSING = HERE / "decoder" / "postprocessing.py"
 BLS = HERE / "decoder" / "bls.py"
 DECODER_MODEL = HERE / "decoder_engine" / "model.py"
 DECODER_RUNTIME = HERE / "decoder_engine" / "forge_decoder"  # shipped as 1/forge_decoder/
+LLMAPI_MODEL = HERE / "llmapi" / "model.py"  # the LLM-API layout's tensorrt_llm model (--target tensorrtllm)
+LLMAPI = HERE / "forge_llmapi.py"  # shipped as 1/forge_llmapi.py beside either target's LLM-API model
 HF_PIPELINE = HERE / "hf_pipeline.py"  # --target hf-pipeline: seed 000's per-request pipeline model
 TOKENIZER = HERE / "encoder" / "tokenizer.py"
 IMAGE = HERE / "encoder" / "image.py"

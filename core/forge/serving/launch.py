@@ -219,7 +219,7 @@ def container_image(repo: Path, version: str | None = None) -> tuple[str, str]:
     recorded = None if version else recorded_container(repo)
     if recorded is not None:
         return recorded
-    from ..llm import profiles  # the one table of backend-version knowledge
+    from .. import profiles  # the one table of backend-version knowledge
 
     profile = profiles.resolve(version or backend_version(repo))
     return profile.container, profile.version

@@ -17,7 +17,7 @@ from ...components import Artifact, Component, TritonModel
 from ...errors import UsageError
 from ... import served
 from ... import tritonconfig as tc
-from .. import profiles
+from ... import profiles
 
 RUNTIME_PACKAGE = "forge_decoder"  # the runtime's package name inside the model directory
 WEIGHTS_DIR = "hf"
@@ -149,6 +149,31 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
     return values
 
 
+def _text_parameters(component: Component, ctx) -> dict[str, Any]:
+    """What the LLM-API interface's text front needs: the tokenizer (beside the weights) and end ids."""
+    from ..interface import truthy
+    from ..repository import _tokenizer_defaults
+
+    defaults = _tokenizer_defaults(component.source, ctx.spec)
+    return {"forge_layout": "llmapi", "tokenizer_dir": WEIGHTS_DIR,
+            "end_id": ctx.option("end_id", defaults["end_id"]), "pad_id": ctx.option("pad_id", defaults["pad_id"]),
+            "stop_token_ids": ctx.option("stop_token_ids", defaults["stop_token_ids"]),
+            "add_special_tokens": truthy(ctx.option("add_special_tokens", True)),
+            "skip_special_tokens": truthy(ctx.option("skip_special_tokens", True)),
+            "trust_remote_code": ctx.spec.trust_remote_code}
+
+
+def _text_files(source: Path) -> dict[str, Path | bytes]:
+    """The tokenizer files beside the weights (``1/hf``) and the text modules the front imports."""
+    from ...served.forge_glue import TOKENIZER_FILES
+
+    files: dict[str, Path | bytes] = {f"1/{WEIGHTS_DIR}/{name}": source / name for name in TOKENIZER_FILES
+                                      if (source / name).is_file()}
+    files["1/forge_llmapi.py"] = served.LLMAPI.read_bytes()
+    files["1/forge_text.py"] = served.TEXT.read_bytes()
+    return files
+
+
 def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) -> TritonModel:
     """The python-backend ``tensorrt_llm`` model of ``component`` for ``profile``'s interface."""
     from ..interface import tensorrt_llm_io, truthy
@@ -190,15 +215,20 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "response_outputs": "asked" if profiles.parse_version(profile.version) >= (0, 14, 0) else "all",
         **_lora_parameters(adapter, component, spec, profile),
     }
+    files: dict[str, Path | bytes | str] = {**runtime_files(), **weight_files(component.source)}
+    batch = spec.limits.max_batch_size
+    batching: dict[str, Any] | bool = {"max_queue_delay_microseconds": int(ctx.option("max_queue_delay_microseconds", 0)),
+                                       "max_queue_size": int(ctx.option("max_queue_size", 0))}
+    if profile.llmapi:  # text in, text out: the LLM-API model's own shapes (no batch dimension)
+        parameters.update(_text_parameters(component, ctx))
+        files.update(_text_files(component.source))
+        batch, batching = 0, False
     config = tc.model_config(
-        component.model_name("tensorrt_llm"), backend="python", max_batch_size=spec.limits.max_batch_size,
+        component.model_name("tensorrt_llm"), backend="python", max_batch_size=batch,
         inputs=_message_inputs(inputs), outputs=_message_outputs(outputs), parameters=parameters,
-        instances=int(ctx.option("instances", 1)), instance_kind="KIND_CPU",
-        dynamic_batching={"max_queue_delay_microseconds": int(ctx.option("max_queue_delay_microseconds", 0)),
-                          "max_queue_size": int(ctx.option("max_queue_size", 0))},
+        instances=int(ctx.option("instances", 1)), instance_kind="KIND_CPU", dynamic_batching=batching,
         decoupled=decoupled)
     # Weights are hard-linked (they can be GBs); the code is written as contents.
-    files: dict[str, Path | bytes | str] = {**runtime_files(), **weight_files(component.source)}
     ctx.note("python_target", {"max_input_len": max_input_len, "max_seq_len": max_seq_len,
                                "decoupled": decoupled, "weights": sorted(k for k in files if "/hf/" in k),
                                "runtime": runtime_choices(spec, ctx)})

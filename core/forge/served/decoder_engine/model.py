@@ -48,8 +48,9 @@ class _Request:
     """One Triton request being served: its rows, response sender and what was sent so far."""
 
     def __init__(self, model: "TritonPythonModel", sender, request_id: str, rows: list[GenerationRequest],
-                 wanted: set[str] | None = None):
+                 wanted: set[str] | None = None, text=None):
         self.model = model
+        self.text = text  # textfront.TextStream: an LLM-API request, answered in text
         self.sender = sender
         self.wanted = wanted  # the outputs every response carries (responses.carried; None: all configured)
         self.request_id = request_id
@@ -99,8 +100,12 @@ class _Request:
             elif results is None:
                 forge_glue.send(self.sender, flags=FINAL)
             else:
-                # only what the client asked for (see forge_glue), and only that is computed
-                tensors = assemble(results, self.model.output_specs, self._pad(), wanted=self.wanted)
+                if self.text is not None:  # an LLM-API request: text
+                    row = results[0]
+                    tensors = self.text.outputs(row.ids, row, final, row.reason, self.model.output_dtypes,
+                                                self.wanted)
+                else:  # only what the client asked for (see forge_glue), and only that is computed
+                    tensors = assemble(results, self.model.output_specs, self._pad(), wanted=self.wanted)
                 built = time.perf_counter_ns()
                 forge_glue.send(self.sender, tensors, flags=FINAL if final else 0)
         except Exception as exc:  # the client went away; nothing else to do for it
@@ -139,7 +144,7 @@ class _Request:
                     first = seq not in self.started
                     self.started.add(seq)
                     self._send([self._row(seq, progress, update.tokens, update.logprobs, update.generation_logits,
-                                          context=first)], last)
+                                          context=first, reason=update.reason if update.finished else None)], last)
                 elif last:
                     self._send(None, True)
                 return
@@ -147,13 +152,14 @@ class _Request:
                 return
             ids = seq.output if req.exclude_input else req.prompt + seq.output
             self.results[req.batch_index] = self._row(seq, progress, ids, seq.logprobs, seq.generation_logits,
-                                                      context=True)
+                                                      context=True, reason=update.reason)
             if self.model.decoupled:
                 self._send([self.results[req.batch_index]], last)
             elif last:
                 self._send([self.results[i] for i in sorted(self.results)], True)
 
-    def _row(self, seq, progress: "_Progress", ids, logprobs, generation_logits, context: bool = False) -> RowResult:
+    def _row(self, seq, progress: "_Progress", ids, logprobs, generation_logits, context: bool = False,
+             reason: str | None = None) -> RowResult:
         req = seq.request
         return RowResult(ids=list(ids), logprobs=list(logprobs), cum_logprob=progress.cum_logprob,
                          want_logprobs=req.return_log_probs,
@@ -161,7 +167,7 @@ class _Request:
                          generation_logits=list(generation_logits), batch_index=req.batch_index,
                          arrival_ns=seq.arrival_ns, scheduled_ns=seq.scheduled_ns,
                          first_token_ns=progress.first_token_ns, last_token_ns=progress.last_token_ns,
-                         input_tokens=len(req.prompt), output_tokens=progress.output_tokens)
+                         input_tokens=len(req.prompt), output_tokens=progress.output_tokens, reason=reason)
 
 
 class _Progress(NamedTuple):
@@ -183,7 +189,9 @@ class TritonPythonModel:
         self.output_specs = {
             o["name"]: OutputSpec(np.dtype(pb_utils.triton_string_to_numpy(o["data_type"])), len(o["dims"]))
             for o in config["output"]}
+        self.output_dtypes = {name: spec.dtype for name, spec in self.output_specs.items()}
         here = Path(__file__).resolve().parent
+        self.front = self._text_front(config, here)
         self.exclude_input = _parameter(config, "exclude_input_in_output", "false").lower() in forge_glue.TRUE
         # "asked": the outputs of the executor-based backend (v0.14.0 on), see responses.carried
         outputs = _parameter(config, "response_outputs", "all")
@@ -226,6 +234,17 @@ class TritonPythonModel:
             f"forge python target {self.name!r}: {summary}, {senders} sender threads, max_input_len "
             f"{self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}, "
             f"CUDA graphs {graphs}")
+
+    @staticmethod
+    def _text_front(config: dict, here: Path):
+        """The LLM-API interface (``text_input`` in, ``text_output`` out) when the profile has it, else None."""
+        if not any(i["name"] == "text_input" for i in config["input"]):
+            return None
+        from forge_decoder.textfront import TextFront
+
+        params = forge_glue.parameters(config)
+        return TextFront(str(here / params.get("tokenizer_dir", "hf")), params,
+                         trust_remote_code=forge_glue.parse_bool(params.get("trust_remote_code"), False))
 
     @staticmethod
     def _hosted(config: dict) -> bool:
@@ -367,23 +386,29 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             request_id = request.request_id()
+            text = None
             try:
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 if is_stop(tensors):
                     self._stop(request_id, sender)
                     continue
+                if self.front is not None:  # text in: the same generation as token tensors
+                    parsed, tensors = self.front.request(tensors, decoupled=self.decoupled,
+                                                         max_tokens_limit=self.limits.max_seq_len)
+                    text = self.front.stream(parsed)
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
                              warn=pb_utils.Logger.log_warn)
                 if self.loaded is not None:  # else the engine process resolves adapters and guides
                     self.loaded.prepare(rows)  # a bad guide or adapter: RequestError
-            except RequestError as exc:
+            except (RequestError, ValueError) as exc:  # forge_llmapi.RequestError is a ValueError too
                 forge_glue.send(sender, exc=exc, flags=FINAL)
                 continue
             except Exception as exc:  # malformed tensors: still one clear error, never a dead model
                 forge_glue.send(sender, exc=ValueError(f"invalid request: {type(exc).__name__}: {exc}"), flags=FINAL)
                 continue
-            pending = _Request(self, sender, request_id, rows,
-                               carried(rows, self.output_specs, forge_glue.requested(request), self.asked_only))
+            wanted = forge_glue.requested(request)
+            pending = _Request(self, sender, request_id, rows, wanted if text is not None else
+                               carried(rows, self.output_specs, wanted, self.asked_only), text)
             pending.sequences = [engine_mod.Sequence(row, pending.on_update, pending.is_cancelled, pending)
                                  for row in rows]
             with self.lock:

@@ -45,6 +45,7 @@ class RowResult:
     last_token_ns: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    reason: str | None = None  # why the sequence ended (the engine's reason), on its last response
 
 
 def _padded(rows: list[list], fill, dtype) -> np.ndarray:

@@ -1,0 +1,273 @@
+"""The request and response tensors of TensorRT-LLM's LLM-API ``tensorrt_llm`` model, checked and mapped.
+
+Shipped as ``1/forge_llmapi.py`` beside the ``model.py`` of both targets of an LLM-API repository: the
+``tensorrtllm`` target's model hands :attr:`LLMRequest.sampling` to ``tensorrt_llm.SamplingParams`` and
+:attr:`LLMRequest.lora` to ``tensorrt_llm.executor.LoRARequest``; forge's python target reads the same
+request into its own engine. One parser means both answer the same request alike, errors included.
+
+The interface (``all_models/llmapi/tensorrt_llm/config.pbtxt``): ``text_input`` (one prompt, element 0),
+``sampling_param_*`` scalars named after ``SamplingParams``' keywords (``sampling_param_stop`` a list of
+strings), ``return_finish_reason`` / ``return_stop_reason`` / ``return_cumulative_logprob`` asking for those
+outputs, ``streaming`` (decoupled models only), ``stop`` (cancel the request with the same id), the LoRA
+triple ``lora_id`` / ``lora_name`` / ``lora_path`` (+ ``lora_ckpt_source``) and ``image_url``. An absent
+``sampling_param_exclude_input_from_output`` means False there (the prompt is echoed in ``text_output``),
+unlike SamplingParams' own default; an absent ``sampling_param_max_tokens`` takes SamplingParams' default.
+
+It imports numpy only (never forge, never tensorrt_llm), so the build and the tests import it too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+#: request input → SamplingParams keyword, with the Python type it takes
+SAMPLING = {
+    "sampling_param_best_of": ("best_of", int),
+    "sampling_param_temperature": ("temperature", float),
+    "sampling_param_top_k": ("top_k", int),
+    "sampling_param_top_p": ("top_p", float),
+    "sampling_param_frequency_penalty": ("frequency_penalty", float),
+    "sampling_param_presence_penalty": ("presence_penalty", float),
+    "sampling_param_max_tokens": ("max_tokens", int),
+    "sampling_param_seed": ("seed", int),
+    "sampling_param_exclude_input_from_output": ("exclude_input_from_output", bool),
+    "sampling_param_return_perf_metrics": ("return_perf_metrics", bool),
+}
+STOP_STRINGS = "sampling_param_stop"  # → SamplingParams(stop=[...])
+#: the outputs a request asks for with a flag; ``text_output`` is in every response
+RETURNS = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
+           "return_cumulative_logprob": "cumulative_logprob"}
+#: what ``sampling_param_return_perf_metrics`` adds to the response
+PERF_OUTPUTS = ("kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_alloc_new_blocks",
+                "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "arrival_time_ns", "first_scheduled_time_ns",
+                "first_token_time_ns", "last_token_time_ns", "acceptance_rate", "total_accepted_draft_tokens",
+                "total_draft_tokens")
+LORA_INPUTS = ("lora_id", "lora_name", "lora_path")
+LORA_SOURCES = ("hf", "nemo")
+DEFAULT_MAX_TOKENS = 32  # SamplingParams.max_tokens' default
+# image_url: only what the client can name without reaching the server's files (http(s) URLs, inline data)
+IMAGE_SCHEMES = ("http://", "https://", "data:")
+
+
+class RequestError(ValueError):
+    """A request the model refuses; the message goes back to the client, the model keeps serving."""
+
+
+@dataclass
+class LLMRequest:
+    """One request of the LLM-API interface, checked."""
+
+    prompt: str
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords the request set
+    streaming: bool = False
+    returns: frozenset[str] = frozenset()  # outputs asked for besides text_output
+    lora: dict[str, Any] | None = None  # LoRARequest keywords
+    images: list[str] = field(default_factory=list)
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.sampling.get("max_tokens", DEFAULT_MAX_TOKENS))
+
+    @property
+    def echo(self) -> bool:
+        """Whether ``text_output`` starts with the prompt (the interface's default)."""
+        return not self.sampling.get("exclude_input_from_output", False)
+
+
+def _scalar(name: str, value: np.ndarray) -> Any:
+    flat = np.asarray(value).reshape(-1)
+    if flat.size != 1:
+        raise RequestError(f"{name} takes one value, got {flat.size}")
+    item = flat[0]
+    return item.decode("utf-8", "replace") if isinstance(item, bytes) else item.item() if hasattr(item, "item") \
+        else item
+
+
+def _strings(name: str, value: np.ndarray) -> list[str]:
+    out = []
+    for item in np.asarray(value).reshape(-1):
+        if isinstance(item, bytes):
+            try:
+                item = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError(f"{name} is not valid UTF-8") from None
+        out.append(str(item))
+    return out
+
+
+def is_stop(tensors: Mapping[str, np.ndarray]) -> bool:
+    """A ``stop`` request: cancel the running request with the same id."""
+    value = tensors.get("stop")
+    return value is not None and bool(np.asarray(value).reshape(-1)[:1].any())
+
+
+def _check_sampling(sampling: dict[str, Any], max_tokens_limit: int | None) -> None:
+    checks = (("max_tokens", lambda v: v >= 1, "at least 1"), ("best_of", lambda v: v >= 1, "at least 1"),
+              ("top_k", lambda v: v >= 0, "0 or more"), ("top_p", lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+              ("temperature", lambda v: v >= 0.0, "0 or more"),
+              ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+              ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+              ("seed", lambda v: 0 <= v < 2 ** 64, "in [0, 2^64)"))
+    for name, ok, wanted in checks:
+        if name in sampling and not ok(sampling[name]):
+            raise RequestError(f"sampling_param_{name} must be {wanted}, got {sampling[name]}")
+    if max_tokens_limit is not None and sampling.get("max_tokens", 0) > max_tokens_limit:
+        raise RequestError(f"sampling_param_max_tokens {sampling['max_tokens']} exceeds what this model can generate "
+                           f"({max_tokens_limit})")
+
+
+def check_image_url(url: str) -> str:
+    """An ``image_url`` value the server may fetch: http(s) or inline ``data:``; never a file it can open."""
+    text = url.strip()
+    if not text.lower().startswith(IMAGE_SCHEMES):
+        raise RequestError(f"image_url {text[:60]!r} is refused: only http(s) URLs and data: URIs are accepted "
+                           "(file:// and local paths would let a client read the server's files)")
+    return text
+
+
+def parse(tensors: Mapping[str, np.ndarray], *, decoupled: bool, multimodal: bool = False,
+          max_tokens_limit: int | None = None) -> LLMRequest:
+    """The request in ``tensors`` (name → numpy array), checked; :class:`RequestError` for a bad one."""
+    if "text_input" not in tensors:
+        raise RequestError("text_input is required")
+    prompts = _strings("text_input", tensors["text_input"])
+    if not prompts:
+        raise RequestError("text_input is empty")
+    sampling: dict[str, Any] = {}
+    for name, (keyword, kind) in SAMPLING.items():
+        if name not in tensors:
+            continue
+        value = _scalar(name, tensors[name])
+        try:
+            sampling[keyword] = bool(value) if kind is bool else kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise RequestError(f"{name} must be {kind.__name__}, got {value!r}") from None
+        if kind is float and not np.isfinite(sampling[keyword]):
+            raise RequestError(f"{name} must be a finite number, got {value!r}")
+    if STOP_STRINGS in tensors:
+        stops = [s for s in _strings(STOP_STRINGS, tensors[STOP_STRINGS]) if s]
+        if stops:
+            sampling["stop"] = stops
+    _check_sampling(sampling, max_tokens_limit)
+    streaming = "streaming" in tensors and bool(_scalar("streaming", tensors["streaming"]))
+    if streaming and not decoupled:
+        raise RequestError("Streaming is only supported in decoupled mode.")
+    returns = {output for flag, output in RETURNS.items() if flag in tensors and bool(_scalar(flag, tensors[flag]))}
+    if sampling.get("return_perf_metrics"):
+        returns.update(PERF_OUTPUTS)
+    images = []
+    if "image_url" in tensors:
+        urls = [u for u in _strings("image_url", tensors["image_url"]) if u.strip()]
+        if urls and not multimodal:
+            raise RequestError("image_url is not accepted: this model is not multimodal (triton_config.multimodal)")
+        images = [check_image_url(u) for u in urls]
+    return LLMRequest(prompts[0], sampling, streaming, frozenset(returns), _lora(tensors), images)
+
+
+def _lora(tensors: Mapping[str, np.ndarray]) -> dict[str, Any] | None:
+    """``lora_id`` / ``lora_name`` / ``lora_path`` (all three, or none) as LoRARequest keywords."""
+    given = [name for name in LORA_INPUTS if name in tensors]
+    if not given and "lora_ckpt_source" not in tensors:
+        return None
+    missing = [name for name in LORA_INPUTS if name not in tensors]
+    if missing:
+        raise RequestError(f"a LoRA request needs lora_id, lora_name and lora_path together; missing "
+                           f"{', '.join(missing)}")
+    try:
+        lora_id = int(_scalar("lora_id", tensors["lora_id"]))
+    except (TypeError, ValueError):
+        raise RequestError("lora_id must be an integer") from None
+    name = str(_scalar("lora_name", tensors["lora_name"])).strip()
+    path = str(_scalar("lora_path", tensors["lora_path"])).strip()
+    source = str(_scalar("lora_ckpt_source", tensors["lora_ckpt_source"])).strip() \
+        if "lora_ckpt_source" in tensors else "hf"
+    if not name or not path:
+        raise RequestError("lora_name and lora_path must not be empty")
+    if source not in LORA_SOURCES:
+        raise RequestError(f"lora_ckpt_source must be one of {', '.join(LORA_SOURCES)}, got {source!r}")
+    return {"lora_name": name, "lora_int_id": lora_id, "lora_path": path, "lora_ckpt_source": source}
+
+
+def resolve_lora_path(lora: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """``lora_path`` as the server sees it: relative paths under the model directory's ``lora/``, which must
+    exist (an adapter the build shipped); absolute paths must exist on the server."""
+    path = lora["lora_path"]
+    if not os.path.isabs(path):
+        base = os.path.realpath(os.path.join(model_dir, "lora"))
+        resolved = os.path.realpath(os.path.join(base, path))
+        if not resolved.startswith(base + os.sep):
+            raise RequestError(f"lora_path {path!r} leaves the model's lora/ directory")
+        path = resolved
+    if not os.path.isdir(path):
+        raise RequestError(f"lora_path {lora['lora_path']!r} is not an adapter directory on the server")
+    return {**lora, "lora_path": path}
+
+
+@dataclass
+class Completion:
+    """What one response reports, whichever engine produced it."""
+
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "cancelled"; None while streaming
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    cumulative_logprob: float | None = None
+    perf: Mapping[str, float] = field(default_factory=dict)  # PERF_OUTPUTS the engine measured
+
+
+def outputs(completion: Completion, request: LLMRequest, configured: Mapping[str, np.dtype],
+            wanted: set[str] | None = None) -> dict[str, np.ndarray]:
+    """The response tensors for ``completion``: ``text_output`` always, the asked-for outputs, each typed as
+    ``configured`` (output name → numpy dtype) declares and shaped ``[1]``."""
+    values: dict[str, Any] = {"text_output": completion.text}
+    if "finish_reason" in request.returns:
+        values["finish_reason"] = completion.finish_reason or ""
+    if "stop_reason" in request.returns:
+        values["stop_reason"] = "" if completion.stop_reason is None else str(completion.stop_reason)
+    if "cumulative_logprob" in request.returns:
+        values["cumulative_logprob"] = completion.cumulative_logprob if completion.cumulative_logprob is not None \
+            else 0.0
+    for name in PERF_OUTPUTS:
+        if name in request.returns and name in completion.perf:
+            values[name] = completion.perf[name]
+    out = {}
+    for name, value in values.items():
+        dtype = configured.get(name)
+        if dtype is None or (wanted is not None and name not in wanted):
+            continue
+        if dtype == np.object_:
+            out[name] = np.array([str(value).encode("utf-8")], dtype=np.object_)
+        else:
+            out[name] = np.array([value], dtype=dtype)
+    return out
+
+
+def engine_arguments(path: str, model_dir: str) -> tuple[dict, dict]:
+    """(LLM keywords, triton_config) of ``model.yaml``: relative ``model`` / ``lora_config.lora_dir`` paths are
+    the repository's own and resolve against the model's version directory."""
+    import yaml  # PyYAML: the LLM API reads model.yaml with it too
+
+    with open(path if os.path.isabs(path) else os.path.join(model_dir, path)) as handle:
+        args = yaml.safe_load(handle) or {}
+    triton = args.pop("triton_config", None) or {}
+    for key in ("max_batch_size", "decoupled"):
+        if key not in triton:
+            raise ValueError(f"model.yaml: triton_config.{key} is required")
+    model = str(args.get("model", ""))
+    if model and not os.path.isabs(model) and os.path.exists(os.path.join(model_dir, model)):
+        args["model"] = os.path.join(model_dir, model)
+    lora = args.get("lora_config") or {}
+    if lora.get("lora_dir"):
+        lora["lora_dir"] = [d if os.path.isabs(d) else os.path.join(model_dir, d) for d in lora["lora_dir"]]
+    return args, triton
+
+
+def request_arguments(request: LLMRequest, model_dir: str) -> dict:
+    """The keywords of ``generate_async`` for ``request`` (before the LLM API's classes wrap them)."""
+    inputs = request.prompt if not request.images else {
+        "prompt": request.prompt, "multi_modal_data": {"image": list(request.images)}}
+    lora = None if request.lora is None else resolve_lora_path(request.lora, model_dir)
+    return {"inputs": inputs, "sampling": dict(request.sampling), "lora": lora, "streaming": request.streaming}
