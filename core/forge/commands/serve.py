@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", action="store_true", help="with --docker: run the printed command")
     p.add_argument("--backend-version", default=None, metavar="X",
                    help="with --docker: container of this backend profile (default: the repository's)")
+    p.add_argument("--image", default=None, metavar="IMAGE",
+                   help="with --docker: this tritonserver image instead of the profile's NGC container")
     p.add_argument("--gpus", default="all", help="with --docker: GPUs to pass (all, none, or ids like 0,1)")
     p.add_argument("--shm-size", default="2g", help="with --docker: shared memory size (default 2g)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for READY")
@@ -56,11 +58,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _docker(args: argparse.Namespace, world) -> int:
     from ..serving import launch
 
-    image, version = launch.container_image(args.repo, args.backend_version)
+    if args.image is not None:
+        launch.check_image(args.image)
+        image, version = args.image, args.backend_version or launch.backend_version(args.repo) or "?"
+    else:
+        image, version = launch.container_image(args.repo, args.backend_version)
     argv = launch.docker_command(args.repo, world, image, host=args.host, http_port=args.http_port,
                                  grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                                  shm_size=args.shm_size, gpus=args.gpus, log_file=args.log_file)
-    print(f"# tensorrtllm_backend {version}, {world.world_size} rank(s)", file=sys.stderr)
+    print(f"# backend {version}, {world.world_size} rank(s)", file=sys.stderr)
     print(shlex.join(argv))
     if not args.run:
         return 0
@@ -199,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
     world = launch.layout(args.repo, args.world_size)
     if args.docker:
         return _docker(args, world)
-    if args.run:
-        raise UsageError("--run only goes with --docker")
+    if args.run or args.image:
+        raise UsageError(f"{'--run' if args.run else '--image'} only goes with --docker")
+    launch.check_llmapi_runtime(world)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("FORGE_API_KEY") or None)
     if not args.no_openai and not 0 <= args.openai_port <= 65535:
         raise UsageError(f"--openai-port {args.openai_port} is not a port (0-65535)")

@@ -1,8 +1,9 @@
-"""tensorrtllm_backend's engine releases (v0.5.0 … v1.0.0): the C++ ``tensorrtllm`` backend and its templates.
+"""tensorrtllm_backend's engine releases (v0.5.0 … v1.2.1): the C++ ``tensorrtllm`` backend and its templates.
 
 The facts come from ``all_models/inflight_batcher_llm/*/config.pbtxt`` of
 triton-inference-server/tensorrtllm_backend at each tag (v0.5.0 … v0.19.0) and of
-NVIDIA/TensorRT-LLM ``triton_backend/`` for v1.0.0, and from the backend's documented defaults.
+NVIDIA/TensorRT-LLM ``triton_backend/`` for v1.0.0 … v1.2.1, from the backend's documented defaults, and (for
+the containers) from Triton's release compatibility matrix.
 """
 
 from __future__ import annotations
@@ -447,6 +448,16 @@ ENGINE_RELEASES: tuple[Release, ...] = (
             o("num_input_tokens", "INT32", 1),
             o("num_output_tokens", "INT32", 1)),
         param("hf_model_path", model="preprocessing"),
-    ), aliases=("25.10",),
+    ), aliases=("25.10", "25.11"),  # 25.11 ships the NGC build 1.0.3.2510 of the same line
         notes="min_length → min_tokens, random_seed → seed; token counts; backend lives in TensorRT-LLM"),
+    # The last releases with the engine backend. Their templates were read from stored versions of
+    # triton_backend/all_models/inflight_batcher_llm (no tag pins them): v1.1.0 changed no tensor or parameter;
+    # v1.2.0 made enable_trt_overlap a parameter again (experimental, with CUDA graph mode; PR #10018).
+    Release("v1.1.0", "25.12", aliases=("26.01", "26.02"), notes="templates as v1.0.0"),
+    Release("v1.2.0", "26.03", (
+        flag("enable_trt_overlap", None, help="overlap the host's work with the GPU's (experimental, with CUDA "
+                                            "graph mode)"),
+    ), notes="enable_trt_overlap is a parameter again"),
+    Release("v1.2.1", "26.04", aliases=("26.05", "26.06", "26.07"),
+            notes="the last release with trtllm-build and the C++ backend; templates as v1.2.0"),
 )

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import ForgeError, UsageError
-from .client import ModelInputs, generate_payload, session as open_session, text_of
+from .client import ModelInputs, generate_payload, is_text_generator, session as open_session, text_of
 
 WORKLOADS = ("token-norm-dist", "dataset", "prompts")
 ARRIVALS = ("closed", "poisson", "constant")
@@ -180,7 +180,7 @@ class Target:
         self._adapters: dict[int, Any] = {}
         self.placeholder = "<image>"  # set from --image-placeholder when images are sent
         self.token_mode = "input_ids" in inputs.inputs
-        if not self.token_mode and not {"text_input", "max_tokens"} <= set(inputs.inputs):
+        if not self.token_mode and not is_text_generator(inputs):
             raise UsageError(f"model {inputs.name!r} is not a text-generation model (it takes neither input_ids "
                              "nor text_input and max_tokens)",
                              hint="bench the tensorrt_llm model, the ensemble or a text model")

@@ -35,11 +35,28 @@ _NUMPY = {"BOOL": np.bool_, "INT8": np.int8, "INT16": np.int16, "INT32": np.int3
           "BYTES": np.object_}
 
 # forge infer's sampling flags → the ensemble / BLS input names of tensorrtllm_backend, oldest first
-# (1.0 renamed random_seed to seed and min_length to min_tokens)
-SAMPLING_INPUTS = {"temperature": ("temperature",), "top_k": ("top_k",), "top_p": ("top_p",),
-                   "seed": ("random_seed", "seed"), "repetition_penalty": ("repetition_penalty",),
-                   "presence_penalty": ("presence_penalty",), "frequency_penalty": ("frequency_penalty",),
+# (1.0 renamed random_seed to seed and min_length to min_tokens), then the LLM-API model's (sampling_param_*)
+SAMPLING_INPUTS = {"temperature": ("temperature", "sampling_param_temperature"),
+                   "top_k": ("top_k", "sampling_param_top_k"), "top_p": ("top_p", "sampling_param_top_p"),
+                   "seed": ("random_seed", "seed", "sampling_param_seed"),
+                   "repetition_penalty": ("repetition_penalty",),
+                   "presence_penalty": ("presence_penalty", "sampling_param_presence_penalty"),
+                   "frequency_penalty": ("frequency_penalty", "sampling_param_frequency_penalty"),
                    "min_length": ("min_length", "min_tokens")}
+# The generate inputs whose name differs on the LLM-API tensorrt_llm model (text in, text out)
+MAX_TOKENS = ("max_tokens", "sampling_param_max_tokens")
+STREAM = ("stream", "streaming")
+EXCLUDE_INPUT = ("exclude_input_in_output", "sampling_param_exclude_input_from_output")
+
+
+def first_input(inputs: "ModelInputs", names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` the model takes (one meaning, named per backend release)."""
+    return next((n for n in names if n in inputs.inputs), None)
+
+
+def is_text_generator(inputs: "ModelInputs") -> bool:
+    """Whether the model takes a prompt as text and a token budget (an ensemble, BLS or LLM-API model)."""
+    return "text_input" in inputs.inputs and first_input(inputs, MAX_TOKENS) is not None
 
 
 def http_base(url: str) -> str:
@@ -125,7 +142,11 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
     ``image`` (encoded bytes) goes to a multimodal ensemble's ``image`` input; JSON bodies carry it
     base64-encoded (:func:`json_body`).
     """
-    payload: dict[str, Any] = {"text_input": prompt, "max_tokens": max_tokens}
+    if not is_text_generator(inputs):
+        missing = next(k for k in ("text_input", "max_tokens") if k not in inputs.inputs)
+        raise UsageError(f"model {inputs.name!r} is not a text-generation model (no input {missing!r}); "
+                         "point --model at the ensemble or the BLS model")
+    payload: dict[str, Any] = {"text_input": prompt, first_input(inputs, MAX_TOKENS): max_tokens}
     if image is not None:
         if "image" not in inputs.inputs:
             raise UsageError(f"model {inputs.name!r} takes no image (no input 'image')",
@@ -135,8 +156,15 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
         payload["bad_words"] = ",".join(bad_words) if bad_words else ""
     if "stop_words" in inputs.inputs:
         payload["stop_words"] = ",".join(stop_words) if stop_words else ""
-    if stream and "stream" in inputs.inputs:
-        payload["stream"] = True
+    elif stop_words and "sampling_param_stop" in inputs.inputs:
+        payload["sampling_param_stop"] = list(stop_words)
+    elif stop_words:
+        raise UsageError(f"model {inputs.name!r} takes no stop words")
+    if bad_words and "bad_words" not in inputs.inputs:
+        raise UsageError(f"model {inputs.name!r} takes no bad words")
+    stream_input = first_input(inputs, STREAM)
+    if stream and stream_input is not None:
+        payload[stream_input] = True
     for flag, value in sampling.items():
         if value is None:
             continue
@@ -145,10 +173,6 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
         if name is None:
             raise UsageError(f"model {inputs.name!r} has no input {names[0]!r} for --{flag.replace('_', '-')}")
         payload[name] = value
-    missing = [k for k in ("text_input", "max_tokens") if k not in inputs.inputs]
-    if missing:
-        raise UsageError(f"model {inputs.name!r} is not a text-generation model (no input {missing[0]!r}); "
-                         "point --model at the ensemble or the BLS model")
     return payload
 
 

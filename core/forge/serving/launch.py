@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import tritonconfig
-from ..errors import UsageError, ValidationError
+from ..errors import ForgeError, ToolMissingError, UsageError, ValidationError
 
 MANIFEST = "forge-manifest.json"
 DEFAULT_SHM_SIZE = "2g"
@@ -34,6 +34,9 @@ class Layout:
     # A tensor-parallel python-target model: ranks > 0 run its follower (forge_decoder.follower) instead of
     # tritonserver; this is its version directory (the follower's PYTHONPATH).
     follower_dir: Path | None = None
+    # LLM-API models of the tensorrtllm target: TensorRT-LLM's LLM API runs them (one tritonserver; the LLM API
+    # starts its own rank workers for tp × pp)
+    llmapi_models: tuple[str, ...] = ()
 
     @property
     def follower_model(self) -> str | None:
@@ -71,9 +74,15 @@ def layout(repo: Path, world_size: int | None = None) -> Layout:
     llm_models = []
     gpus = False
     followers = []
+    llmapi = []
     for name, config in configs.items():
         if any(g.kind == g.KIND_GPU for g in config.instance_group):
             gpus = True
+        if tritonconfig.parameter(config, "forge_layout") == "llmapi" and \
+                tritonconfig.parameter(config, "forge_target") == "tensorrtllm":
+            llmapi.append(name)
+            gpus = True
+            continue
         tp = tritonconfig.parameter(config, "tensor_parallel")
         if config.backend == "python" and tp and tp.isdigit() and int(tp) > 1:
             worlds[name] = int(tp)
@@ -98,7 +107,18 @@ def layout(repo: Path, world_size: int | None = None) -> Layout:
         raise UsageError(f"--world-size {world_size} disagrees with the repository, which was built for "
                          f"{engine_world} rank(s) (tp × pp)", hint=f"use --world-size {engine_world} or rebuild")
     follower_dir = dirs[followers[0]] / "1" if followers else None
-    return Layout(engine_world, tuple(sorted(llm_models)), gpus, follower_dir)
+    return Layout(engine_world, tuple(sorted(llm_models)), gpus, follower_dir, tuple(sorted(llmapi)))
+
+
+def check_llmapi_runtime(world: Layout) -> None:
+    """Refuse, in one line, to serve LLM-API models where TensorRT-LLM is not installed."""
+    import importlib.util
+
+    if world.llmapi_models and importlib.util.find_spec("tensorrt_llm") is None:
+        raise ToolMissingError(
+            f"model {', '.join(world.llmapi_models)} runs on TensorRT-LLM's LLM API, and this Python has no "
+            "tensorrt_llm (it needs NVIDIA GPUs)",
+            hint="serve it in the NGC container (forge serve REPO --docker), or build --target python for this machine")
 
 
 def tritonserver_args(repo: Path, *, rank: int, world: Layout, host: str, http_port: int, grpc_port: int,
@@ -179,7 +199,7 @@ def backend_version(repo: Path) -> str | None:
     for component in data.get("components", []):
         for stage in component.get("stages", []):
             notes = stage.get("notes") or {}
-            for key in ("backend_version", "profile"):
+            for key in ("backend_version", "profile", "backend"):
                 value = notes.get(key)
                 if isinstance(value, str):
                     return value
@@ -205,7 +225,10 @@ def recorded_container(repo: Path) -> tuple[str, str] | None:
     for component in manifest(repo).get("components", []):
         for stage in component.get("stages", []):
             backend = (stage.get("notes") or {}).get("backend")
-            if isinstance(backend, dict) and backend.get("container"):
+            if isinstance(backend, dict) and "container" in backend:
+                if not backend["container"]:
+                    raise ForgeError(f"no NGC tritonserver container ships TensorRT-LLM {backend.get('version')} "
+                                     "yet", hint="name one with --image (a tritonserver image with this TensorRT-LLM)")
                 return backend["container"], backend.get("version", "")
     return None
 
@@ -222,7 +245,19 @@ def container_image(repo: Path, version: str | None = None) -> tuple[str, str]:
     from .. import profiles  # the one table of backend-version knowledge
 
     profile = profiles.resolve(version or backend_version(repo))
+    if profile.container is None:
+        raise ForgeError(f"no NGC tritonserver container ships TensorRT-LLM {profile.version} yet",
+                         hint="name one with --image (a tritonserver image with this TensorRT-LLM), or build "
+                              "--backend-version 1.2.1 for the 26.07 container")
     return profile.container, profile.version
+
+
+def check_image(image: str) -> None:
+    """Refuse an image name that is not one (it goes into a command line)."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*", image):
+        raise UsageError(f"--image {image!r} is not a container image name")
 
 
 def docker_command(repo: Path, world: Layout, image: str, *, host: str = "127.0.0.1", http_port: int = 8000,

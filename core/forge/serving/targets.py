@@ -170,7 +170,9 @@ def _server_models(url: str, protocol: str) -> dict[str, Any]:
 
 
 def _text_capable(inputs) -> bool:
-    return {"text_input", "max_tokens"} <= set(inputs.inputs)
+    from .client import is_text_generator
+
+    return is_text_generator(inputs)
 
 
 def _token_capable(inputs) -> bool:

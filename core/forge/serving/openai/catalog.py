@@ -2,7 +2,8 @@
 
 Read once at start-up from the repository's own ``config.pbtxt`` files (protobuf) and manifest, so it
 works for every target and for hand-written repositories whose models follow the same tensor names: a
-generator is a model taking ``text_input`` and ``max_tokens`` (an ensemble first), an embedder one taking
+generator is a model taking ``text_input`` and a token budget (``max_tokens``, or the LLM-API model's
+``sampling_param_max_tokens``; an ensemble first), an embedder one taking
 ``text_input`` and answering ``embedding``.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
-from ..client import ModelInputs
+from ..client import ModelInputs, is_text_generator
 from ..lora import ServedAdapter, repository_adapters
 
 LLAVA_TURN = "USER: {user} ASSISTANT:"  # LLaVA-1.5's conversation format, for tokenizers without a template
@@ -143,7 +144,7 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
     configs = _configs(repo)
     catalog = Catalog(served_name or repo.name, int(repo.stat().st_mtime))
 
-    generators = [n for n, c in configs.items() if {"text_input", "max_tokens"} <= set(c.inputs.inputs)]
+    generators = [n for n, c in configs.items() if is_text_generator(c.inputs)]
     name = _prefer(generators, configs)
     if name is not None:
         tokenizer, special, params = _tokenizer_of(name, configs)
@@ -154,7 +155,8 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
         catalog.generator = TextModel(inputs, tokenizer, special, params)
         catalog.stopper = next((s.inputs for s in steps if {"stop", "input_ids"} <= set(s.inputs.inputs)), None)
         catalog.max_input_len = _int(params, "max_input_len")
-        limits = [_int(c.parameters, "max_seq_len") for n, c in configs.items() if n in configs[name].inputs.steps]
+        limits = [_int(c.parameters, "max_seq_len") for n, c in configs.items()
+                  if n == name or n in configs[name].inputs.steps]
         catalog.max_seq_len = next((v for v in limits if v), None)
         if params.get("image_token_id"):
             catalog.image_placeholder = params.get("image_placeholder") or "<image>"

@@ -9,6 +9,7 @@ import asyncio
 from contextlib import aclosing
 from typing import AsyncIterator
 
+from ..client import EXCLUDE_INPUT, first_input
 from ..lora import UNKNOWN_TASK, ServedAdapter
 from . import requests as rq
 from .catalog import TextModel
@@ -31,7 +32,7 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
     """The generated text in pieces (one piece when the model is not decoupled), stop strings applied."""
     model = front.generator()
     tensors = rq.tensors(model, generation, stream=stream)
-    echoes = "exclude_input_in_output" not in model.inputs.inputs  # older profiles: the prompt comes back too
+    echoes = first_input(model.inputs, EXCLUDE_INPUT) is None  # older profiles: the prompt comes back too
     stop = rq.StopText(generation.stops)
     texts: list[str] = []
     for attempt in (0, 1):

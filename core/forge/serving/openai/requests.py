@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..client import SAMPLING_INPUTS
+from ..client import EXCLUDE_INPUT, MAX_TOKENS, SAMPLING_INPUTS, STREAM, first_input
 from .catalog import LLAVA_TURN, Catalog, TextModel
 from .protocol import APIError, ChatRequest, Message, _Sampling
 
@@ -260,12 +260,15 @@ def max_tokens(catalog: Catalog, asked: int | None, prompt_tokens: int | None, d
 def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[str, np.ndarray]:
     """The request's tensors, typed by the served model's own config."""
     inputs = model.inputs
-    payload: dict[str, Any] = {"text_input": generation.prompt, "max_tokens": generation.max_tokens}
+    payload: dict[str, Any] = {"text_input": generation.prompt, first_input(inputs, MAX_TOKENS): generation.max_tokens}
     if generation.stops and "stop_words" in inputs.inputs:
         payload["stop_words"] = list(generation.stops)
-    if stream and inputs.decoupled and "stream" in inputs.inputs:
-        payload["stream"] = True
-    for flag in ("exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens"):
+    elif generation.stops and "sampling_param_stop" in inputs.inputs:
+        payload["sampling_param_stop"] = list(generation.stops)
+    stream_input = first_input(inputs, STREAM)
+    if stream and inputs.decoupled and stream_input is not None:
+        payload[stream_input] = True
+    for flag in (first_input(inputs, EXCLUDE_INPUT), "return_num_input_tokens", "return_num_output_tokens"):
         if flag in inputs.inputs:
             payload[flag] = True
     if generation.image is not None:
