@@ -16,9 +16,14 @@ from forge.validate import validate_repository
 import engine_double
 
 
+#: The newest release with the engine layout (preprocessing → tensorrt_llm → postprocessing), which these
+#: helpers build unless told otherwise; the LLM-API layout has tests of its own (test_llmapi.py).
+ENGINE = "v1.2.1"
+
+
 def context(source: Path, out: Path, *, version: str | None = None, target: str = "tensorrtllm",
             options: dict[str, Any] | None = None, prefix: str = "", **spec_fields: Any) -> BuildContext:
-    spec = BuildSpec(families=["gpt"], model=source, out=out, backend_version=version, target=target,
+    spec = BuildSpec(families=["gpt"], model=source, out=out, backend_version=version or ENGINE, target=target,
                      options=dict(options or {}), name_prefix=prefix, **spec_fields)
     logged: list[str] = []
     ctx = BuildContext(spec=spec, target=target, workdir=out.parent, record=StageRecord("emit_config", ""),

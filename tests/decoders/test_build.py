@@ -34,7 +34,7 @@ def plugins():
         yield registry
 
 
-@pytest.mark.parametrize("version", ["v0.9.0", "v0.13.0", None])
+@pytest.mark.parametrize("version", ["v0.9.0", "v0.13.0", "v1.2.1"])
 def test_build_tensorrtllm_target(version, tiny_gpt2, plugins, tmp_path):
     out = tmp_path / "repo"
     argv = ["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--max-input-len", "64",
@@ -59,6 +59,7 @@ def test_build_tensorrtllm_target(version, tiny_gpt2, plugins, tmp_path):
 def test_build_with_bls_decoupled_and_tensor_parallel(tiny_gpt2, plugins, tmp_path):
     out = tmp_path / "repo"
     assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--tp", "2",
+                 "--backend-version", "v1.2.1",
                  "--max-input-len", "64", "--max-seq-len", "128", "--decoupled", "-o", "bls=true",
                  "-o", "kv_cache_free_gpu_mem_fraction=0.5", "--instances", "2"]) == 0
     assert validate_repository(out) == []
@@ -74,6 +75,7 @@ def test_bad_option_fails_the_build_with_a_usage_error(tiny_gpt2, plugins, tmp_p
     """Bad input: an option of another backend version stops the build with exit code 2."""
     out = tmp_path / "repo"
     code = main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out),
+                 "--backend-version", "v1.0.0",
                  "--max-input-len", "64", "--max-seq-len", "128", "-o", "enable_trt_overlap=true"])
     assert code == 2
     assert "enable_trt_overlap is not a parameter of tensorrtllm_backend v1.0.0" in capsys.readouterr().err

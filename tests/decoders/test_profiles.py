@@ -11,7 +11,12 @@ from forge.errors import UsageError
 from forge import profiles
 from forge.profiles import RELEASES, Release, add, build, i, o, resolve
 
-TEMPLATES = json.loads((Path(__file__).parent / "data" / "tensorrtllm_backend_templates.json").read_text())
+DATA = Path(__file__).parent / "data"
+TEMPLATES = json.loads((DATA / "tensorrtllm_backend_templates.json").read_text())
+# TensorRT-LLM's all_models/llmapi/tensorrt_llm/config.pbtxt as read from the repository (provenance inside)
+LLMAPI = json.loads((DATA / "llmapi_releases.json").read_text())
+ENGINE_VERSIONS = [v for v in profiles.known() if not resolve(v).llmapi]
+LLMAPI_VERSIONS = [v for v in profiles.known() if resolve(v).llmapi]
 PLACEHOLDERS = {profiles.LOGITS: "${logits_datatype}", profiles.PROMPT_TABLE: "${prompt_embedding_table_data_type}",
                 profiles.ENCODER_FEATURES: "${encoder_input_features_data_type}"}
 
@@ -33,15 +38,26 @@ def ensemble_inputs(profile) -> dict[str, tuple[str, tuple[int, ...], bool]]:
 
 
 def test_required_versions_exist_and_newest_is_default():
-    assert {"v0.5.0", "v0.13.0", "v1.0.0"} <= set(profiles.known())
-    assert resolve(None).version == profiles.NEWEST == profiles.known()[-1] == "v1.0.0"
-    assert profiles.known() == sorted(profiles.known(), key=lambda v: tuple(int(x) for x in v[1:].split(".")))
+    assert {"v0.5.0", "v0.13.0", "v1.0.0", "v1.1.0", "v1.2.0", "v1.2.1", "v1.3.0rc29"} <= set(profiles.known())
+    assert resolve(None).version == profiles.NEWEST == profiles.known()[-1] == "v1.3.0rc29"
+    assert profiles.known() == sorted(profiles.known(), key=profiles.parse_version)
+
+
+def test_the_engine_releases_end_at_v1_2_1_and_the_llmapi_layout_follows():
+    assert ENGINE_VERSIONS[-1] == "v1.2.1" and LLMAPI_VERSIONS == ["v1.3.0rc29"]
+    newest = resolve(None)
+    assert newest.llmapi and [m for m, _ in newest.models] == ["tensorrt_llm"]
+    assert newest.container is None  # no NGC tritonserver release ships a 1.3 build yet
+    assert not resolve("v1.2.1").llmapi and resolve("v1.2.1").has_model("preprocessing")
 
 
 @pytest.mark.parametrize("version, container", [
     ("v0.5.0", "nvcr.io/nvidia/tritonserver:23.10-trtllm-python-py3"),
     ("v0.13.0", "nvcr.io/nvidia/tritonserver:24.09-trtllm-python-py3"),
     ("v1.0.0", "nvcr.io/nvidia/tritonserver:25.09-trtllm-python-py3"),
+    ("v1.1.0", "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"),
+    ("v1.2.0", "nvcr.io/nvidia/tritonserver:26.03-trtllm-python-py3"),
+    ("v1.2.1", "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"),
 ])
 def test_container_tags(version, container):
     assert resolve(version).container == container
@@ -49,7 +65,8 @@ def test_container_tags(version, container):
 
 @pytest.mark.parametrize("given, version", [
     ("v0.13.0", "v0.13.0"), ("0.13.0", "v0.13.0"), ("24.09", "v0.13.0"), ("25.10", "v1.0.0"),
-    ("latest", "v1.0.0"), ("nvcr.io/nvidia/tritonserver:23.10-trtllm-python-py3", "v0.5.0"),
+    ("25.11", "v1.0.0"), ("26.02", "v1.1.0"), ("26.07", "v1.2.1"), ("1.3.0rc29", "v1.3.0rc29"),
+    ("latest", "v1.3.0rc29"), ("nvcr.io/nvidia/tritonserver:23.10-trtllm-python-py3", "v0.5.0"),
 ])
 def test_versions_resolve_by_version_or_container_release(given, version):
     assert resolve(given).version == version
@@ -137,7 +154,7 @@ def test_table_is_consistent():
 def test_adding_a_version_is_one_table_row():
     row = Release("v9.0.0", "99.01", (add("tensorrt_llm", i("future_flag", "BOOL", 1, opt=True, scalar=True, feed=True),
                                            o("future_output", "INT32", 1, out=True)),))
-    table = build(RELEASES + (row,))
+    table = build(profiles.ENGINE_RELEASES + (row,))
     future = table["v9.0.0"]
     assert future.container == "nvcr.io/nvidia/tritonserver:99.01-trtllm-python-py3"
     assert tensor(future, "tensorrt_llm", "future_flag").feed == "future_flag"
@@ -165,7 +182,13 @@ def _real(entries) -> dict:
 
 
 def _expected(version: str) -> dict:
-    """The real templates of ``version``; v1.0.0 is main-2505 plus what TensorRT-LLM's copy added."""
+    """The real templates of ``version``; v1.0.0 is main-2505 plus what TensorRT-LLM's copy added; v1.1.0 kept
+    them, v1.2.0 and v1.2.1 made enable_trt_overlap a tensorrt_llm parameter again (engine_templates_after_v1.json)."""
+    if version in ("v1.1.0", "v1.2.0", "v1.2.1"):
+        base = _expected("v1.0.0")
+        if version != "v1.1.0":
+            base["tensorrt_llm"]["parameters"] = sorted(base["tensorrt_llm"]["parameters"] + ["enable_trt_overlap"])
+        return base
     if version != "v1.0.0":
         return TEMPLATES["versions"][version]
     base = json.loads(json.dumps(TEMPLATES["versions"]["main-2505"]))
@@ -196,7 +219,7 @@ def _expected(version: str) -> dict:
     return base
 
 
-@pytest.mark.parametrize("version", profiles.known())
+@pytest.mark.parametrize("version", ENGINE_VERSIONS)
 def test_models_match_the_real_templates(version):
     profile, real = resolve(version), _expected(version)
     for model in profiles.MODELS:
@@ -210,7 +233,7 @@ def test_models_match_the_real_templates(version):
         assert (model in profile.dynamic_batching) == real[model]["dynamic_batching"], (version, model)
 
 
-@pytest.mark.parametrize("version", profiles.known())
+@pytest.mark.parametrize("version", ENGINE_VERSIONS)
 def test_ensemble_routes_match_the_real_templates(version):
     profile, real = resolve(version), _expected(version)["ensemble"]
     mine_inputs = {feed: [feed, PLACEHOLDERS.get(d, d), list(dims)] + (["o"] if opt else [])
@@ -232,3 +255,16 @@ def test_ensemble_routes_match_the_real_templates(version):
     mine_edges = {("feed", *f) for f in routes.feeds} | {("link", *x) for x in routes.links} | \
         {("result", *r) for r in routes.results}
     assert mine_edges == real_edges
+
+
+@pytest.mark.parametrize("version", LLMAPI_VERSIONS)
+def test_llmapi_model_matches_the_real_template_tensor_by_tensor(version):
+    """The LLM-API tensorrt_llm model: every input and output of TensorRT-LLM's llmapi config.pbtxt, by name,
+    type, dims and optional, in the same order; nothing else."""
+    real = LLMAPI["llmapi_config_newest_stored"]
+    spec = resolve(version).interface("tensorrt_llm")
+    mine_in = [(t.name, "TYPE_" + t.dtype, list(t.dims), t.optional) for t in spec.inputs]
+    mine_out = [(t.name, "TYPE_" + t.dtype, list(t.dims)) for t in spec.outputs]
+    assert mine_in == [(e["name"], e["data_type"], e["dims"], e["optional"]) for e in real["inputs"]]
+    assert mine_out == [(e["name"], e["data_type"], e["dims"]) for e in real["outputs"]]
+    assert not any(t.feed or t.src or t.out for t in spec.inputs + spec.outputs)  # no ensemble to route

@@ -72,7 +72,7 @@ V1_0_0_OUTPUTS = [
     ("total_accepted_draft_tokens", "INT32", (1,)), ("total_draft_tokens", "INT32", (1,)),
     ("num_input_tokens", "INT32", (1,)), ("num_output_tokens", "INT32", (1,))]
 GOLDEN = {"v0.5.0": (V0_5_0_INPUTS, V0_5_0_OUTPUTS), "v0.13.0": (V0_13_0_INPUTS, V0_13_0_OUTPUTS),
-          None: (V1_0_0_INPUTS, V1_0_0_OUTPUTS)}
+          "v1.0.0": (V1_0_0_INPUTS, V1_0_0_OUTPUTS), None: (V1_0_0_INPUTS, V1_0_0_OUTPUTS)}
 
 
 def interface(config):
@@ -81,8 +81,9 @@ def interface(config):
     return inputs, outputs
 
 
-@pytest.mark.parametrize("version", ["v0.5.0", "v0.13.0", None])
+@pytest.mark.parametrize("version", ["v0.5.0", "v0.13.0", "v1.0.0", None])
 def test_repository_validates_and_ensemble_matches_the_backend(version, hf_dir, tmp_path):
+    """None: the newest engine release (helpers.ENGINE), whose tensors are v1.0.0's."""
     out = tmp_path / "repo"
     models, edges, ctx, _ = helpers.emit(hf_dir, out, tmp_path, version=version)
     assert helpers.write(models, edges, out) == []
@@ -94,7 +95,7 @@ def test_repository_validates_and_ensemble_matches_the_backend(version, hf_dir, 
     assert llm.backend == "tensorrtllm" and llm.max_batch_size == 8
     assert tc.parameter(llm, "gpt_model_path") == str((out / "tensorrt_llm" / "1").resolve())
     assert sorted(p.name for p in (out / "tensorrt_llm" / "1").iterdir()) == ["config.json", "rank0.engine"]
-    profile = profiles.resolve(version)
+    profile = profiles.resolve(version or helpers.ENGINE)
     expected_llm = sorted((t.name, t.output) for t in profile.interface("tensorrt_llm").inputs
                           + profile.interface("tensorrt_llm").outputs)
     assert sorted([(t.name, False) for t in llm.input] + [(t.name, True) for t in llm.output]) == expected_llm
@@ -250,7 +251,7 @@ def test_tensor_parallel_engine(hf_dir, tmp_path):
     ({"kv_cache_free_gpu_mem_fraction": "lots"}, "takes a number"),
     ({"max_tokens_in_paged_kv_cache": "many"}, "takes an integer"),
     ({"enable_chunked_context": "maybe"}, "true or false"),
-    ({"enable_trt_overlap": True}, "not a parameter of tensorrtllm_backend v1.0.0 (it exists in v0.5.0–v0.9.0)"),
+    ({"enable_trt_overlap": True}, "not a parameter of tensorrtllm_backend v1.0.0 (it exists in v0.5.0–v1.2.1)"),
     ({"FORCE_CPU_ONLY_INPUT_TENSORS": "yes"}, "set by forge"),
     ({"tensorrt_llm_model_name": "other"}, "set by forge"),
     ({"instances": 0}, "at least 1"),
@@ -261,7 +262,8 @@ def test_tensor_parallel_engine(hf_dir, tmp_path):
 def test_bad_options_are_usage_errors(options, message, hf_dir, tmp_path):
     """Bad input: every -o value the Triton side cannot use fails before anything is written."""
     with pytest.raises(UsageError) as err:
-        helpers.emit(hf_dir, tmp_path / "repo", tmp_path, options=options)
+        helpers.emit(hf_dir, tmp_path / "repo", tmp_path, options=options,
+                     version="v1.0.0" if "enable_trt_overlap" in options else None)
     assert message in str(err.value) and "\n" not in err.value.one_line()
 
 

@@ -14,7 +14,8 @@ HELP = "send a prompt to a served model (HTTP generate endpoint; gRPC streaming 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=20, help="tokens to generate (default 20)")
-    p.add_argument("--model", default="ensemble", help="model to ask (default: ensemble)")
+    p.add_argument("--model", default=None, help="model to ask (default: the ensemble, else the one model that "
+                   "takes text, such as an LLM-API repository's tensorrt_llm)")
     p.add_argument("--url", default="localhost:8000", help="HTTP endpoint host:port (default localhost:8000)")
     p.add_argument("--grpc-url", default=None,
                    help="gRPC endpoint for --stream / --stop-after-ms (default: --url's host, port 8001)")
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.repo is not None:
         raise UsageError("--repo only names the adapters of --lora; give --lora NAME too")
 
+    if args.model is None:
+        args.model = client.text_model(args.url)
     if not args.stream and args.stop_after_ms is None and adapter is None:
         inputs = client.ModelInputs.from_config(client.model_config(args.url, args.model))
         payload = client.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,

@@ -19,7 +19,7 @@ from forge.errors import UsageError
 
 from .. import profiles
 from .interface import BLS, profile_of, truthy
-from ..profiles import Parameter, Profile
+from ..profiles import YAML, Parameter, Profile
 
 TRTLLM = ("tensorrtllm",)
 PYTHON = ("python",)
@@ -120,7 +120,8 @@ def _from_parameters(versions: list[tuple[str, profiles.Parameter]]) -> Option:
     newest = versions[-1][1]
     choices = tuple(dict.fromkeys(c for _, p in versions for c in p.choices))
     kind = "choice" if choices else _KINDS.get(newest.kind, "str")
-    targets = TRTLLM if newest.model == "tensorrt_llm" and newest.name not in _PYTHON_READS else ALL
+    # tensorrt_llm parameters and model.yaml keys: the tensorrtllm target's (unless the python target reads them too)
+    targets = TRTLLM if newest.model in ("tensorrt_llm", YAML) and newest.name not in _PYTHON_READS else ALL
     text = newest.help or f"{newest.model} parameter {newest.key}"
     names = [v for v, _ in versions]
     if len(names) < len(profiles.PROFILES):
@@ -166,7 +167,7 @@ def check_options(spec) -> Profile:
         elif name in fixed:
             raise UsageError(f"-o {name} is set by forge for backend {profile.version} and cannot be changed")
         elif name in elsewhere:
-            raise UsageError(f"-o {name} is not a parameter of tensorrtllm_backend {profile.version} "
+            raise UsageError(f"-o {name} is not a parameter of {_backend(profile)} {profile.version} "
                              f"(it exists in {elsewhere[name]})",
                              hint="drop it, or choose a --backend-version that has it")
     _check_beam_width(spec)
@@ -175,6 +176,11 @@ def check_options(spec) -> Profile:
         raise UsageError(f"-o bls=true needs tensorrtllm_backend {first} or newer; "
                          f"--backend-version {profile.version} has no tensorrt_llm_bls model")
     return profile
+
+
+def _backend(profile: Profile) -> str:
+    """How messages name the release: the LLM-API releases are TensorRT-LLM's own."""
+    return "TensorRT-LLM" if profile.llmapi else "tensorrtllm_backend"
 
 
 def has_trtllm_build(version: str) -> bool:
@@ -200,7 +206,7 @@ def _options_of_other_versions(profile: Profile) -> dict[str, str]:
 
 def _check_parameter(p: Parameter, value: Any, profile: Profile) -> None:
     if p.choices and str(value) not in p.choices:
-        raise UsageError(f"-o {p.name}={value} is not valid for tensorrtllm_backend {profile.version}; "
+        raise UsageError(f"-o {p.name}={value} is not valid for {_backend(profile)} {profile.version}; "
                          f"choose one of {', '.join(p.choices)}")
     if p.name == "kv_cache_free_gpu_mem_fraction" and not 0 < float(value) <= 1:
         raise UsageError(f"-o kv_cache_free_gpu_mem_fraction must be in (0, 1], got {value}")

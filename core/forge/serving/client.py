@@ -126,6 +126,25 @@ def model_config(http_url: str, model: str, timeout: float = 10.0) -> dict[str, 
                          hint="start one with 'forge serve REPO' or pass --url") from None
 
 
+def text_model(http_url: str, timeout: float = 10.0) -> str:
+    """The model a text request goes to when none is named: ``ensemble``, else the one text generator served."""
+    url = f"{http_base(http_url)}/v2/repository/index"
+    try:
+        request = urllib.request.Request(url, data=b"{}", method="POST")
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            names = sorted({m["name"] for m in json.loads(response.read()) if m.get("state", "READY") == "READY"})
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise ForgeError(f"cannot reach a Triton server at {http_url}: {getattr(exc, 'reason', exc)}",
+                         hint="start one with 'forge serve REPO' or pass --url") from None
+    if "ensemble" in names:
+        return "ensemble"
+    texts = [n for n in names if is_text_generator(ModelInputs.from_config(model_config(http_url, n, timeout)))]
+    if len(texts) == 1:
+        return texts[0]
+    raise UsageError(f"{http_url} serves {'no text model' if not texts else 'several text models: ' + ', '.join(texts)}",
+                     hint="name one with --model")
+
+
 def _error_text(exc: urllib.error.HTTPError) -> str:
     body = exc.read().decode(errors="replace")
     try:
