@@ -130,6 +130,8 @@ def _limits(args: argparse.Namespace) -> Limits:
     names = ("max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens")
     given = tuple(n for n in names if getattr(args, n) is not None)
     values = {n: getattr(args, n) for n in given}
+    if "max_seq_len" in values and "max_input_len" not in values and values["max_seq_len"] <= Limits.max_input_len:
+        values["max_input_len"] = max(1, values["max_seq_len"] // 2)  # the defaults' share: half for the prompt
     return Limits(**values, max_beam_width=args.max_beam_width, given=given)
 
 
