@@ -8,6 +8,8 @@ import pytest
 
 from forge.cli import main
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 
 @pytest.mark.parametrize("args, message", [
     (["-o", "enable_kv_cach_reuse=true"], "did you mean enable_kv_cache_reuse"),
@@ -51,7 +53,7 @@ def test_undeclared_or_ignored_options_are_refused(tiny_gpt2, tmp_path, capsys, 
     """Bad inputs tried: misspelled keys, a Triton config field, engine parameters on the python target,
     --tp on the python target, a bad choice, a word for an integer, a key of another backend version."""
     out = tmp_path / "repo"
-    code = main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--dry-run", *args])
+    code = main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--dry-run", *args])
     assert code == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -74,7 +76,7 @@ def test_encoders_refuse_tensor_parallelism(tmp_path, capsys):
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
-    code = main(["build", "--family", "minilm", "--model", str(model), "--out", str(tmp_path / "o"), "--tp", "2"])
+    code = main(["build", "--backend-version", ENGINE, "--family", "minilm", "--model", str(model), "--out", str(tmp_path / "o"), "--tp", "2"])
     assert code == 2
     assert "family 'minilm' cannot split across ranks" in capsys.readouterr().err
 
@@ -82,7 +84,7 @@ def test_encoders_refuse_tensor_parallelism(tmp_path, capsys):
 def test_scheduler_policy_values_follow_the_release(tiny_gpt2, tmp_path, capsys):
     """v0.5.0 (seed 000) called the no-evict policy guaranteed_completion; v0.6.1 renamed it."""
     def build(version, policy):
-        return main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(tmp_path / version),
+        return main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(tmp_path / version),
                      "--dry-run", "--backend-version", version, "-o", f"batch_scheduler_policy={policy}"])
 
     assert build("v0.5.0", "guaranteed_completion") == 0
@@ -99,7 +101,7 @@ def test_hf_pipeline_target_writes_the_seed_model_as_the_ensemble(tiny_gpt2, tmp
     from forge import tritonconfig
 
     out = tmp_path / "repo"
-    assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "hf-pipeline", "--out", str(out)]) == 0
+    assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--target", "hf-pipeline", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["ensemble"]
     config = tritonconfig.read(out / "ensemble")
     assert config.backend == "python" and config.max_batch_size == 0 and not config.HasField("dynamic_batching")
@@ -114,7 +116,7 @@ def test_cuda_graphs_choice_reaches_the_served_model_as_written(tiny_gpt2, tmp_p
 
     for value in ("true", "false", "auto"):
         out = tmp_path / value
-        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+        assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      "-o", f"cuda_graphs={value}"]) == 0
         config = tritonconfig.read(out / "tensorrt_llm")
         assert config.parameters["cuda_graphs"].string_value == value
@@ -129,12 +131,12 @@ def test_sender_threads_reach_the_served_model_and_zero_is_refused(tiny_gpt2, tm
 
     for args, expected in (([], "4"), (["-o", "sender_threads=2"], "2")):
         out = tmp_path / f"senders{expected}"
-        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+        assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      *args]) == 0
         assert tritonconfig.read(out / "tensorrt_llm").parameters["sender_threads"].string_value == expected
     for bad in ("0", "many"):
         out = tmp_path / f"bad-{bad}"
-        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+        assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      "-o", f"sender_threads={bad}"]) != 0
         assert "sender_threads" in capsys.readouterr().err and not out.exists()
 
@@ -148,7 +150,7 @@ def test_engine_process_reaches_the_served_model(tiny_gpt2, tmp_path):
                            (["-o", "engine_process=true"], "true"), (["--tp", "2"], "auto"),
                            (["--tp", "2", "-o", "engine_process=true"], "true")):
         out = tmp_path / f"hosted-{expected}-{len(args)}"
-        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+        assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      *args]) == 0
         assert tritonconfig.read(out / "tensorrt_llm").parameters["engine_process"].string_value == expected
 
@@ -162,12 +164,12 @@ def test_overlap_steps_reach_the_served_model_and_what_cannot_overlap_is_refused
     for args, expected in (([], "auto"), (["-o", "overlap_steps=false"], "false"),
                            (["-o", "overlap_steps=true", "--tp", "2"], "true")):
         out = tmp_path / f"overlap-{expected}"
-        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+        assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      *args]) == 0
         assert tritonconfig.read(out / "tensorrt_llm").parameters["overlap_steps"].string_value == expected
     for bad in (["-o", "overlap_steps=true", "-o", "paged_kv_cache=true"],
                 ["-o", "overlap_steps=true", "-o", "cuda_graphs=false"], ["-o", "overlap_steps=sometimes"]):
         out = tmp_path / "bad"
-        assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
+        assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--target", "python", "--out", str(out),
                      *bad]) != 0
         assert "overlap_steps" in capsys.readouterr().err and not out.exists()

@@ -15,6 +15,8 @@ import engine_double
 import helpers
 from forge import profiles
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 pytestmark = pytest.mark.heavy
 
 PROMPT = "The capital of France is"
@@ -195,7 +197,7 @@ def test_python_target_repository_generates_and_streams(tiny_gpt2, tmp_path):
     from forge.serving.server import TritonServer
 
     out = tmp_path / "repo"
-    assert main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--target", "python",
+    assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--target", "python",
                  "--dtype", "float32", "--max-input-len", "64", "--max-seq-len", "128", "--decoupled",
                  "-o", "bls=true"]) == 0
 

@@ -17,6 +17,8 @@ from forge.cli import main
 from forge.llm import quantize
 from forge.llm.tensorio import SafetensorsFile
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj")
 
 
@@ -31,7 +33,7 @@ def two_threads():
 
 
 def export(model: Path, out: Path, *args) -> int:
-    return main(["export", "--family", "gpt", "--model", str(model), "--out", str(out), "-o", "calib_size=4",
+    return main(["export", "--backend-version", ENGINE, "--family", "gpt", "--model", str(model), "--out", str(out), "-o", "calib_size=4",
                  *map(str, args)])
 
 

@@ -44,6 +44,8 @@ QUANT.update({"int4_awq-pp2": ("quant", ("--quant", "int4_awq", "--pp", "2")),
               "fp8,int8_kv-tp2-pp2": ("quant", ("--quant", "fp8,int8_kv", "--tp", "2", "--pp", "2"))})
 CASES = {**PLAIN, **QUANT}
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 
 @pytest.fixture(scope="module")
 def checker(tmp_path_factory) -> loadercheck.Checker:
@@ -65,7 +67,7 @@ def verdicts(checker, tmp_path_factory, quant_gpt2) -> dict[str, tuple[bool, str
         mp.delenv(loadercheck.ENV, raising=False)
         for name, (model, args) in CASES.items():
             out = dirs[name] = root / name
-            code = main(["export", "--family", "gpt", "--model", str(models[model]), "--out", str(out),
+            code = main(["export", "--backend-version", ENGINE, "--family", "gpt", "--model", str(models[model]), "--out", str(out),
                          "-o", "calib_size=4", *args])
             assert code == 0, name
     torch.set_num_threads(threads)
@@ -87,7 +89,7 @@ def test_uneven_split_for_v1_is_what_0_16_cannot_load(checker, tmp_path):
     """
     out = tmp_path / "ckpt"
     model = make_gpt2(tmp_path / "m", n_layer=3)
-    assert main(["export", "--family", "gpt", "--model", str(model), "--out", str(out), "--pp", "2",
+    assert main(["export", "--backend-version", ENGINE, "--family", "gpt", "--model", str(model), "--out", str(out), "--pp", "2",
                  "--backend-version", "v1.0.0"]) == 0
     ok, line = checker.check_checkpoints([out])[out]
     assert not ok and "transformer.layers.1" in line, line
@@ -98,7 +100,7 @@ def test_padded_widths_would_not_load(checker, tmp_path, monkeypatch):
     monkeypatch.setattr(quantlayout, "check_widths", lambda *a, **k: None)
     out = tmp_path / "ckpt"
     model = make_gpt2(tmp_path / "m")
-    assert main(["export", "--family", "gpt", "--model", str(model), "--out", str(out), "--quant", "w8a16",
+    assert main(["export", "--backend-version", ENGINE, "--family", "gpt", "--model", str(model), "--out", str(out), "--quant", "w8a16",
                  "--tp", "2"]) == 0
     ok, line = checker.check_checkpoints([out])[out]
     assert not ok and "attention.qkv" in line, line
@@ -113,7 +115,7 @@ def test_build_records_what_was_checked(checker, quant_gpt2, tmp_path, monkeypat
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv(loadercheck.ENV, str(CHECK))
     out = tmp_path / "repo"
-    assert main(["build", "--family", "gpt", "--model", str(quant_gpt2), "--out", str(out), "--quant", "fp8",
+    assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(quant_gpt2), "--out", str(out), "--quant", "fp8",
                  "-o", "calib_size=4", "--backend-version", "v0.16.0"]) == 0
     assert "--max-seq-len 2048 → 64 and --max-input-len 1024 → 32" in capsys.readouterr().err
     stages = {s["stage"]: s["notes"] for s in json.loads((out / "forge-manifest.json").read_text())
@@ -127,7 +129,7 @@ def test_build_records_what_was_checked(checker, quant_gpt2, tmp_path, monkeypat
     assert stages["compile"]["limits"]["used"] == {"max_input_len": 32, "max_seq_len": 64}
     monkeypatch.delenv(loadercheck.ENV)
     plain = tmp_path / "plain"
-    assert main(["build", "--family", "gpt", "--model", str(quant_gpt2), "--out", str(plain)]) == 0
+    assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(quant_gpt2), "--out", str(plain)]) == 0
     stages = {s["stage"]: s["notes"] for s in json.loads((plain / "forge-manifest.json").read_text())
               ["components"][0]["stages"]}
     assert stages["export"]["trtllm_check"]["checkpoint"]["result"].startswith("not checked")

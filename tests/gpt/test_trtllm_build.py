@@ -18,10 +18,13 @@ from forge.errors import ForgeError, UsageError
 from forge.llm import checkpoint, engine
 from forge.spec import BuildSpec, Limits
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 FAKE_TRTLLM_BUILD = """#!{python}
 # Stands in for trtllm-build: records its argv and writes what the real tool writes.
 import json, sys
 from pathlib import Path
+
 args = sys.argv[1:]
 opt = lambda name: args[args.index(name) + 1]
 ckpt, out = Path(opt("--checkpoint_dir")), Path(opt("--output_dir"))
@@ -184,7 +187,7 @@ def test_missing_trtllm_build_through_the_cli(tiny_gpt2, tmp_path, monkeypatch, 
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     out = tmp_path / "repo"
-    code = main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--tp", "2",
+    code = main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--tp", "2",
                  "--target", "tensorrtllm", "--backend-version", "v0.9.0"])
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 3, line
@@ -197,7 +200,7 @@ def test_missing_trtllm_build_through_the_cli(tiny_gpt2, tmp_path, monkeypatch, 
 def test_dry_run_build_prints_the_plan(tiny_gpt2, tmp_path, capsys):
     """forge build --dry-run prints each stage and the trtllm-build command; nothing is written."""
     out = tmp_path / "repo"
-    code = main(["build", "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--tp", "2",
+    code = main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--tp", "2",
                  "--quant", "fp8", "--dry-run"])
     printed = capsys.readouterr().out
     assert code == 0

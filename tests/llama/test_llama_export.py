@@ -18,11 +18,13 @@ from llama_models import hf_logits, make_llama
 from forge.cli import main
 from forge.llm.reference import ReferenceModel, load_rank, max_abs_diff
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 IDS = [3, 17, 42, 99, 5, 8, 64, 100, 0, 31, 77, 12]
 
 
 def export(model: Path, out: Path, *args) -> int:
-    return main(["export", "--family", "llama", "--model", str(model), "--out", str(out), *map(str, args)])
+    return main(["export", "--backend-version", ENGINE, "--family", "llama", "--model", str(model), "--out", str(out), *map(str, args)])
 
 
 def close(got, expected, rel=1e-4) -> bool:
@@ -140,7 +142,7 @@ def test_refuses_intermediate_size_not_divisible(tmp_path, capsys):
 def test_refuses_mistral_under_gpt_family(tiny_llama, tmp_path, capsys):
     """Bad input: a Llama checkpoint given to --family gpt names the family's supported architectures."""
     out = tmp_path / "out"
-    code = main(["export", "--family", "gpt", "--model", str(tiny_llama), "--out", str(out)])
+    code = main(["export", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_llama), "--out", str(out)])
     refused(capsys, out, code, "'LlamaForCausalLM' is not supported by family 'gpt'", "GPT2LMHeadModel")
 
 
@@ -546,7 +548,7 @@ def test_an_export_loads_neither_openssl_nor_concurrent_futures(tiny_llama, tmp_
     code = ("import atexit, sys\nfrom forge.cli import run\n"  # as the console script runs
             "atexit.register(lambda: print(sorted(m for m in ('_hashlib', 'concurrent.futures', 'logging')"
             " if m in sys.modules)))\n"
-            f"sys.argv = ['forge', 'export', '--family', 'llama', '--model', {str(tiny_llama)!r}, '--out', "
+            f"sys.argv = ['forge', 'export', '--backend-version', '{ENGINE}', '--family', 'llama', '--model', {str(tiny_llama)!r}, '--out', "
             f"{str(tmp_path / 'o')!r}, '--tp', '2']\nrun()\n")
     env = {**os.environ, "FORGE_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

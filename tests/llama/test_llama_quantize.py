@@ -20,6 +20,8 @@ from forge.llm.quantlayout import MODELOPT_KEYS
 from forge.llm.reference import ReferenceModel, dequantize_awq, load_rank, max_abs_diff
 from forge.spec import BuildSpec
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 ADAPTER = forge_llama.ADAPTER
 IDS = [5, 9, 22, 40, 41, 77, 3, 60]
 SMOLLM2 = {"family": "llama", "tp": 1, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "head_size": 64,
@@ -53,7 +55,7 @@ def run_stages(model: Path, tmp_path: Path, quant, **kw):
 
 
 def build(model: Path, out: Path, *args) -> int:
-    return main(["build", "--family", "llama", "--model", str(model), "--out", str(out), *map(str, args)])
+    return main(["build", "--backend-version", ENGINE, "--family", "llama", "--model", str(model), "--out", str(out), *map(str, args)])
 
 
 def refused(capsys, out: Path, code: int, *fragments: str) -> None:

@@ -21,6 +21,8 @@ from forge.cli import main
 from forge.llm import loadercheck
 from forge.testing import use_plugins
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 CHECK = Path(__file__).resolve().parents[2].parent / "shared" / "trtllm-check"
 pytestmark = pytest.mark.skipif(not (CHECK / "check_ckpt.py").is_file(),
                                 reason=f"TensorRT-LLM checker absent ({CHECK}); CI runs these")
@@ -110,7 +112,7 @@ def verdicts(checker, tmp_path_factory, wide_llama, calib_llama) -> dict[str, tu
             if model not in models:
                 models[model] = model_for(root / "models", model, wide_llama, calib_llama)
             out = dirs[name] = root / name
-            code = main(["export", "--family", "llama", "--model", str(models[model]), "--out", str(out),
+            code = main(["export", "--backend-version", ENGINE, "--family", "llama", "--model", str(models[model]), "--out", str(out),
                          "-o", "calib_size=4", *args])
             assert code == 0, name
     torch.set_num_threads(threads)
@@ -129,7 +131,7 @@ def test_uneven_split_that_the_loader_would_truncate_is_refused(tmp_path, capsys
     """Regression (issue 14): 3 layers at --pp 2 for 0.16 — forge refuses instead of writing [0,1] | [2]."""
     model = make_llama(tmp_path / "m", layers=3)
     out = tmp_path / "ckpt"
-    assert main(["export", "--family", "llama", "--model", str(model), "--out", str(out), "--pp", "2",
+    assert main(["export", "--backend-version", ENGINE, "--family", "llama", "--model", str(model), "--out", str(out), "--pp", "2",
                  "--backend-version", "v0.16.0"]) == 2
     assert "cannot be split evenly over --pp 2" in capsys.readouterr().err
     assert not out.exists()
@@ -155,7 +157,7 @@ def test_smollm2_exports_pass_the_strict_loader(checker, tmp_path):
     dirs = {}
     for name, args in cases.items():
         dirs[name] = tmp_path / name
-        assert main(["export", "--family", "llama", "--model", str(model), "--out", str(dirs[name]),
+        assert main(["export", "--backend-version", ENGINE, "--family", "llama", "--model", str(model), "--out", str(dirs[name]),
                      "-o", "calib_size=8", *args]) == 0, name
     found = checker.check_checkpoints(list(dirs.values()))
     for name, out in dirs.items():

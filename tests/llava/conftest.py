@@ -11,6 +11,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_llava import make_llava  # noqa: E402
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 MAX_BATCH = 4
 BUILD = ["--target", "python", "--dtype", "float32", "--max-input-len", "64", "--max-seq-len", "128",
          "--max-batch-size", str(MAX_BATCH), "-o", "add_special_tokens=true",
@@ -47,7 +49,7 @@ def forge(*argv: str) -> int:
 @pytest.fixture(scope="session")
 def llava_repo(tiny_llava, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("repos") / "llava"
-    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(out), *BUILD) == 0
+    assert forge("build", "--backend-version", ENGINE, "--family", "llava", "--model", str(tiny_llava), "--out", str(out), *BUILD) == 0
     return out
 
 
@@ -57,9 +59,9 @@ def served_repo(llava_repo, tiny_llava, tmp_path_factory) -> Path:
     v0.13.0 (``v13_``: FP16 prompt table) in one repository."""
     root = tmp_path_factory.mktemp("repos")
     streaming, v13 = root / "llava-stream", root / "llava-v13"
-    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(streaming), *BUILD,
+    assert forge("build", "--backend-version", ENGINE, "--family", "llava", "--model", str(tiny_llava), "--out", str(streaming), *BUILD,
                  "--decoupled", "--name-prefix", "s_") == 0
-    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(v13), *BUILD,
+    assert forge("build", "--backend-version", ENGINE, "--family", "llava", "--model", str(tiny_llava), "--out", str(v13), *BUILD,
                  "--backend-version", "v0.13.0", "--name-prefix", "v13_") == 0
     from forge.testing import merge_repositories
 

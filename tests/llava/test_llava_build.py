@@ -11,6 +11,8 @@ import pytest
 
 from tiny_llava import IMAGE_SIZE, png, visual_tokens
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 HOOKS = {"forge_register_families", "forge_export", "forge_quantize", "forge_compile", "forge_emit_config",
          "forge_ensemble_edges"}
 TRTLLM_BUILD = """#!/bin/sh
@@ -74,7 +76,7 @@ def test_new_key_layout_full_strategy_matches_get_image_features(tiny_llava_new_
     from forge.tritonconfig import read
 
     out = tmp_path / "repo"
-    assert forge("build", "--family", "llava", "--model", str(tiny_llava_new_keys), "--out", str(out),
+    assert forge("build", "--backend-version", ENGINE, "--family", "llava", "--model", str(tiny_llava_new_keys), "--out", str(out),
                  "--target", "python", "--dtype", "float32", "--max-input-len", "64", "--max-seq-len", "128") == 0
     config = read(out / "multimodal_encoders")
     assert config.parameters["visual_tokens"].string_value == "17"
@@ -109,7 +111,7 @@ def test_tensorrtllm_repository_validates_with_prompt_table_wiring(tiny_llava, t
     from forge.tritonconfig import read
 
     out = tmp_path / "repo"
-    argv = ["build", "--family", "llava", "--model", str(tiny_llava), "--out", str(out), "--target", "tensorrtllm",
+    argv = ["build", "--backend-version", ENGINE, "--family", "llava", "--model", str(tiny_llava), "--out", str(out), "--target", "tensorrtllm",
             "--max-batch-size", "4", "--max-input-len", "64", "--max-seq-len", "128"]
     assert forge(*argv, *(["--backend-version", version] if version else [])) == 0
     assert forge("validate", str(out)) == 0
@@ -169,7 +171,7 @@ def _edited(model: Path, tmp_path: Path, **changes) -> Path:
 ])
 def test_refused_checkpoints_fail_in_one_line(tiny_llava, tmp_path, capsys, changes, message):
     model = _edited(tiny_llava, tmp_path, **changes)
-    code = forge("build", "--family", "llava", "--model", str(model), "--out", str(tmp_path / "repo"),
+    code = forge("build", "--backend-version", ENGINE, "--family", "llava", "--model", str(model), "--out", str(tmp_path / "repo"),
                  "--target", "python", "--dtype", "float32", "--max-input-len", "64", "--max-seq-len", "128")
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "Traceback" not in err
@@ -183,7 +185,7 @@ def test_refused_checkpoints_fail_in_one_line(tiny_llava, tmp_path, capsys, chan
     (["-o", "vision_threads=-1"], "vision_threads"),
 ])
 def test_refused_options_fail_in_one_line(tiny_llava, tmp_path, capsys, extra, message):
-    argv = ["build", "--family", "llava", "--model", str(tiny_llava), "--out", str(tmp_path / "repo"),
+    argv = ["build", "--backend-version", ENGINE, "--family", "llava", "--model", str(tiny_llava), "--out", str(tmp_path / "repo"),
             "--target", "python", "--dtype", "float32"]
     if "--max-input-len" not in extra:
         argv += ["--max-input-len", "64", "--max-seq-len", "128"]

@@ -9,6 +9,8 @@ import pytest
 
 from lora_models import make_adapter, make_gpt2
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 
 def _edit_config(src, dst, **changes):
     shutil.copytree(src, dst)
@@ -58,7 +60,7 @@ def test_bad_adapter_is_refused_in_one_line(models, bad, case, tmp_path, capsys)
     from forge.cli import main
 
     adapter, message = bad[case]
-    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dtype", "float32",
+    argv = ["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dtype", "float32",
             "--out", str(tmp_path / "repo"), "--lora", f"ok={models['gpt_A']}", "--lora", f"bad={adapter}"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -74,7 +76,7 @@ def test_bad_adapter_is_refused_in_one_line(models, bad, case, tmp_path, capsys)
 def test_bad_lora_flag_values(models, tmp_path, capsys, value, message):
     from forge.cli import main
 
-    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run",
+    argv = ["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run",
             "--out", str(tmp_path / "repo"), "--lora", value]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -83,7 +85,7 @@ def test_bad_lora_flag_values(models, tmp_path, capsys, value, message):
 def test_lora_is_refused_where_no_model_reads_it(models, tmp_path, capsys):
     from forge.cli import main
 
-    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "hf-pipeline", "--dtype", "float32",
+    argv = ["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(models["gpt"]), "--target", "hf-pipeline", "--dtype", "float32",
             "--dry-run", "--out", str(tmp_path / "repo"), "--lora", f"A={models['gpt_A']}"]
     assert main(argv) == 2
     assert "--lora" in capsys.readouterr().err
@@ -92,7 +94,7 @@ def test_lora_is_refused_where_no_model_reads_it(models, tmp_path, capsys):
 def test_adapter_rank_beyond_the_cache_page_is_refused(models, tmp_path, capsys):
     from forge.cli import main
 
-    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run",
+    argv = ["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run",
             "--out", str(tmp_path / "repo"), "--lora", f"A={models['gpt_A']}", "-o", "lora_cache_max_adapter_size=2"]
     assert main(argv) == 2
     assert "adapter rank 4 exceeds lora_cache_max_adapter_size 2" in capsys.readouterr().err
@@ -103,7 +105,7 @@ def test_dash_o_lora_is_the_same_as_the_flag(models, tmp_path, capsys):
 
     from forge.cli import main
 
-    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run", "--json",
+    argv = ["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(models["gpt"]), "--target", "python", "--dry-run", "--json",
             "--out", str(tmp_path / "repo"), "-o", f"lora=A={models['gpt_A']},B={models['gpt_B']}"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["spec"]["options"]["lora"] == {

@@ -26,6 +26,8 @@ sys.path.insert(0, str(HERE.parent / "llama"))
 from serve_models import make_gpt2  # noqa: E402
 from llama_models import make_llama  # noqa: E402
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 SYSTEM_PACKAGES = "scripts/system-packages.sh (make test runs it; it needs root and apt-get)"
 
 
@@ -46,7 +48,7 @@ def multirank_environment(tmp_path_factory):
 def build(family: str, model: Path, out: Path, *extra: str) -> Path:
     from forge.cli import main
 
-    argv = ["build", "--family", family, "--model", str(model), "--target", "python", "--dtype", "float32",
+    argv = ["build", "--backend-version", ENGINE, "--family", family, "--model", str(model), "--target", "python", "--dtype", "float32",
             "-o", "compute_dtype=float32", "--max-batch-size", "4", "--out", str(out), *extra]
     assert main(argv) == 0, f"forge {' '.join(argv)} failed"
     return out

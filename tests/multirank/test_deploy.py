@@ -12,6 +12,8 @@ import pytest
 
 from forge.cli import main
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 
 def deploy(*argv: str) -> int:
     return main(["deploy", *map(str, argv)])
@@ -131,7 +133,7 @@ def test_bad_input_is_one_line_and_exit_2(repos, capsys, argv, message):
     (["--tp", "2", "--lora", "a={tmp}"], "--target python at --tp 2 serves no LoRA adapters"),
 ])
 def test_python_target_parallelism_it_cannot_run_is_refused(models, tmp_path, capsys, extra, message):
-    argv = ["build", "--family", "gpt", "--model", str(models["gpt"]), "--target", "python",
+    argv = ["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(models["gpt"]), "--target", "python",
             "--out", str(tmp_path / "repo"), *(a.replace("{tmp}", str(tmp_path)) for a in extra)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,7 +1,8 @@
 """Fixtures for serving tests: a tiny GPT-2 built with --target python once per session, one shared server.
 
 Repositories are built through the real CLI (``forge build --family gpt --target python``):
-the newest backend profile, the same with ``--decoupled`` (streaming), ``--decoupled -o engine_process=true``
+the newest engine release (v1.2.1), the newest release's LLM-API layout (``l_``, ``ls_`` decoupled), the engine
+release with ``--decoupled`` (streaming), ``--decoupled -o engine_process=true``
 (the engine in a process of its own), ``--backend-version v0.5.0`` (UINT32 lengths), ``--backend-version
 v0.13.0 -o bls=true`` (tensorrtllm_backend's tools) and seed 000's ``--target hf-pipeline`` model. They are merged into one model repository (different name prefixes)
 and served by one real tritonserver for the whole session, which keeps CI time low.
@@ -18,8 +19,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from serve_models import MAX_INPUT_LEN, MAX_SEQ_LEN, make_gpt2  # noqa: E402
 
-BUILDS = {  # name prefix → extra build arguments
+ENGINE = "v1.2.1"  # the newest release with engines (preprocessing → tensorrt_llm → postprocessing)
+
+BUILDS = {  # name prefix → extra build arguments (the engine layout of ENGINE unless a --backend-version is given)
     "": [],
+    # the newest release: the LLM-API layout, one tensorrt_llm model taking text (plain and streaming)
+    "l_": ["--backend-version", "latest"],
+    "ls_": ["--backend-version", "latest", "--decoupled"],
     "s_": ["--decoupled"],
     # the engine in a process of its own; its cancel watcher asks every poll (5 ms), not every 100 ms
     "p_": ["--decoupled", "-o", "engine_process=true", "-o", "cancellation_check_period_ms=1"],
@@ -47,7 +53,8 @@ def tiny_gpt2(tmp_path_factory) -> Path:
 def build(model: Path, out: Path, *extra: str) -> Path:
     from forge.cli import main
 
-    argv = ["build", "--family", "gpt", "--model", str(model), "--dtype", "float32", "--out", str(out), *extra]
+    argv = ["build", "--family", "gpt", "--model", str(model), "--dtype", "float32", "--out", str(out),
+            "--backend-version", ENGINE, *extra]
     if "hf-pipeline" not in extra:  # seed 000's model has no limits of its own to set
         # float32 compute: the answers are compared with transformers in float32 token for token (the
         # default on a CPU with bf16 matmuls is bfloat16, whose rounding flips near-tied greedy tokens)

@@ -17,12 +17,14 @@ import pytest
 from forge.cli import main
 from serve_models import MAX_INPUT_LEN, MAX_SEQ_LEN
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 PNG = b"\x89PNG\r\n\x1a\n"
 PROMPTS = ["prompts", "--prompt", "What is machine learning?", "--prompt", "hello world", "--output-len", "5"]
 
 
 def _build(model: Path, out: Path, dtype: str) -> Path:
-    argv = ["build", "--family", "gpt", "--model", str(model), "--target", "python", "--dtype", dtype,
+    argv = ["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(model), "--target", "python", "--dtype", dtype,
             "--out", str(out), "--max-input-len", str(MAX_INPUT_LEN), "--max-seq-len", str(MAX_SEQ_LEN),
             "--max-batch-size", "8"]
     assert main(argv) == 0, f"forge {' '.join(argv)} failed"

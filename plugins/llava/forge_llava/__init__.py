@@ -99,6 +99,10 @@ class LlavaPlugin:
 
         target = spec.target or TARGETS[0]
         profile = check_options(spec)
+        if profile.llmapi:
+            raise UsageError(f"llava on TensorRT-LLM {profile.version} (one LLM-API tensorrt_llm model taking image_url) "
+                             "is not built by forge yet",
+                             hint="build --backend-version 1.2.1: the vision encoder fills the decoder's prompt table")
         multimodal.check_spec(spec)
         if target == "python":
             from forge.llm.pytarget import check_spec
