@@ -119,10 +119,19 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
         families=families, model=model, models=models, out=args.out, tp=args.tp, pp=args.pp,
         dtype=args.dtype or BuildSpec.dtype, dtype_given=args.dtype is not None, quant=tuple(_split(args.quant)),
         target=args.target,
-        backend_version=args.backend_version,
+        backend_version=_release(args.backend_version),
         limits=_limits(args),
         options=options, name_prefix=args.name_prefix, dry_run=args.dry_run,
         allow_pickle=args.allow_pickle, trust_remote_code=args.trust_remote_code)
+
+
+def _release(value: str | None) -> str | None:
+    """``--backend-version`` as the release it names (v0.13.0, 24.09, latest …); None: the newest."""
+    if value is None:
+        return None
+    from ..profiles import resolve
+
+    return resolve(value).version
 
 
 def _limits(args: argparse.Namespace) -> Limits:

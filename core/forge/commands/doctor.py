@@ -15,7 +15,8 @@ _PACKAGES = (
     ("transformers", "reading Hugging Face checkpoints"),
     ("onnxruntime", "encoder parity checks, --target onnxruntime/python for encoders"),
     ("nvidia-modelopt", "--quant int4_awq / fp8 / int8_kv for decoders"),
-    ("tensorrt_llm", "engine builds in-process (trtllm-build ships with it)"),
+    ("tensorrt_llm", "serving the LLM-API layout's tensorrt_llm model (TensorRT-LLM v1.3 on); engine builds up to "
+                     "v1.2.1 (trtllm-build ships with it)"),
     ("tensorrt", "TensorRT plans (trtexec ships with TensorRT)"),
     ("nvidia-pytriton", "forge serve on this machine (bundles tritonserver with the python backend)"),
     ("tritonclient", "forge infer / bench, config schema"),
@@ -36,6 +37,21 @@ def bundled_tritonserver() -> Path | None:
         return None
     binary = Path(list(spec.submodule_search_locations)[0]) / "tritonserver" / "bin" / "tritonserver"
     return binary if binary.is_file() else None
+
+
+def _layouts() -> list[dict[str, str | None]]:
+    """What a decoder build writes for each backend release (--backend-version), newest the default."""
+    from .. import profiles
+
+    rows = []
+    for layout, what in ((profiles.ENGINE, "--target tensorrtllm: trtllm-build engine, inflight_batcher_llm models"),
+                         (profiles.LLMAPI, "--target tensorrtllm: one tensorrt_llm model on the LLM API, model.yaml")):
+        versions = [v for v in profiles.known() if profiles.resolve(v).layout == layout]
+        if versions:
+            default = " (default)" if profiles.NEWEST in versions else ""
+            span = versions[0] if len(versions) == 1 else f"{versions[0]} … {versions[-1]}"
+            rows.append({"name": f"releases, {layout} layout", "version": span + default, "enables": what})
+    return rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     for tool in toolchain.TOOLS:
         rows.append({"name": tool.name, "version": toolchain.version(tool.name, tool.version_args),
                      "enables": tool.enables})
+    rows += _layouts()
     if args.json:
         emit_json(rows)
         return 0

@@ -145,8 +145,31 @@ NOT_LOADED = {
 }
 
 
+_ENGINE_BUILD = "builds no TensorRT engine on this layout (there is no trtllm-build)"
+_TEXT_MODELS = "sets forge's preprocessing / postprocessing / BLS models, which this layout does not have"
+_LLM_TOKENIZES = "is decided by the LLM API's own tokenizer and generation config on this layout"
+#: forge's own -o options that change nothing on the LLM-API layout, by target, and why (refused, never ignored)
+NO_EFFECT: Mapping[str, Mapping[str, str]] = {
+    "tensorrtllm": {
+        **{o: _ENGINE_BUILD for o in ("context_fmha", "paged_context_fmha", "multiple_profiles", "workers",
+                                      "trtllm_build_args", "parity", "parity_tolerance", "logits_datatype",
+                                      "prompt_embedding_table_data_type", "encoder_input_features_data_type")},
+        **{o: _TEXT_MODELS for o in ("preprocessing_instance_count", "postprocessing_instance_count",
+                                     "bls_instance_count", "max_queue_delay_microseconds", "max_queue_size")},
+        **{o: _LLM_TOKENIZES for o in ("add_special_tokens", "skip_special_tokens", "end_id", "pad_id",
+                                       "stop_token_ids", "exclude_input_in_output")},
+    },
+    "python": {o: _TEXT_MODELS for o in ("preprocessing_instance_count", "postprocessing_instance_count",
+                                         "bls_instance_count")},
+}
+
+
 def check_spec(spec, profile: Profile, target: str, adapter) -> None:
     """What the LLM-API layout cannot take (before any stage runs)."""
+    for option, why in NO_EFFECT.get(target, {}).items():
+        if option in spec.options:
+            raise UsageError(f"-o {option} {why} (TensorRT-LLM {profile.version}, --target {target})",
+                             hint="drop it, or build --backend-version 1.2.1 for the engine layout")
     if truthy(spec.options.get("bls", False)):
         raise UsageError(f"-o bls=true: TensorRT-LLM {profile.version} has no tensorrt_llm_bls model (its "
                          "tensorrt_llm model takes text itself)", hint="drop -o bls, or build --backend-version 1.2.1")
