@@ -154,7 +154,7 @@ def test_ensemble_and_bls_stream_without_losing_text(tokenizer_dirs, tmp_path):
     out = tmp_path / "repo"
     models, edges, ctx, comp = helpers.emit(source, out, tmp_path, options={"bls": True, "decoupled": True})
     models["tensorrt_llm"] = engine_double.generating_model(
-        "tensorrt_llm", profiles.resolve(None), ctx.spec, source, CONTINUATION, decoupled=True)
+        "tensorrt_llm", profiles.resolve(helpers.ENGINE), ctx.spec, source, CONTINUATION, decoupled=True)
     assert helpers.write(models, edges, out) == []
 
     tokenizer = _tokenizer(source)
