@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         forge = forge_command()
         print("2. build a Triton repository for --target python", flush=True)
         run([*forge, "build", "--family", "llama", "--model", str(model), "--target", "python",
-             "--dtype", "float32", "-o", "exclude_input_in_output=true", "--out", str(repo)])
+             "--dtype", "float32", "--out", str(repo)])
 
         print("3. serve it with a real tritonserver", flush=True)
         http, grpc, metrics, openai = free_ports(4)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             wait_ready(server, args.startup_timeout)
             print("4. ask it a question (chat template applied on the client)", flush=True)
-            ask = [*forge, "infer", args.question, "--max-tokens", str(args.max_tokens),
+            ask = [*forge, "infer", args.question, "--max-tokens", str(args.max_tokens), "--exclude-input",
                    "--url", f"127.0.0.1:{http}", "--chat-template", str(model)]
             show(ask)
             answer = subprocess.run(ask, capture_output=True, text=True)

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "needs a repository built with --decoupled)")
     p.add_argument("--stop-after-ms", type=float, default=None, metavar="MS",
                    help="cancel the request after this long (generation stops on the server)")
+    p.add_argument("--exclude-input", action="store_true",
+                   help="ask for the generated text only (the model's exclude_input_in_output or "
+                        "sampling_param_exclude_input_from_output input); default: what the model returns")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -95,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
                 "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
                 "frequency_penalty": args.frequency_penalty, "min_length": args.min_length}
     sampling = {k: v for k, v in sampling.items() if v is not None}
+    if args.exclude_input:
+        sampling["exclude_input"] = True
     image = read_image(args.image)
 
     adapter = None

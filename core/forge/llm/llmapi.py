@@ -159,8 +159,10 @@ NO_EFFECT: Mapping[str, Mapping[str, str]] = {
         **{o: _LLM_TOKENIZES for o in ("add_special_tokens", "skip_special_tokens", "end_id", "pad_id",
                                        "stop_token_ids", "exclude_input_in_output")},
     },
-    "python": {o: _TEXT_MODELS for o in ("preprocessing_instance_count", "postprocessing_instance_count",
-                                         "bls_instance_count")},
+    "python": {**{o: _TEXT_MODELS for o in ("preprocessing_instance_count", "postprocessing_instance_count",
+                                            "bls_instance_count")},
+               "exclude_input_in_output": "is each request's sampling_param_exclude_input_from_output on this "
+                                          "interface"},
 }
 
 

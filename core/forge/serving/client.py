@@ -187,10 +187,11 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
     for flag, value in sampling.items():
         if value is None:
             continue
-        names = SAMPLING_INPUTS.get(flag, (flag,))
+        names = EXCLUDE_INPUT if flag == "exclude_input" else SAMPLING_INPUTS.get(flag, (flag,))
         name = next((n for n in names if n in inputs.inputs), None)
         if name is None:
-            raise UsageError(f"model {inputs.name!r} has no input {names[0]!r} for --{flag.replace('_', '-')}")
+            raise UsageError(f"model {inputs.name!r} has no input {names[0]!r} for --{flag.replace('_', '-')}",
+                             hint="its backend release lacks it" if flag == "exclude_input" else None)
         payload[name] = value
     return payload
 
