@@ -103,6 +103,9 @@ def model_yaml(spec, profile: Profile, *, decoupled: bool, multimodal: bool = Fa
         _set(doc, "lora_config.lora_dir", [f"lora/{name}" for name in lora["adapters"]])
         _set(doc, "lora_config.lora_target_modules", list(lora["modules"]))
         doc.setdefault("lora_config", {}).setdefault("max_lora_rank", lora["max_rank"])
+    elif "lora_config" in doc:
+        raise UsageError(f"-o {', '.join(sorted(doc['lora_config']))}: LoRA limits without --lora adapters",
+                         hint="ship adapters with --lora NAME=DIR, or drop the option")
     triton: dict[str, Any] = {"max_batch_size": 0, "decoupled": decoupled}
     if multimodal:
         triton["multimodal"] = True
@@ -176,6 +179,10 @@ def check_spec(spec, profile: Profile, target: str, adapter) -> None:
         raise UsageError(f"-o bls=true: TensorRT-LLM {profile.version} has no tensorrt_llm_bls model (its "
                          "tensorrt_llm model takes text itself)", hint="drop -o bls, or build --backend-version 1.2.1")
     if target != "tensorrtllm":
+        if spec.options.get("lora"):
+            raise UsageError(f"--lora: the python target serves no LoRA adapters on TensorRT-LLM {profile.version}'s "
+                             "LLM-API interface yet", hint="build --backend-version 1.2.1 (adapters by task id), or "
+                                                           "--target tensorrtllm (LoRARequest by name)")
         return
     instances = spec.options.get("instances")
     if instances is not None and int(instances) > 1:

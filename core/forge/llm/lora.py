@@ -384,6 +384,12 @@ def check_build(spec, profile, adapters: list[Adapter]) -> None:
     """Refuse ``--lora`` where the chosen backend version or option values cannot serve the adapters."""
     from ..profiles import BUILD_FLAGS, PROFILES, parse_version
 
+    if profile.llmapi:  # adapters by name (LoRARequest); check_llmapi_modules holds them to the release
+        rank = max(a.rank for a in adapters)
+        limit = spec.options.get("max_lora_rank")
+        if limit is not None and int(limit) < rank:
+            raise UsageError(f"adapter rank {rank} exceeds -o max_lora_rank={limit}", hint=f"set it to {rank} or more")
+        return
     if profile.interface("tensorrt_llm").input("lora_weights") is None:
         first = next(p.version for p in PROFILES.values() if p.interface("tensorrt_llm").input("lora_weights"))
         raise UsageError(f"--lora needs tensorrtllm_backend {first} or newer; --backend-version {profile.version} "

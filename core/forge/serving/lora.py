@@ -86,8 +86,10 @@ class LoraRequests:
     """Adds LoRA tensors to requests of one client, sending each adapter's weights only when needed."""
 
     def __init__(self, inputs, *, weights_first: bool = True):
+        # the LLM-API model: each request names its adapter (lora_id, lora_name, lora_path under the model's lora/)
+        self.by_name = {"lora_id", "lora_name", "lora_path"} <= set(inputs.inputs)
         missing = [n for n in ("lora_task_id", "lora_weights", "lora_config") if n not in inputs.inputs]
-        if missing:
+        if missing and not self.by_name:
             raise UsageError(f"model {inputs.name!r} has no {missing[0]} input; LoRA adapters reach the ensemble from "
                              "tensorrtllm_backend v0.15.0 on (ask tensorrt_llm directly, or rebuild with a newer "
                              "--backend-version)")
@@ -97,6 +99,10 @@ class LoraRequests:
         self.retries = 0
 
     def tensors(self, adapter: ServedAdapter, with_weights: bool) -> dict[str, np.ndarray]:
+        if self.by_name:  # the server loads the adapter from its own copy: nothing else to send
+            return {"lora_id": self.inputs.array("lora_id", adapter.task_id),
+                    "lora_name": self.inputs.array("lora_name", adapter.name),
+                    "lora_path": self.inputs.array("lora_path", adapter.name)}
         extra = {"lora_task_id": self.inputs.array("lora_task_id", adapter.task_id)}
         if with_weights:
             weights, config = adapter.arrays()
