@@ -310,3 +310,21 @@ def test_the_served_model_file_uses_only_the_public_llm_api():
                        "not fork-safe)", "from tensorrt_llm.executor import LoRARequest"]
     assert "generate_async" in text and "_mpi_session" not in text
     assert sys.modules.get("tensorrt_llm") is None
+
+
+def test_deploy_gives_the_llm_api_its_gpus_on_one_node(tiny_gpt2, tmp_path, capsys):
+    """The LLM API starts tp × pp workers from one tritonserver: one task, tp × pp GPUs. Bad inputs: too few
+    GPUs per node, several nodes, and (without --container-image) a release no NGC container ships."""
+    out = tmp_path / "repo"
+    assert build(tiny_gpt2, out, "--tp", "2") == 0
+    image = ["--container-image", "nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3"]
+    script = tmp_path / "serve.sbatch"
+    assert main(["deploy", "slurm", str(out), *image, "--out", str(script)]) == 0
+    text = script.read_text()
+    assert "#SBATCH --ntasks=1" in text and "#SBATCH --gpus-per-node=2" in text
+    assert "--container-image=nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3" in text
+    capsys.readouterr()
+    assert main(["deploy", "slurm", str(out), *image, "--gpus-per-node", "1", "--out", str(script)]) == 2
+    assert "needs 2 GPUs (tp × pp)" in capsys.readouterr().err
+    assert main(["deploy", "slurm", str(out), "--out", str(script)]) == 1
+    assert "no NGC tritonserver container ships TensorRT-LLM v1.3.0rc29" in capsys.readouterr().err

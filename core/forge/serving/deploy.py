@@ -64,8 +64,11 @@ def runtime(repo: Path, container: str | None, backend_version: str | None = Non
         env = server_environment()
         return Runtime(None, "", str(tritonserver_binary()), sys.executable, str(backend_directory()),
                        (("PATH", env["PATH"]), ("LD_LIBRARY_PATH", env["LD_LIBRARY_PATH"])))
+    if container:
+        return Runtime(container, backend_version or launch.backend_version(repo) or "",
+                       "/opt/tritonserver/bin/tritonserver", "python3")
     image, version = launch.container_image(repo, backend_version)
-    return Runtime(container or image, version, "/opt/tritonserver/bin/tritonserver", "python3")
+    return Runtime(image, version, "/opt/tritonserver/bin/tritonserver", "python3")
 
 
 def probe(argv: "list[str]") -> int:  # a string: the copy may run on an older python3
@@ -210,9 +213,19 @@ def slurm_script(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints,
         raise UsageError(f"--nodes {nodes} is more nodes than the repository's {world.world_size} rank(s)",
                          hint=f"use --nodes {world.world_size} or fewer")
     per_node = -(-world.world_size // nodes)
-    gpus = gpus_per_node if gpus_per_node is not None else (per_node if world.gpus else 0)
+    if world.llmapi_models and nodes > 1:
+        raise UsageError(f"the LLM-API model {world.llmapi_models[0]} runs its {world.llmapi_gpus} rank(s) from one "
+                         "tritonserver on one node (the LLM API starts its workers itself)",
+                         hint="use --nodes 1 with --gpus-per-node "
+                              f"{world.llmapi_gpus}; across nodes, start it under trtllm-llmapi-launch")
+    # an LLM-API model drives tp × pp GPUs from its one tritonserver process
+    gpus = gpus_per_node if gpus_per_node is not None else (
+        max(per_node, world.llmapi_gpus) if world.gpus else 0)
     if gpus < 0:
         raise UsageError(f"--gpus-per-node {gpus}: a count of GPUs, 0 or more")
+    if world.llmapi_models and gpus < world.llmapi_gpus:
+        raise UsageError(f"the LLM-API model {world.llmapi_models[0]} needs {world.llmapi_gpus} GPUs (tp × pp); "
+                         f"--gpus-per-node {gpus} gives fewer", hint=f"use --gpus-per-node {world.llmapi_gpus}")
     if world.gpus and gpus * nodes < world.world_size:
         raise UsageError(f"{world.world_size} ranks need one GPU each; --nodes {nodes} × --gpus-per-node {gpus} "
                          f"gives {gpus * nodes}", hint=f"use --gpus-per-node {per_node}")

@@ -37,6 +37,7 @@ class Layout:
     # LLM-API models of the tensorrtllm target: TensorRT-LLM's LLM API runs them (one tritonserver; the LLM API
     # starts its own rank workers for tp × pp)
     llmapi_models: tuple[str, ...] = ()
+    llmapi_gpus: int = 0  # the GPUs those models drive (tensor × pipeline parallel of their model.yaml)
 
     @property
     def follower_model(self) -> str | None:
@@ -75,12 +76,14 @@ def layout(repo: Path, world_size: int | None = None) -> Layout:
     gpus = False
     followers = []
     llmapi = []
+    llmapi_gpus = 0
     for name, config in configs.items():
         if any(g.kind == g.KIND_GPU for g in config.instance_group):
             gpus = True
         if tritonconfig.parameter(config, "forge_layout") == "llmapi" and \
                 tritonconfig.parameter(config, "forge_target") == "tensorrtllm":
             llmapi.append(name)
+            llmapi_gpus = max(llmapi_gpus, _llmapi_world(dirs[name]))
             gpus = True
             continue
         tp = tritonconfig.parameter(config, "tensor_parallel")
@@ -107,7 +110,18 @@ def layout(repo: Path, world_size: int | None = None) -> Layout:
         raise UsageError(f"--world-size {world_size} disagrees with the repository, which was built for "
                          f"{engine_world} rank(s) (tp × pp)", hint=f"use --world-size {engine_world} or rebuild")
     follower_dir = dirs[followers[0]] / "1" if followers else None
-    return Layout(engine_world, tuple(sorted(llm_models)), gpus, follower_dir, tuple(sorted(llmapi)))
+    return Layout(engine_world, tuple(sorted(llm_models)), gpus, follower_dir, tuple(sorted(llmapi)), llmapi_gpus)
+
+
+def _llmapi_world(model_dir: Path) -> int:
+    """tp × pp of an LLM-API model's ``1/model.yaml`` (1 when it does not say)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load((model_dir / "1" / "model.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValidationError(f"{model_dir / '1' / 'model.yaml'}: {exc}") from None
+    return int(doc.get("tensor_parallel_size", 1) or 1) * int(doc.get("pipeline_parallel_size", 1) or 1)
 
 
 def check_llmapi_runtime(world: Layout) -> None:
