@@ -13,28 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_python_target import PROMPT, generate, hf_greedy, stream  # noqa: F401  (fixtures below)
+from test_python_target import PROMPT, generate, hf_greedy, hf_model, stream, tokenizer  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.heavy
 
 PLAIN, STREAMING = "l_tensorrt_llm", "ls_tensorrt_llm"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gpt2):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_gpt2))
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_gpt2):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_gpt2), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def expected_text(tokenizer, hf_model, prompt: str, n: int) -> str:

@@ -140,6 +140,21 @@ def send(sender, outputs: Mapping[str, np.ndarray] | Iterable[Any] | None = None
     del kept
 
 
+def stop_request(sender, request_id: str, pending: Callable[[], Iterable[Any]], cancel: Callable[[Any], None],
+                 lock) -> None:
+    """TensorRT-LLM's ``stop`` input: ``cancel`` each of ``pending()`` (read under ``lock``) whose ``request_id``
+    is this request's, then answer the stop request itself (an error when it names no request id)."""
+    final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    if not request_id:
+        send(sender, exc=ValueError("a stop request needs the request id of the request to stop"), flags=final)
+        return
+    with lock:
+        victims = [p for p in pending() if p.request_id == request_id]
+    for victim in victims:
+        cancel(victim)
+    send(sender, {}, flags=final)
+
+
 def run_each(requests, handle: Callable[[Any], Any], where: str = "") -> list:
     """``handle`` each request on its own: one bad request answers with its error, the others still run.
 

@@ -370,18 +370,6 @@ class TritonPythonModel:
         with self.lock:
             self.requests.pop(id(request), None)
 
-    def _stop(self, request_id: str, sender) -> None:
-        """TensorRT-LLM's ``stop`` input: cancel the running request with the same id."""
-        if not request_id:
-            forge_glue.send(sender, exc=ValueError("a stop request needs the request id of the request to stop"),
-                            flags=FINAL)
-            return
-        with self.lock:
-            victims = [r for r in self.requests.values() if r.request_id == request_id]
-        for victim in victims:
-            victim.cancel(stopped=True)
-        forge_glue.send(sender, {}, flags=FINAL)
-
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
@@ -389,8 +377,9 @@ class TritonPythonModel:
             text = None
             try:
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
-                if is_stop(tensors):
-                    self._stop(request_id, sender)
+                if is_stop(tensors):  # TensorRT-LLM's stop input: cancel the running request with the same id
+                    forge_glue.stop_request(sender, request_id, self.requests.values,
+                                            lambda victim: victim.cancel(stopped=True), self.lock)
                     continue
                 if self.front is not None:  # text in: the same generation as token tensors
                     parsed, tensors = self.front.request(tensors, decoupled=self.decoupled,
@@ -433,7 +422,7 @@ class TritonPythonModel:
         sent = all([_joined(thread, max(0.0, deadline - time.monotonic())) for thread in self.senders])
         ended = ended and sent
         with self.lock:
-            left = list(self.requests.values())
+            left = self.requests.values
             self.requests.clear()
         for request in left:
             if not request.lock.acquire(timeout=1.0):  # the engine thread is stuck sending to it

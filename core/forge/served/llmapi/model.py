@@ -77,7 +77,7 @@ class TritonPythonModel:
             try:
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 if forge_llmapi.is_stop(tensors):
-                    self._stop(request_id, sender)
+                    forge_glue.stop_request(sender, request_id, self.pending.values, self._abort, self.lock)
                     continue
                 parsed = forge_llmapi.parse(tensors, decoupled=self.decoupled, multimodal=self.multimodal)
                 call = forge_llmapi.request_arguments(parsed, HERE)
@@ -137,17 +137,6 @@ class TritonPythonModel:
         with self.lock:
             self.pending.pop(id(pending), None)
 
-    def _stop(self, request_id: str, sender) -> None:
-        if not request_id:
-            forge_glue.send(sender, exc=ValueError("a stop request needs the request id of the request to stop"),
-                            flags=FINAL)
-            return
-        with self.lock:
-            victims = [p for p in self.pending.values() if p.request_id == request_id]
-        for victim in victims:
-            self._abort(victim)
-        forge_glue.send(sender, {}, flags=FINAL)
-
     def _abort(self, pending: _Pending) -> None:
         if pending.generation is not None:
             self.loop.call_soon_threadsafe(pending.generation.abort)
@@ -157,7 +146,7 @@ class TritonPythonModel:
         while self.running:
             time.sleep(self.check_s)
             with self.lock:
-                pending = list(self.pending.values())
+                pending = self.pending.values
             for item in pending:
                 if not item.done and item.sender.is_cancelled():
                     self._abort(item)
@@ -165,7 +154,7 @@ class TritonPythonModel:
     def finalize(self):
         self.running = False
         with self.lock:
-            left = list(self.pending.values())
+            left = self.pending.values
         for item in left:
             self._abort(item)
             self._fail(item, RuntimeError("the model is being unloaded"))
