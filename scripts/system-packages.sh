@@ -1,12 +1,14 @@
 #!/bin/sh
-# System packages of the multi-rank tests (tests/multirank): Open MPI (mpirun) and a one-node Slurm
-# (slurm-wlm, munge). `make test` runs this first; it installs what is missing with apt-get when it can
+# System packages of the multi-rank tests (tests/multirank): Open MPI (mpirun), a one-node Slurm
+# (slurm-wlm, munge) and the PMIx library Slurm's --mpi=pmix loads (libpmix-dev). `make test` runs this first; it installs what is missing with apt-get when it can
 # and otherwise says in one line why not (the tests then skip with one line each). Always exits 0.
 need=""
 have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ]; }
 have mpirun || need="$need openmpi-bin libopenmpi-dev"
 have slurmctld && have slurmd && have sbatch || need="$need slurm-wlm"
 have munged || need="$need munge"
+# srun --mpi=pmix loads the unversioned libpmix.so, which only the development package ships
+ls /usr/lib/*/libpmix.so /usr/lib/*/pmix2/lib/libpmix.so /usr/lib/libpmix.so >/dev/null 2>&1 || need="$need libpmix-dev"
 [ -z "$need" ] && exit 0
 say() { echo "system-packages: $*" >&2; }
 if ! command -v apt-get >/dev/null 2>&1; then
