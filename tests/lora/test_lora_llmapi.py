@@ -1,7 +1,8 @@
 """LoRA on the LLM-API layout (the newest release): adapters shipped in the model's ``lora/<name>/`` as PEFT
 checkpoints, ``model.yaml``'s ``lora_config`` derived from them, requests naming them (lora_id, lora_name,
 lora_path) the way ``LoRARequest`` takes them. Bad inputs tried: an adapter patching a module the release's
-PyTorch backend serves no LoRA for, ``--lora`` on the python target of this interface.
+PyTorch backend serves no LoRA for; on the python target, an adapter name the build did not ship, a lora_id that is
+not that adapter's, a partial triple.
 """
 
 from __future__ import annotations
@@ -63,6 +64,48 @@ def test_an_adapter_on_a_module_the_release_cannot_serve_is_refused(models, tmp_
     assert not (tmp_path / "repo").exists()
 
 
-def test_the_python_target_of_this_interface_refuses_lora(models, tmp_path, capsys):
-    assert build(models, tmp_path / "repo", "--target", "python") == 2
-    assert "serves no LoRA adapters on TensorRT-LLM" in capsys.readouterr().err
+def test_the_python_target_serves_the_adapters_by_name(models, tmp_path):
+    """The same interface on forge's engine: a request naming an adapter answers as transformers + PEFT does. Bad
+    inputs: an adapter name the build did not ship, a lora_id that is not that adapter's, a partial triple."""
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    from forge.serving.server import TritonServer
+    from lora_models import greedy, peft_model
+
+    out = tmp_path / "repo"
+    assert build(models, out, "--target", "python", "--dtype", "float32", "-o", "compute_dtype=float32",
+                 "--max-input-len", "64", "--max-seq-len", "128") == 0
+    adapters = repository_adapters(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(models["llama"]))
+    prompt = "hello world"
+    ids = tokenizer.encode(prompt)
+    eos = tokenizer.eos_token_id
+
+    def ask(server, **body):
+        request = urllib.request.Request(f"http://{server.http_url}/v2/models/tensorrt_llm/generate", method="POST",
+                                         data=_json.dumps({"text_input": prompt, "sampling_param_max_tokens": 8,
+                                                           "sampling_param_exclude_input_from_output": True,
+                                                           **body}).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return 200, _json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, _json.loads(exc.read())
+
+    with TritonServer(out, log_file=tmp_path / "tritonserver.log") as server:
+        for name in (None, "A", "B"):
+            model = peft_model(models["llama"], None if name is None else models[f"llama_{name}"])
+            expected = tokenizer.decode(greedy(model, ids, 8, eos), skip_special_tokens=True)
+            lora = {} if name is None else {"lora_id": adapters[name].task_id, "lora_name": name, "lora_path": name}
+            status, answer = ask(server, **lora)
+            assert status == 200 and answer["text_output"] == expected, (name, answer)
+        status, answer = ask(server, lora_id=1, lora_name="C", lora_path="C")
+        assert status == 400 and "no LoRA adapter 'C' here" in answer["error"]
+        status, answer = ask(server, lora_id=adapters["B"].task_id, lora_name="A", lora_path="A")
+        assert status == 400 and "is lora_id 1 here" in answer["error"]
+        status, answer = ask(server, lora_id=1, lora_name="A")
+        assert status == 400 and "missing lora_path" in answer["error"]

@@ -179,10 +179,6 @@ def check_spec(spec, profile: Profile, target: str, adapter) -> None:
         raise UsageError(f"-o bls=true: TensorRT-LLM {profile.version} has no tensorrt_llm_bls model (its "
                          "tensorrt_llm model takes text itself)", hint="drop -o bls, or build --backend-version 1.2.1")
     if target != "tensorrtllm":
-        if spec.options.get("lora"):
-            raise UsageError(f"--lora: the python target serves no LoRA adapters on TensorRT-LLM {profile.version}'s "
-                             "LLM-API interface yet", hint="build --backend-version 1.2.1 (adapters by task id), or "
-                                                           "--target tensorrtllm (LoRARequest by name)")
         return
     instances = spec.options.get("instances")
     if instances is not None and int(instances) > 1:

@@ -132,7 +132,8 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
     from ..interface import parameter_value
     from ..lora import FOLDER, served_modules
 
-    if not adapter.lora_targets or profile.interface("tensorrt_llm").input("lora_weights") is None:
+    by_name = profile.llmapi  # the LLM-API interface names adapters per request (lora_id, lora_name, lora_path)
+    if not adapter.lora_targets or (profile.interface("tensorrt_llm").input("lora_weights") is None and not by_name):
         return {}
     if spec.tp > 1:  # the ranks hold slices of the layers adapters would patch: served without LoRA modules
         return {}
@@ -141,11 +142,16 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
         p = profile.parameter("tensorrt_llm", key)
         if p is not None:
             values[key] = parameter_value(p, spec.options)
-    if profile.parameter("tensorrt_llm", "lora_prefetch_dir") is not None:
+    if profile.parameter("tensorrt_llm", "lora_prefetch_dir") is not None or by_name:
         if "lora_prefetch_dir" in spec.options:
             values["lora_prefetch_dir"] = str(spec.options["lora_prefetch_dir"])
         elif component.options.get("lora"):
             values["lora_prefetch_dir"] = FOLDER  # relative: the model directory's lora/
+    if by_name and component.options.get("lora"):  # which name each shipped task id answers to
+        import json
+
+        values["lora_names"] = json.dumps({name: e["task_id"] for name, e in component.options["lora"].items()},
+                                          separators=(",", ":"))
     return values
 
 

@@ -10,6 +10,7 @@ leads ``text_output`` unless the request sets ``sampling_param_exclude_input_fro
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 import numpy as np
@@ -34,6 +35,8 @@ class TextFront:
         self.pad_id = int(params.get("pad_id") or self.end_id)
         self.stop_ids = [int(t) for t in str(params.get("stop_token_ids") or "").split(",") if t.strip()]
         self.multimodal = forge_text.parse_bool(params.get("multimodal"), False)
+        # the adapters shipped in the model's lora/ folder: name → task id (the engine holds them by task id)
+        self.adapters = {str(k): int(v) for k, v in json.loads(params.get("lora_names") or "{}").items()}
 
     def request(self, tensors: Mapping[str, np.ndarray], *, decoupled: bool,
                 max_tokens_limit: int | None) -> tuple[forge_llmapi.LLMRequest, dict[str, np.ndarray]]:
@@ -42,9 +45,7 @@ class TextFront:
                                     max_tokens_limit=max_tokens_limit)
         if parsed.images:
             raise forge_llmapi.RequestError("image_url: this python-target model is text-only")
-        if parsed.lora is not None:
-            raise forge_llmapi.RequestError("lora_id / lora_name / lora_path: this python-target model serves no "
-                                            "LoRA adapters on this interface")
+        task_id = self._adapter(parsed.lora)
         if parsed.sampling.get("best_of", 1) != 1:
             raise forge_llmapi.RequestError("sampling_param_best_of above 1 is not served by the python target "
                                             "(one sequence per request)")
@@ -59,6 +60,8 @@ class TextFront:
             "return_log_probs": [["cumulative_logprob" in parsed.returns]],
             "return_perf_metrics": [[bool(s.get("return_perf_metrics"))]],
         }
+        if task_id is not None:
+            token["lora_task_id"] = np.array([[task_id]], dtype=np.uint64)
         for keyword, name, kind in (("temperature", "temperature", np.float32), ("top_k", "runtime_top_k", np.int32),
                                     ("top_p", "runtime_top_p", np.float32),
                                     ("frequency_penalty", "frequency_penalty", np.float32),
@@ -75,6 +78,23 @@ class TextFront:
         arrays = {k: v if isinstance(v, np.ndarray) else np.array(v, dtype=_DTYPES.get(k, np.int32))
                   for k, v in token.items()}
         return parsed, arrays
+
+    def _adapter(self, lora: dict | None) -> int | None:
+        """The task id of the request's adapter: one the build shipped, named as it was (its lora_path names the
+        adapter's folder on the server, which this model holds already)."""
+        if lora is None:
+            return None
+        if not self.adapters:
+            raise forge_llmapi.RequestError("lora_id / lora_name / lora_path: this model was built without LoRA "
+                                            "adapters")
+        task_id = self.adapters.get(lora["lora_name"])
+        if task_id is None:
+            raise forge_llmapi.RequestError(f"no LoRA adapter {lora['lora_name']!r} here; this model serves "
+                                            f"{', '.join(sorted(self.adapters))}")
+        if lora["lora_int_id"] != task_id:
+            raise forge_llmapi.RequestError(f"LoRA adapter {lora['lora_name']!r} is lora_id {task_id} here, "
+                                            f"not {lora['lora_int_id']}")
+        return task_id
 
     def stream(self, parsed: forge_llmapi.LLMRequest) -> "TextStream":
         return TextStream(self, parsed)
