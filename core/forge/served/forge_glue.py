@@ -99,7 +99,7 @@ _NUMPY2 = int(np.__version__.split(".")[0]) >= 2
 
 def tensor(name: str, value: np.ndarray):
     """A Triton output tensor; under numpy 2 through DLPack (numpy-2 stubs reject numpy-made tensors)."""
-    if _NUMPY2:
+    if _NUMPY2 and value.dtype != np.object_:  # text (BYTES) has no DLPack form; pb_utils takes it as numpy
         import torch
 
         return pb_utils.Tensor.from_dlpack(name, torch.from_numpy(np.ascontiguousarray(value)))
