@@ -68,12 +68,6 @@ class Registry:
             known = ", ".join(sorted(self.families)) or "none (no plugins loaded)"
             raise UsageError(f"unknown family {name!r}; known families: {known}") from None
 
-    def family_for_architecture(self, architecture: str) -> Family | None:
-        for family in self.families.values():
-            if architecture in family.architectures:
-                return family
-        return None
-
     def plugin_version(self, family: str) -> str:
         return self.infos[self.family(family).plugin].version
 

@@ -49,15 +49,6 @@ class ImagePreprocessor:
         self.std = np.asarray(std, dtype=np.float32).reshape(3, 1, 1)
         self.max_pixels = max_pixels
 
-    @property
-    def output_hw(self) -> tuple[int, int]:
-        """Height and width of every output tensor."""
-        if self.crop:
-            return self.crop[0], self.crop[1]
-        if self.resize_mode == "exact":
-            return self.size[0], self.size[1]
-        raise ValueError("output size is not fixed without a crop or an exact resize")
-
     def decode(self, data: bytes):
         """Bytes → a fully loaded PIL image; ValueError for anything that is not a readable image."""
         from PIL import Image
