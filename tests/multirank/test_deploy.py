@@ -26,7 +26,7 @@ def test_slurm_script_for_a_tp2_python_repository_in_the_profile_container(repos
     out = tmp_path / "job.sbatch"
     assert deploy("slurm", repo, "--nodes", 2, "--partition", "gpu", "--time", "01:00:00", "--out", out) == 0
     text = out.read_text()
-    image = profiles.resolve(None).container
+    image = profiles.resolve(ENGINE).container  # the repository was built for ENGINE
     assert text.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks=2", "#SBATCH --ntasks-per-node=1",
                  "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00", "export MASTER_PORT=29500"):

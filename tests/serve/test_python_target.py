@@ -453,7 +453,7 @@ def test_python_model_has_exactly_the_tensorrt_llm_interface_of_its_profile(merg
     from forge import tritonconfig
     from forge import profiles
 
-    for prefix, version in (("", profiles.NEWEST), ("v5_", "v0.5.0")):
+    for prefix, version in (("", "v1.2.1"), ("l_", profiles.NEWEST), ("v5_", "v0.5.0")):
         config = tritonconfig.read(merged_repo / f"{prefix}tensorrt_llm")
         interface = profiles.resolve(version).interface("tensorrt_llm")
         assert config.backend == "python"
