@@ -422,7 +422,7 @@ class TritonPythonModel:
         sent = all([_joined(thread, max(0.0, deadline - time.monotonic())) for thread in self.senders])
         ended = ended and sent
         with self.lock:
-            left = self.requests.values
+            left = list(self.requests.values())
             self.requests.clear()
         for request in left:
             if not request.lock.acquire(timeout=1.0):  # the engine thread is stuck sending to it

@@ -146,7 +146,7 @@ class TritonPythonModel:
         while self.running:
             time.sleep(self.check_s)
             with self.lock:
-                pending = self.pending.values
+                pending = list(self.pending.values())
             for item in pending:
                 if not item.done and item.sender.is_cancelled():
                     self._abort(item)
@@ -154,7 +154,7 @@ class TritonPythonModel:
     def finalize(self):
         self.running = False
         with self.lock:
-            left = self.pending.values
+            left = list(self.pending.values())
         for item in left:
             self._abort(item)
             self._fail(item, RuntimeError("the model is being unloaded"))
