@@ -145,6 +145,8 @@ class _Request:
                     self.started.add(seq)
                     self._send([self._row(seq, progress, update.tokens, update.logprobs, update.generation_logits,
                                           context=first, reason=update.reason if update.finished else None)], last)
+                elif last and self.text is not None and update.finished:  # the text's tail and why it ended
+                    self._send([self._row(seq, progress, [], [], [], reason=update.reason)], True)
                 elif last:
                     self._send(None, True)
                 return

@@ -39,6 +39,22 @@ class _Pending:
         self.request_id, self.sender, self.wanted = request_id, sender, wanted
         self.generation = None
         self.done = False
+        # held around the final response and ``done``: a request is never asked whether its client went away once
+        # its final response is out (tritonserver frees its response factory then; asking crashes it)
+        self.finishing = threading.Lock()
+
+    def finish(self, *args, **kwargs) -> bool:
+        """Send the final response (``forge_glue.send`` arguments) unless one went out; whether this sent it."""
+        with self.finishing:
+            if self.done:
+                return False
+            forge_glue.send(self.sender, *args, flags=FINAL, **kwargs)
+            self.done = True
+            return True
+
+    def client_gone(self) -> bool:
+        with self.finishing:
+            return not self.done and self.sender.is_cancelled()
 
 
 class TritonPythonModel:
@@ -122,18 +138,16 @@ class TritonPythonModel:
                                          cumulative_logprob=completion.cumulative_logprob,
                                          perf=_perf(completion) if parsed.sampling.get("return_perf_metrics") else {})
         tensors = forge_llmapi.outputs(result, parsed, self.outputs, pending.wanted)
-        forge_glue.send(pending.sender, tensors, flags=FINAL if final else 0)
-        pending.done = pending.done or final
+        if final:
+            pending.finish(tensors)
+        else:
+            forge_glue.send(pending.sender, tensors, flags=0)
 
     def _fail(self, pending: _Pending, exc: BaseException) -> None:
-        if not pending.done:
-            pending.done = True
-            forge_glue.send(pending.sender, exc=RuntimeError(f"{type(exc).__name__}: {exc}"), flags=FINAL)
+        pending.finish(exc=RuntimeError(f"{type(exc).__name__}: {exc}"))
 
     def _finish(self, pending: _Pending) -> None:
-        if not pending.done:
-            pending.done = True
-            forge_glue.send(pending.sender, exc=RuntimeError("the request was cancelled"), flags=FINAL)
+        pending.finish(exc=RuntimeError("the request was cancelled"))
         with self.lock:
             self.pending.pop(id(pending), None)
 
@@ -148,7 +162,7 @@ class TritonPythonModel:
             with self.lock:
                 pending = list(self.pending.values())
             for item in pending:
-                if not item.done and item.sender.is_cancelled():
+                if item.client_gone():
                     self._abort(item)
 
     def finalize(self):
