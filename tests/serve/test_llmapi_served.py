@@ -74,7 +74,7 @@ def test_streamed_pieces_add_up_to_the_whole_answer(server):
     ({"image_url": "file:///etc/passwd"}, "image_url"),
     ({"image_url": "/etc/passwd"}, "image_url"),
     ({"streaming": True}, "Streaming is only supported in decoupled mode."),
-    ({"lora_id": 1, "lora_name": "a", "lora_path": "a"}, "serves no LoRA adapters"),
+    ({"lora_id": 1, "lora_name": "a", "lora_path": "a"}, "built without LoRA adapters"),
     ({"sampling_param_best_of": 2}, "best_of"),
     ({"sampling_param_temperature": -1.0}, "0 or more"),
     ({"text_input": ""}, "no tokens"),

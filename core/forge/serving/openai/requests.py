@@ -278,7 +278,8 @@ def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[s
     if generation.guide is not None:
         if GUIDE_TYPE not in inputs.inputs:
             raise APIError(400, "tools and response_format need guided decoding, which this repository's backend "
-                                "profile lacks (tensorrtllm_backend v0.19.0 or newer)", param="response_format",
+                                "profile lacks (the engine layout of tensorrtllm_backend v0.19.0 … v1.2.1 has it; "
+                                "the LLM-API model does not)", param="response_format",
                            code="guided_decoding_unavailable")
         payload[GUIDE_TYPE], payload[GUIDE] = generation.guide
     for flag, value in generation.sampling.items():
