@@ -19,12 +19,12 @@ from forge.errors import ForgeError, UsageError
 from forge.served.forge_glue import TOKENIZER_CORE as _TOKENIZER_CORE, TOKENIZER_FILES
 
 from .. import profiles
+from ..profiles import Profile, Tensor
 from . import multimodal
 from .engine import sequence_limits  # the one clamping rule of prompt and sequence limits
 from .interface import (BLS, LLM, POST, PRE, truthy, message_input, parameter_value, profile_of,
                         resolve_dtype, tensorrt_llm_io, tensorrt_llm_parameters)
 from .options import check_options
-from ..profiles import Profile, Tensor
 
 TOKENIZER_DIR = "tokenizer"  # inside each python model's version directory
 
