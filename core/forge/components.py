@@ -106,6 +106,9 @@ class Family:
     #: options that make the family join a build that does not name it (``--store`` adds retrieval);
     #: a joined family takes no weights, so dtype, quantization and parallelism are not its concern
     joins_on: tuple[str, ...] = ()
+    #: the repository layouts of the backend releases the family builds (``forge.profiles.LAYOUTS``); without
+    #: ``--backend-version`` it builds for the newest release of one of them. Empty: every layout (or none applies)
+    layouts: tuple[str, ...] = ()
     plugin: str = ""  # filled in by the registry: the plugin that registered the family
 
     def option(self, name: str) -> Option | None:

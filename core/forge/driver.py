@@ -64,6 +64,7 @@ class Driver:
         # Families that join on an option (``--store`` adds retrieval) run on their own default target.
         builds += [(family, family.default_target) for family in self.registry.families.values()
                    if family.name not in spec.families and any(o in spec.options for o in family.joins_on)]
+        self._release_for(spec, [family for family, _ in builds])
         contract.check(spec, builds)
         self._spec_json = spec.to_json()  # after the check: choice values as written (-o x=true arrives as True)
         plans: list[ComponentPlan] = []
@@ -97,6 +98,26 @@ class Driver:
                 previous = fingerprint(stage, previous, tools if stage == "compile" else None)
                 plan.keys[stage] = previous
         return plans
+
+    def _release_for(self, spec: BuildSpec, families) -> None:
+        """Without ``--backend-version``: the newest release whose layout every family of the build supports
+        (a family that does not build the newest release's layout yet gets the newest one it does), said in the log."""
+        if spec.backend_version is not None:
+            return
+        from . import profiles
+
+        wanted = [f for f in families if f.layouts]
+        newest = profiles.resolve(None)
+        if all(newest.layout in f.layouts for f in wanted):
+            return
+        fits = [v for v in profiles.known() if all(profiles.resolve(v).layout in f.layouts for f in wanted)]
+        if not fits:
+            raise UsageError("the families of this build support no backend release in common: "
+                             + ", ".join(f"{f.name} ({', '.join(f.layouts)})" for f in wanted))
+        spec.backend_version = fits[-1]
+        names = ", ".join(f.name for f in wanted if newest.layout not in f.layouts)
+        self.log(f"{names}: built for {fits[-1]}, the newest release whose layout it supports "
+                 f"({profiles.resolve(fits[-1]).layout}; {newest.version} writes the {newest.layout} layout)")
 
     # -- stages ---------------------------------------------------------------------------------
     def _run_stage(self, stage: str, plan: ComponentPlan, spec: BuildSpec,

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import BUILD
 from tiny_llava import IMAGE_SIZE, png, visual_tokens
 
 ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
@@ -192,3 +193,18 @@ def test_refused_options_fail_in_one_line(tiny_llava, tmp_path, capsys, extra, m
     code = forge(*argv, *extra)
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_without_a_backend_version_llava_builds_for_the_newest_release_of_its_layout(tiny_llava, tmp_path, capsys):
+    """The newest release writes the LLM-API layout, which llava does not build yet: with no --backend-version the
+    build takes the newest engine release and says so; naming the LLM-API release is refused in one line."""
+    out = tmp_path / "repo"
+    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(out), *BUILD) == 0
+    err = capsys.readouterr().err
+    assert f"llava: built for {ENGINE}, the newest release whose layout it supports" in err
+    manifest = json.loads((out / "forge-manifest.json").read_text())
+    assert manifest["spec"]["backend_version"] == ENGINE
+    assert {"ensemble", "multimodal_encoders", "tensorrt_llm"} <= {p.name for p in out.iterdir() if p.is_dir()}
+    assert forge("build", "--family", "llava", "--model", str(tiny_llava), "--out", str(tmp_path / "r2"),
+                 "--target", "python", "--backend-version", "latest") == 2
+    assert "is not built by forge yet" in capsys.readouterr().err

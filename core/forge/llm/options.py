@@ -109,6 +109,10 @@ LORA = Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR,… (--lora N
 _MULTIMODAL = {"hf_model_path", "max_num_images", "multimodal_model_path", "visual_model_path",
                "multimodal_encoders_name"}
 
+#: preprocessing / postprocessing parameters of the engine releases that the python target's text front reads
+#: on the LLM-API interface (the tensorrtllm target refuses them there: the LLM API tokenizes)
+TEXT_FRONT = {"add_special_tokens", "skip_special_tokens"}
+
 #: tensorrt_llm parameters the python target honours too (same name, same meaning).
 _PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms", "lora_cache_host_memory_bytes",
                  "lora_cache_max_adapter_size", "lora_prefetch_dir", "enable_kv_cache_reuse",
@@ -166,7 +170,7 @@ def check_options(spec) -> Profile:
             _check_parameter(by_name[name], value, profile)
         elif name in fixed:
             raise UsageError(f"-o {name} is set by forge for backend {profile.version} and cannot be changed")
-        elif name in elsewhere:
+        elif name in elsewhere and not (profile.llmapi and name in TEXT_FRONT):
             raise UsageError(f"-o {name} is not a parameter of {_backend(profile)} {profile.version} "
                              f"(it exists in {elsewhere[name]})",
                              hint="drop it, or choose a --backend-version that has it")

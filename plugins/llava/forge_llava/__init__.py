@@ -99,7 +99,7 @@ class LlavaPlugin:
 
         target = spec.target or TARGETS[0]
         profile = check_options(spec)
-        if profile.llmapi:
+        if profile.llmapi:  # only named explicitly: without --backend-version the driver picks an engine release
             raise UsageError(f"llava on TensorRT-LLM {profile.version} (one LLM-API tensorrt_llm model taking image_url) "
                              "is not built by forge yet",
                              hint="build --backend-version 1.2.1: the vision encoder fills the decoder's prompt table")
@@ -134,7 +134,7 @@ class LlavaPlugin:
 
         register(Family(name=FAMILY, kind="decoder", architectures=ARCHITECTURES, targets=TARGETS,
                         description="LLaVA-1.5 (CLIP vision tower + projector + Llama) as a multimodal ensemble",
-                        default_target=TARGETS[0], components=self.components,
+                        default_target=TARGETS[0], components=self.components, layouts=("engine",),
                         quants=tuple(q for q in QUANTS), parallel_targets=("tensorrtllm",),
                         options=DeferredOptions(_options)))
 
