@@ -328,3 +328,9 @@ def test_deploy_gives_the_llm_api_its_gpus_on_one_node(tiny_gpt2, tmp_path, caps
     assert "needs 2 GPUs (tp × pp)" in capsys.readouterr().err
     assert main(["deploy", "slurm", str(out), "--out", str(script)]) == 1
     assert "no NGC tritonserver container ships TensorRT-LLM v1.3.0rc29" in capsys.readouterr().err
+
+
+def test_dynamic_batching_options_are_refused_on_the_python_targets_llmapi_model(tiny_gpt2, tmp_path, capsys):
+    """Bad input: -o max_queue_delay_microseconds on a model without a batch dimension (nothing would read it)."""
+    assert build(tiny_gpt2, tmp_path / "repo", "--target", "python", "-o", "max_queue_delay_microseconds=100") == 2
+    assert "does not use" in capsys.readouterr().err and not (tmp_path / "repo").exists()

@@ -38,7 +38,7 @@ def check_spec(spec) -> None:
              if getattr(spec.limits, name) != getattr(default, name)]
     if given:
         raise UsageError(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect on --target {TARGET}: "
-                         "seed 000's model batches nothing and generates within the model's own limits",
+                         "the pipeline model batches nothing and generates within the model's own limits",
                          hint="drop them")
 
 

@@ -20,7 +20,7 @@ from forge.components import Artifact, Component, TritonModel
 from forge.errors import UsageError
 from forge.served.forge_glue import TOKENIZER_FILES
 
-from ..profiles import YAML, Profile
+from ..profiles import Profile
 from .interface import LLM, tensorrt_llm_io, truthy
 
 CHECKPOINT_DIR = "hf"  # tensorrt_llm/1/hf: model.yaml's ``model`` (relative to the model's version directory)
@@ -164,6 +164,8 @@ NO_EFFECT: Mapping[str, Mapping[str, str]] = {
     },
     "python": {**{o: _TEXT_MODELS for o in ("preprocessing_instance_count", "postprocessing_instance_count",
                                             "bls_instance_count")},
+               **{o: "tunes Triton's dynamic batcher, which a model without a batch dimension (the LLM-API "
+                     "interface's) does not use" for o in ("max_queue_delay_microseconds", "max_queue_size")},
                "exclude_input_in_output": "is each request's sampling_param_exclude_input_from_output on this "
                                           "interface"},
 }
@@ -288,8 +290,3 @@ def lora_files(lora: Mapping[str, Mapping[str, Any]]) -> dict[str, Path]:
             if path.is_file() and (path.name == "adapter_config.json" or path.suffix == ".safetensors"):
                 files[f"1/lora/{name}/{path.name}"] = path
     return files
-
-
-def yaml_declared(profile: Profile) -> dict[str, Any]:
-    """The profile's model.yaml keys: dotted path → the -o option that sets it (None: set by forge)."""
-    return {p.key: (None if p.fixed else p.name) for p in profile.parameters if p.model == YAML}

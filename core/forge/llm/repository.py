@@ -62,7 +62,7 @@ def tokenizer_files(source: Path) -> dict[str, bytes]:
     return found
 
 
-def _tokenizer_defaults(source: Path, spec) -> dict[str, Any]:
+def tokenizer_defaults(source: Path, spec) -> dict[str, Any]:
     """End/pad ids and extra end-of-turn ids, read once at build time (and proving the tokenizer loads)."""
     from forge.served import forge_text
 
@@ -281,7 +281,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
         return [_llmapi_model(adapter, component, artifact, ctx, profile)]
     meta = dict(artifact.meta or {})
     tokenizer = tokenizer_files(component.source)
-    defaults = _tokenizer_defaults(component.source, ctx.spec)
+    defaults = tokenizer_defaults(component.source, ctx.spec)
     builder = LLM_BUILDERS.get(ctx.target)
     if builder is None:
         raise UsageError(f"decoders build for --target {' or '.join(LLM_BUILDERS)}, not {ctx.target}")

@@ -158,9 +158,9 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
 def _text_parameters(component: Component, ctx) -> dict[str, Any]:
     """What the LLM-API interface's text front needs: the tokenizer (beside the weights) and end ids."""
     from ..interface import truthy
-    from ..repository import _tokenizer_defaults
+    from ..repository import tokenizer_defaults
 
-    defaults = _tokenizer_defaults(component.source, ctx.spec)
+    defaults = tokenizer_defaults(component.source, ctx.spec)
     return {"forge_layout": "llmapi", "tokenizer_dir": WEIGHTS_DIR,
             "end_id": ctx.option("end_id", defaults["end_id"]), "pad_id": ctx.option("pad_id", defaults["pad_id"]),
             "stop_token_ids": ctx.option("stop_token_ids", defaults["stop_token_ids"]),
@@ -170,11 +170,11 @@ def _text_parameters(component: Component, ctx) -> dict[str, Any]:
 
 
 def _text_files(source: Path) -> dict[str, Path | bytes]:
-    """The tokenizer files beside the weights (``1/hf``) and the text modules the front imports."""
-    from ...served.forge_glue import TOKENIZER_FILES
+    """The tokenizer files beside the weights (``1/hf``, as the LLM-API layout lays them out) and the text modules
+    the front imports."""
+    from ..llmapi import checkpoint_files  # its CHECKPOINT_DIR is this WEIGHTS_DIR: one layout of 1/hf
 
-    files: dict[str, Path | bytes] = {f"1/{WEIGHTS_DIR}/{name}": source / name for name in TOKENIZER_FILES
-                                      if (source / name).is_file()}
+    files: dict[str, Path | bytes] = dict(checkpoint_files(source, []))
     files["1/forge_llmapi.py"] = served.LLMAPI.read_bytes()
     files["1/forge_text.py"] = served.TEXT.read_bytes()
     return files
