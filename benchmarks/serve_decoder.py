@@ -1,14 +1,15 @@
 """Serving benchmark: forge's DEFAULT python-target build vs seed 000's model, one run on one server.
 
 (a) forge default: ``forge build --family F --model M --target python`` (no other flag: whatever dtype
-    and threads the default chooses on this machine), asked through its ensemble;
+    and threads the default chooses on this machine), asked through its text model (the LLM-API
+    ``tensorrt_llm`` model of the newest release, or an older release's ensemble);
 (b) seed 000's model as that recipe writes it: ``forge build --target hf-pipeline`` (the Hugging Face
     ``text-generation`` pipeline per request, float16, torch's default threads, max_batch_size 0,
     one instance), under the name prefix ``seed_``.
 Both are greedy and get the same chat-templated prompts; both run in one real tritonserver; no
 environment variable is set. Closed-loop load at concurrency 1 and 8, 32 new tokens; generated tokens
 are counted with the model's tokenizer in the text each returns (requests ask for the generated text
-only: ``exclude_input_in_output``, an input both models honour). Prints both configurations,
+only: ``sampling_param_exclude_input_from_output`` / ``exclude_input_in_output``, inputs the models honour). Prints both configurations,
 req/s, generated tokens/s, p50/p99 latency and the tokens/s ratio at concurrency 8 (goal ≥ 4×), and
 writes them to benchmarks/results/serve_decoder-<date>.json (``--json-out``), the table the docs show.
 
@@ -98,7 +99,7 @@ def measure(url: str, model: str, tokenizer, concurrency: int, requests: int, ma
         inputs = session.config(model)
     # Both models return only the generated text when asked (a request input, not a build flag), so the
     # count is exact: no echoed chat-templated prompt to strip.
-    target = bench.Target(inputs, stream=False, extra={"exclude_input_in_output": True},
+    target = bench.Target(inputs, stream=False, extra={"exclude_input": True},
                           count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     items = bench.prompts([chat(tokenizer, p) for p in PROMPTS], requests, max_tokens)
     bench.run(url, target, items[:2], concurrency=1)  # warm-up, not measured
@@ -170,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copytree(Path(scratch) / "default", repo, ignore=shutil.ignore_patterns("forge-manifest.json"))
             shutil.copytree(Path(scratch) / "seed" / f"{SEED}ensemble", repo / f"{SEED}ensemble")
             with TritonServer(repo, startup_timeout=900) as server:
-                for name, model in (("forge default build", "ensemble"), (BASELINE, f"{SEED}ensemble")):
+                # the default build's text model: its ensemble, or (the LLM-API layout) its tensorrt_llm model
+                entry = "ensemble" if (Path(scratch) / "default" / "ensemble").is_dir() else "tensorrt_llm"
+                for name, model in (("forge default build", entry), (BASELINE, f"{SEED}ensemble")):
                     for concurrency in (1, 8):
                         count = max(4, args.requests // 4) if concurrency == 1 else args.requests
                         started = time.perf_counter()
