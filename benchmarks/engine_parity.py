@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[1] / "core" / "forge" / "served" / "decoder_engine" / "forge_decoder"
+RUNTIME = Path(__file__).resolve().parents[1] / "core" / "forge" / "in_triton" / "python_target" / "forge_decoder"
 
 
 def runtime():

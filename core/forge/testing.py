@@ -11,8 +11,8 @@ import contextlib
 from typing import Any, Iterator
 from unittest import mock
 
-from . import plugins
-from .plugins import Registry, load_registry
+from . import registry as plugins
+from .registry import Registry, load_registry
 
 
 def registry_with(*extra: tuple[str, Any], entry_points: bool = False) -> Registry:
@@ -33,7 +33,7 @@ def use_plugins(*extra: tuple[str, Any], entry_points: bool = False) -> Iterator
 
 
 class FakeEntryPoint:
-    """Stands in for an installed ``forge.plugins`` entry point (a ``forge.plugins.EntryPoint``)."""
+    """Stands in for an installed ``forge.plugins`` entry point (a ``forge.registry.EntryPoint``)."""
 
     def __init__(self, name: str, target: Any, distribution: str = "fake-forge-plugin",
                  version: str = "0.0.0"):

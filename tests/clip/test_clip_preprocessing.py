@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 
-from forge.served.encoder.image import ImagePreprocessor, decode_images
+from forge.in_triton.encoder_models.image import ImagePreprocessor, decode_images
 from forge.encoder.samples import synthetic_image
 
 
@@ -31,7 +31,7 @@ def pil(data: bytes):
 
 
 def served_preprocessor(repo_source, role="vision"):
-    from forge.encoder.preprocessing import image_preprocessor
+    from forge.encoder.input_models import image_preprocessor
 
     return image_preprocessor(repo_source.interface(role))
 
@@ -116,8 +116,8 @@ def test_served_clip_tokenizer_equals_open_clips(open_clip_model, tmp_path):
     """Cleaning (ftfy, HTML entities, whitespace, case), truncation to 77 with end-of-text, zero padding."""
     import open_clip
 
-    from forge.encoder.options import EncoderOptions
-    from forge.encoder.preprocessing import text_tokenizer
+    from forge.encoder.encoder_options import EncoderOptions
+    from forge.encoder.input_models import text_tokenizer
 
     src = source(open_clip_model)
     src.write_assets("text", tmp_path)
@@ -131,8 +131,8 @@ def test_served_clip_tokenizer_equals_open_clips(open_clip_model, tmp_path):
 def test_served_clip_tokenizer_equals_the_hf_tokenizer(hf_clip_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from forge.encoder.options import EncoderOptions
-    from forge.encoder.preprocessing import text_tokenizer
+    from forge.encoder.encoder_options import EncoderOptions
+    from forge.encoder.input_models import text_tokenizer
 
     src = source(hf_clip_model)
     src.write_assets("text", tmp_path)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from forge import repository
+from forge import staging as repository
 from forge.cli import main
-from forge.validate import validate_repository
+from forge.checks import validate_repository
 
 HERE = Path(__file__).parent
 
@@ -149,7 +149,7 @@ def test_doctor_reports_toolchain(toy, capsys):
 def test_dry_run_plan_names_the_cache_paths_of_a_real_build(toy, toy_model, tmp_path, cache):
     """The plan's paths are where a real build puts its artifacts; the dry run leaves no cache entry."""
     from forge.driver import Driver
-    from forge.plugins import registry
+    from forge.registry import registry
     from forge.spec import BuildSpec
 
     spec = BuildSpec(families=["toy"], model=toy_model, out=tmp_path / "repo", dry_run=True)

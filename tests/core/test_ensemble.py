@@ -11,7 +11,7 @@ from forge.cli import main
 from forge.components import Edge
 from forge.ensemble import assemble, check
 from forge.errors import ValidationError
-from forge.validate import validate_repository
+from forge.checks import validate_repository
 
 
 def _models():

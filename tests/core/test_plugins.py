@@ -10,10 +10,10 @@ import zipfile
 
 import pytest
 
-from forge import hookimpl, plugins
+from forge import hookimpl, registry as plugins
 from forge.cli import main
 from forge.errors import PluginError
-from forge.plugins import load_registry, registry
+from forge.registry import load_registry, registry
 from forge.testing import FakeEntryPoint, fake_entry_points, registry_with
 
 
@@ -149,9 +149,9 @@ def test_decoder_options_are_made_when_first_read(tmp_path):
     """Loading the plugins does not fold tensorrtllm_backend's releases into the decoder families' options
     (~20 ms of every command, though only build/options/validate read them); reading them does, and they are
     the same options as the ones made directly."""
-    code = ("import sys\nfrom forge.plugins import load_registry\nfamilies = load_registry().families\n"
+    code = ("import sys\nfrom forge.registry import load_registry\nfamilies = load_registry().families\n"
             "assert 'forge.profiles' not in sys.modules\n"
-            "from forge.llm.options import LORA, decoder_options\n"
+            "from forge.llm.decoder_options import LORA, decoder_options\n"
             "from forge_llava import VISION_OPTIONS\n"
             "assert tuple(families['llama'].options) == decoder_options() + (LORA,)\n"
             "assert tuple(families['llava'].options) == decoder_options() + VISION_OPTIONS\n"

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.heavy
 def test_toy_ensemble_answers_on_tritonserver(toy, toy_model, tmp_path):
     import tritonclient.http as http
 
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     out = tmp_path / "repo"
     assert main(["build", "--family", "toy", "--model", str(toy_model), "--out", str(out)]) == 0
@@ -31,9 +31,9 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(toy, toy
     user asked for is not replaced: that start fails with tritonserver's own words."""
     import socket
 
-    import forge.serving.server as server_module
+    import forge.server.triton_server as server_module
     from forge.errors import ForgeError
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     out = tmp_path / "repo"
     assert main(["build", "--family", "toy", "--model", str(toy_model), "--out", str(out)]) == 0

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 import forge
-from forge import served
+from forge import in_triton as served
 
 SERVED = Path(served.__file__).resolve().parent
 
@@ -49,7 +49,7 @@ def test_responses_hold_only_requested_outputs():
     """The tritonserver 2.51 + Python 3.12 crash (unrequested outputs freed without the GIL) cannot happen."""
     import numpy as np
 
-    from forge.served import forge_glue
+    from forge.in_triton import forge_glue
 
     class Tensor:
         def __init__(self, name, value):

@@ -1,4 +1,4 @@
-"""Build decoder repositories in tests by calling ``forge.llm.repository`` the way the driver does."""
+"""Build decoder repositories in tests by calling ``forge.llm.decoder_models`` the way the driver does."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from forge import ensemble
-from forge import repository as repo_writer
+from forge import staging as repo_writer
 from forge.components import Artifact, Component, TritonModel
 from forge.context import BuildContext, StageRecord
-from forge.llm import repository
+from forge.llm import decoder_models as repository
 from forge.spec import BuildSpec
-from forge.validate import validate_repository
+from forge.checks import validate_repository
 
 import engine_double
 

@@ -12,7 +12,7 @@ from forge.components import Artifact
 from forge import profiles
 from forge.llm.interface import tensorrt_llm_io
 from forge.testing import use_plugins
-from forge.validate import validate_repository
+from forge.checks import validate_repository
 
 
 class EngineDoublePlugin:

@@ -23,8 +23,8 @@ import yaml
 from forge import profiles
 from forge import tritonconfig as tc
 from forge.cli import main
-from forge.served import forge_llmapi
-from forge.validate import validate_repository
+from forge.in_triton import forge_llmapi
+from forge.checks import validate_repository
 
 ARGS = json.loads((Path(__file__).parent / "data" / "llmapi_args.json").read_text())
 NEWEST = profiles.resolve(None)
@@ -302,7 +302,7 @@ def test_responses_carry_text_and_only_what_was_asked():
 
 def test_the_served_model_file_uses_only_the_public_llm_api():
     """model.py imports LLM, SamplingParams and LoRARequest from their public modules, nothing private."""
-    from forge import served
+    from forge import in_triton as served
 
     text = served.LLMAPI_MODEL.read_text()
     imports = [line.strip() for line in text.splitlines() if "tensorrt_llm" in line and "import" in line]

@@ -11,8 +11,8 @@ import helpers
 from forge import tritonconfig as tc
 from forge.errors import ForgeError, UsageError
 from forge import profiles
-from forge.llm import repository
-from forge.served import PREPROCESSING
+from forge.llm import decoder_models as repository
+from forge.in_triton import PREPROCESSING
 
 # The ensembles' interfaces as read from tensorrtllm_backend's ensemble/config.pbtxt at each tag:
 # (name, dtype, dims, optional).
@@ -239,7 +239,7 @@ def test_tensor_parallel_engine(hf_dir, tmp_path):
     assert sorted(p.name for p in (out / "tensorrt_llm" / "1").iterdir()) == ["config.json", "rank0.engine", "rank1.engine"]
     assert any("mpirun -n 2" in line for line in ctx.logged)
     (out / "tensorrt_llm" / "1" / "rank1.engine").unlink()
-    from forge.validate import validate_repository
+    from forge.checks import validate_repository
 
     assert any("1 rank engine files but tp×pp = 2" in p for p in validate_repository(out))
 

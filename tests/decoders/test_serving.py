@@ -24,7 +24,7 @@ CONTINUATION = "Paris. héllo 日本語 🙂 naïve"  # multi-byte characters ar
 
 
 def _tokenizer(path):
-    from forge.served import forge_text
+    from forge.in_triton import forge_text
 
     return forge_text.load_tokenizer(str(path))
 
@@ -62,7 +62,7 @@ def ascii_of(text: str) -> str:
 def test_preprocessing_and_postprocessing_answer(text_repo, tokenizer_dirs):
     import tritonclient.http as http
 
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     with TritonServer(text_repo) as server:
         client = http.InferenceServerClient(server.http_url)
@@ -148,7 +148,7 @@ def test_ensemble_and_bls_stream_without_losing_text(tokenizer_dirs, tmp_path):
     backend's (split characters become U+FFFD); BLS pieces join to the full text."""
     import tritonclient.grpc as grpc
 
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     source = tokenizer_dirs["sentencepiece"]
     out = tmp_path / "repo"
@@ -194,7 +194,7 @@ def test_python_target_repository_generates_and_streams(tiny_gpt2, tmp_path):
     import tritonclient.grpc as grpc
 
     from forge.cli import main
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     out = tmp_path / "repo"
     assert main(["build", "--backend-version", ENGINE, "--family", "gpt", "--model", str(tiny_gpt2), "--out", str(out), "--target", "python",
@@ -221,7 +221,7 @@ def test_older_profiles_load_and_answer(tokenizer_dirs, tmp_path):
     """v0.5.0 (UINT32 ids, [-1] text) and v0.13.0 ensembles load on tritonserver and return the text."""
     import tritonclient.http as http
 
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     source = tokenizer_dirs["byte_level"]
     out = tmp_path / "repo"

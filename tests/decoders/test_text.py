@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forge.served import forge_text
+from forge.in_triton import forge_text
 
 TEXTS = ["The capital of France is Paris.", "  two  spaces\nand a\ttab", "héllo wörld — 日本語 🙂 naïve café",
          "x", " leading space"]

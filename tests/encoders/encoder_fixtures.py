@@ -166,7 +166,7 @@ def serving(repo: Path):
     """A real tritonserver on ``repo`` and an HTTP client for it."""
     import tritonclient.http as http
 
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     with TritonServer(repo) as server:
         yield server, http.InferenceServerClient(server.http_url, concurrency=8)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forge.served.encoder.onnx_encoder import check_request, merge
-from forge.served.encoder.tokenizer import TextTokenizer, decode_texts
-from forge.encoder.quantize import trt_cache_header, write_trt_cache
+from forge.in_triton.encoder_models.onnx_encoder import check_request, merge
+from forge.in_triton.encoder_models.tokenizer import TextTokenizer, decode_texts
+from forge.encoder.onnx_quant import trt_cache_header, write_trt_cache
 
 
 def test_merge_pads_ragged_requests_with_zeros():

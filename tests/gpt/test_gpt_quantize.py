@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from forge.cli import main
-from forge.llm import quantize
+from forge.llm import weight_quant as quantize
 from forge.llm.tensorio import SafetensorsFile
 
 ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own

@@ -19,7 +19,7 @@ from gpt_models import make_gpt2
 
 import forge_gpt
 from forge.cli import main
-from forge.llm import engine, loadercheck, quantlayout
+from forge.llm import trtllm_build as engine, loadercheck, quantlayout
 from forge.spec import BuildSpec, Limits
 from forge.testing import use_plugins
 

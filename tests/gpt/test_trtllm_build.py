@@ -15,7 +15,7 @@ from forge.cli import main
 from forge.components import Artifact
 from forge.context import BuildContext, StageRecord
 from forge.errors import ForgeError, UsageError
-from forge.llm import checkpoint, engine
+from forge.llm import checkpoint, trtllm_build as engine
 from forge.spec import BuildSpec, Limits
 
 ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own

@@ -15,7 +15,7 @@ import forge_llama
 from forge.cli import main
 from forge.context import BuildContext, StageRecord
 from forge.errors import UsageError
-from forge.llm import checkpoint, quantize
+from forge.llm import checkpoint, weight_quant as quantize
 from forge.llm.quantlayout import MODELOPT_KEYS
 from forge.llm.reference import ReferenceModel, dequantize_awq, load_rank, max_abs_diff
 from forge.spec import BuildSpec

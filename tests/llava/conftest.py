@@ -70,7 +70,7 @@ def served_repo(llava_repo, tiny_llava, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llava_server(served_repo, tmp_path_factory):
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     with TritonServer(served_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log") as server:
         yield server

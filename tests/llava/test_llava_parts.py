@@ -11,7 +11,7 @@ from tiny_llava import png
 
 
 def test_placeholder_expands_into_prompt_table_ids():
-    from forge.served.forge_text import expand_image
+    from forge.in_triton.forge_text import expand_image
 
     assert expand_image([1, 5, 9, 7], 9, "<image>", 100, 3) == [1, 5, 100, 101, 102, 7]
     assert expand_image([1, 5, 7], 9, "<image>", 100, 0) == [1, 5, 7]  # text-only
@@ -49,7 +49,7 @@ def test_language_model_part_is_a_plain_llama_checkpoint(tiny_llava):
 
 
 def test_images_arrive_raw_or_base64():
-    from forge.served.multimodal.encoders import from_base64
+    from forge.in_triton.multimodal_encoders.encoders import from_base64
 
     image = png(3)
     assert from_base64(image) == image

@@ -56,7 +56,7 @@ def _reference(model, prompt: str, image: bytes | None) -> tuple[list[int], str]
     """transformers' greedy new token ids and their text (decoded as the served postprocessing decodes)."""
     from transformers import AutoTokenizer
 
-    from forge.served import forge_text
+    from forge.in_triton import forge_text
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     ids = reference_generate(model, prompt, image, NEW_TOKENS)
@@ -143,7 +143,7 @@ def test_each_image_keys_its_own_kv_cache_blocks(llava_server):
 
 def test_streamed_token_ids_of_a_mixed_batch_equal_transformers(tiny_llava, llava_server):
     """Image and text-only requests streamed together from the decoupled tensorrt_llm: each one's ids = generate's."""
-    from forge.serving.client import GrpcSession
+    from forge.clients.inference import GrpcSession
 
     client = _client(llava_server)
     jobs = [(PROMPT, png(1)), (TEXT_PROMPT, None), (PROMPT, png(2)), ("USER: <image>\nDescribe it. ASSISTANT:", png(3))]
@@ -195,7 +195,7 @@ def test_placeholder_and_image_must_go_together(llava_server):
 
 def test_streaming_ensemble_with_images(tiny_llava, llava_server):
     """The decoupled ensemble streams image and text-only requests in flight together."""
-    from forge.serving.client import GrpcSession, text_of, text_request
+    from forge.clients.inference import GrpcSession, text_of, text_request
 
     jobs = [(PROMPT, png(1)), (TEXT_PROMPT, None), (PROMPT, png(2))]
 
@@ -244,7 +244,7 @@ def test_openai_chat_answers_an_image_url_as_the_generate_endpoint_does(llava_se
     """A data: URL image part: the placeholder goes where the part is, the answer equals generate's; an http URL
     and bytes that are not an image are refused with 400 naming why."""
     openai = pytest.importorskip("openai")
-    from forge.serving.openai import OpenAIServer
+    from forge.openai_front import OpenAIServer
 
     front = OpenAIServer(served_repo, llava_server.grpc_url, port=0).start()
     try:

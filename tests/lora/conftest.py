@@ -91,7 +91,7 @@ def repos(models, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def server(repos, tmp_path_factory):
     """One real tritonserver for both repositories (their model names do not clash)."""
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     from forge.testing import merge_repositories
 

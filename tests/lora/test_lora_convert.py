@@ -23,8 +23,8 @@ import math
 import numpy as np
 import pytest
 
-from forge.llm import lora
-from forge.repository import MANIFEST
+from forge.llm import peft as lora
+from forge.staging import MANIFEST
 
 ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
 

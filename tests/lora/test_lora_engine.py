@@ -10,9 +10,9 @@ import torch
 
 from lora_models import greedy, peft_model
 
-from forge.served.decoder_engine.forge_decoder import engine as E
-from forge.served.decoder_engine.forge_decoder import lora as L
-from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits, RequestError
+from forge.in_triton.python_target.forge_decoder import engine as E
+from forge.in_triton.python_target.forge_decoder import lora as L
+from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits, RequestError
 
 
 def served_modules(repo, prefix):

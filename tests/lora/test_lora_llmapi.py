@@ -13,9 +13,9 @@ import yaml
 
 from forge import tritonconfig as tc
 from forge.cli import main
-from forge.served import forge_llmapi
-from forge.serving.client import ModelInputs
-from forge.serving.lora import LoraRequests, repository_adapters
+from forge.in_triton import forge_llmapi
+from forge.clients.inference import ModelInputs
+from forge.clients.lora_requests import LoraRequests, repository_adapters
 
 
 def build(models, out, *extra) -> int:
@@ -55,7 +55,7 @@ def _as_dict(config) -> dict:
 
 
 def test_an_adapter_on_a_module_the_release_cannot_serve_is_refused(models, tmp_path, capsys, monkeypatch):
-    from forge.llm import lora
+    from forge.llm import peft as lora
 
     monkeypatch.setattr(lora, "LLMAPI_MODULES", lora.LLMAPI_MODULES - {"mlp_gate"})
     assert build(models, tmp_path / "repo") == 2
@@ -73,7 +73,7 @@ def test_the_python_target_serves_the_adapters_by_name(models, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
     from lora_models import greedy, peft_model
 
     out = tmp_path / "repo"

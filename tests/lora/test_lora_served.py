@@ -35,7 +35,7 @@ def references(models):
 
 @pytest.fixture(scope="module")
 def grpc(server):
-    from forge.serving.client import GrpcSession
+    from forge.clients.inference import GrpcSession
 
     with GrpcSession(server.grpc_url) as session:
         yield session
@@ -70,7 +70,7 @@ def test_each_adapter_answers_like_transformers_and_peft(grpc, repos, references
 
 
 def test_mixed_concurrent_batch_gives_each_request_its_own_answer(grpc, server, references):
-    from forge.serving.client import GrpcSession
+    from forge.clients.inference import GrpcSession
 
     jobs = [(adapter, i) for adapter in (None, "A", "B") for i in range(len(PROMPTS["gpt"]))] * 2
     answers: dict[int, list[int]] = {}
@@ -184,7 +184,7 @@ def test_each_adapter_is_an_openai_model_id(server, repos, models):
     openai = pytest.importorskip("openai")
     from transformers import AutoTokenizer
 
-    from forge.serving.openai import OpenAIServer
+    from forge.openai_front import OpenAIServer
 
     tokenizer = AutoTokenizer.from_pretrained(models["llama"])
     prompt = "abc"

@@ -239,7 +239,7 @@ def served_graph_outputs(repo: Path, texts: list[str]):
     """Run the repository's tokenizer and encoder graph in process, as the server would."""
     import onnxruntime as ort
 
-    from forge.served.encoder.tokenizer import from_parameters
+    from forge.in_triton.encoder_models.tokenizer import from_parameters
     from forge.tritonconfig import read
 
     params = {k: v.string_value for k, v in read(repo / "minilm_tokenizer").parameters.items()}

@@ -138,7 +138,7 @@ def test_openai_embeddings_equal_sentence_transformers(minilm_server, reference)
     """POST /v1/embeddings through the real openai client: float and base64, one text and a list; dimensions
     other than the model's refused with 400; token-id input refused."""
     openai = pytest.importorskip("openai")
-    from forge.serving.openai import OpenAIServer
+    from forge.openai_front import OpenAIServer
 
     repo, server, _ = minilm_server
     front = OpenAIServer(repo, server.grpc_url, port=0).start()

@@ -93,7 +93,7 @@ PROMPTS = ("What is machine learning?", "hello world")
 
 def ask(http_url: str, model: str, prompt: str, max_tokens: int = 20) -> str:
     """The seed's curl: POST /v2/models/<model>/generate; the generated text."""
-    from forge.serving.client import generate, text_of
+    from forge.clients.inference import generate, text_of
 
     body = {**CURL_BODY, "text_input": prompt, "max_tokens": max_tokens}
     return text_of(generate(http_url, model, body, timeout=120)["text_output"])
@@ -102,7 +102,7 @@ def ask(http_url: str, model: str, prompt: str, max_tokens: int = 20) -> str:
 @pytest.fixture(scope="session")
 def reference(single_rank_repo) -> dict[str, dict[str, str]]:
     """family → prompt → the answer of the single-rank (tp 1) build, served by one tritonserver."""
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     with TritonServer(single_rank_repo, startup_timeout=600) as server:
         return {family: {p: ask(server.http_url, f"{family}_ensemble", p) for p in PROMPTS}
@@ -111,6 +111,6 @@ def reference(single_rank_repo) -> dict[str, dict[str, str]]:
 
 def leftovers(repo: Path) -> list[str]:
     """``PID: command`` of each live process serving from ``repo`` (ranks, stubs, followers, mpirun)."""
-    from forge.serving.server import describe_process, repository_processes
+    from forge.server.triton_server import describe_process, repository_processes
 
     return [describe_process(pid) for pid in repository_processes(repo)]

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-RUNTIME = Path(__file__).resolve().parents[2] / "core" / "forge" / "served" / "decoder_engine"
+RUNTIME = Path(__file__).resolve().parents[2] / "core" / "forge" / "in_triton" / "python_target"
 
 
 def _rank(rank: int, world: int, sizes: list[int], dtype, inputs, outputs, staged, pads) -> None:

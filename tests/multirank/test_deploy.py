@@ -54,8 +54,8 @@ def test_slurm_script_for_a_tp2_python_repository_in_the_profile_container(repos
 
 
 def test_slurm_ranks_of_a_tensorrtllm_world_get_their_own_shm_prefix(repos):
-    from forge.serving import deploy as d
-    from forge.serving import launch
+    from forge import deployment as d
+    from forge.server import launch
 
     world = launch.Layout(4, ("tensorrt_llm",), True)
     rt = d.Runtime("img", "v1.0.0", "/opt/tritonserver/bin/tritonserver", "python3")
@@ -144,7 +144,7 @@ def test_python_target_parallelism_it_cannot_run_is_refused(models, tmp_path, ca
 def test_a_tp2_repository_started_outside_a_launch_fails_in_one_line(repos, tmp_path):
     """tritonserver alone (no mpirun): the model refuses to load with the reason, no hang."""
     from forge.errors import ForgeError
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     with pytest.raises(ForgeError) as info:
         TritonServer(repos["gpt-tp2"], startup_timeout=300).start()

@@ -97,7 +97,7 @@ def restarted_then_stopped(server: Serve, answers: dict[str, str]) -> tuple[int,
 
 
 def grpc_answer(grpc_url: str, prompt: str) -> str:
-    from forge.serving.client import GrpcSession, generate_payload, text_of
+    from forge.clients.inference import GrpcSession, generate_payload, text_of
 
     with GrpcSession(grpc_url) as session:
         inputs = session.config("ensemble")
@@ -168,7 +168,7 @@ def test_llama_tp2_with_the_engine_in_its_own_process_answers_like_tp1_and_its_d
     SIGTERM then leaves nothing."""
     from conftest import build
 
-    from forge.serving.server import engine_processes
+    from forge.server.triton_server import engine_processes
 
     need_mpirun()
     repo = build("llama", models["llama"], tmp_path / "llama-tp2-hosted", "--tp", "2", "--max-input-len", "32",
@@ -197,7 +197,7 @@ def test_llama_tp2_with_the_engine_in_its_own_process_answers_like_tp1_and_its_d
 def test_deploy_shell_script_runs_the_ranks_and_sigterm_stops_them(repos, reference, tmp_path):
     """``forge deploy shell --container-image none``: the script itself serves, as written."""
     from forge.cli import main
-    from forge.serving.server import free_ports
+    from forge.server.triton_server import free_ports
 
     need_mpirun()
     repo = repos["gpt-tp2"]
@@ -240,8 +240,8 @@ def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks, decoder):
     CPU: the arithmetic and the commands a captured step replays, all-reduces inside the layers), static or
     paged, its layers eager or through torch.compile's tracing (the all-reduces between the compiled pieces), or
     with overlapped steps (the followers gather their tokens from their own picks)."""
-    import forge.served as served
-    from forge.serving.server import free_port
+    import forge.in_triton as served
+    from forge.server.triton_server import free_port
 
     need_mpirun()
     result = subprocess.run(

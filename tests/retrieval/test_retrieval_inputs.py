@@ -73,7 +73,7 @@ def test_build_flags_are_checked(minilm_model, tmp_path, capsys):
 @pytest.mark.heavy
 def test_dimension_mismatch_is_refused_at_build_and_index(minilm_model, tmp_path, capsys):
     """A collection of 8-d vectors cannot take MiniLM's 384-d embeddings."""
-    from forge.served.retriever import forge_store
+    from forge.in_triton.retriever import forge_store
 
     db = str(tmp_path / "small.db")
     with store.opened(db) as client:
@@ -92,7 +92,7 @@ def test_dimension_mismatch_is_refused_at_build_and_index(minilm_model, tmp_path
 
 @pytest.mark.heavy
 def test_unreachable_store_fails_index_in_one_line(minilm_model, tmp_path, capsys):
-    from forge.serving.server import free_port
+    from forge.server.triton_server import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"
     repo = built(tmp_path / "r", "--family", "minilm", "--model", str(minilm_model), "--target", "python",

@@ -88,8 +88,8 @@ def test_a_wrong_token_is_refused_in_one_line(minilm_model, corpus_file, milvus_
 def test_hnsw_collection_on_a_server_is_indexed_before_index_returns(milvus_standalone, token):
     """forge's HNSW layout on the server: settle waits for the graph; the retriever's search finds each vector."""
     from forge.retrieval import store
-    from forge.served.retriever import forge_store
-    from forge.served.retriever.model import Retriever
+    from forge.in_triton.retriever import forge_store
+    from forge.in_triton.retriever.model import Retriever
 
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((3000, 384)).astype(np.float32)

@@ -46,8 +46,8 @@ def _search(retriever, vector) -> tuple[float, object]:
 
 def test_searches_fail_while_the_milvus_server_is_down_and_succeed_once_it_is_back(milvus_server):
     from forge.retrieval import store
-    from forge.served.retriever import forge_store
-    from forge.served.retriever.model import Retriever
+    from forge.in_triton.retriever import forge_store
+    from forge.in_triton.retriever.model import Retriever
 
     port = milvus_server.listen_port
     uri = f"http://127.0.0.1:{port}"

@@ -85,7 +85,7 @@ def merged_repo(repos, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(merged_repo, tmp_path_factory):
     """One real tritonserver serving the merged repository for the session."""
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     with TritonServer(merged_repo, log_file=tmp_path_factory.mktemp("logs") / "tritonserver.log",
                       startup_timeout=900.0) as s:

@@ -204,7 +204,7 @@ def test_other_bad_arguments_are_one_line(float32_repo, tmp_path, capsys):
 # -- the pieces ------------------------------------------------------------------------------------
 
 def test_seed_dataset_is_read_like_benchmark_core_model(tmp_path):
-    from forge.serving.bench import read_dataset
+    from forge.loadgen.workload import read_dataset
 
     items = read_dataset(_dataset(tmp_path / "seed.json", SEED_DATASET))
     assert [item.text for item in items] == ["Machine learning is a field of study. Summarize:",
@@ -214,8 +214,8 @@ def test_seed_dataset_is_read_like_benchmark_core_model(tmp_path):
 
 
 def test_echoed_prompts_are_not_counted_as_generated():
-    from forge.serving.bench import Item, Target
-    from forge.serving.client import ModelInputs
+    from forge.loadgen.workload import Item, Target
+    from forge.clients.inference import ModelInputs
 
     inputs = ModelInputs("ensemble", {"text_input": ("STRING", [1]), "max_tokens": ("INT32", [1])}, True)
     target = Target(inputs, stream=False, echoes=lambda text: [text.replace("<s>", "")])
@@ -242,7 +242,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     (["R", "--request-rate", "2,4", "--arrivals", "constant", "--sweep"], ["2/s constant", "4/s constant"]),
 ])
 def test_load_points(argv, loads):
-    from forge.serving.targets import loads as load_points
+    from forge.loadgen.targets import loads as load_points
 
     assert [load.label for load in load_points(_args(argv + ["token-norm-dist"]))] == loads
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.heavy,
 
 @pytest.fixture(scope="module")
 def front(server, repos):
-    from forge.serving.openai import OpenAIServer
+    from forge.openai_front import OpenAIServer
 
     served = OpenAIServer(repos["s_"], server.grpc_url, port=0).start()
     try:

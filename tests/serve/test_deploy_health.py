@@ -2,7 +2,7 @@
 
 tritonserver's ``/v2/health/ready`` keeps answering 200 after a python model's process died (the model
 stays READY and its requests never end). The compose healthcheck and the Slurm script's readiness wait
-run ``forge.serving.deploy.probe`` instead; here the compose file's healthcheck command, taken from the
+run ``forge.deployment.probe`` instead; here the compose file's healthcheck command, taken from the
 parsed YAML, runs against a real tritonserver started the way the artifact starts it (no forge serve,
 no supervisor) before and after ``kill -9`` of a model process.
 """
@@ -60,8 +60,8 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.heavy
 def test_compose_healthcheck_fails_when_a_model_process_dies_though_triton_says_ready(repo, tmp_path):
-    from forge.serving.server import TritonServer
-    from forge.serving.supervisor import stub_processes
+    from forge.server.triton_server import TritonServer
+    from forge.server.supervisor import stub_processes
 
     with TritonServer(repo, startup_timeout=600) as server:
         argv = healthcheck(compose(repo, tmp_path / "compose.yaml", "--http-port", server.http_port,
@@ -86,7 +86,7 @@ def test_compose_healthcheck_fails_when_a_model_process_dies_though_triton_says_
 def test_shell_script_stops_the_server_when_a_model_process_dies_though_triton_says_ready(repo, tmp_path):
     """``forge deploy shell --container-image none``: ready after the probe; ``kill -9`` of a model process ends
     the script with status 1 and a line naming the model, and nothing of the server is left."""
-    from forge.serving.server import describe_process, free_ports, python_stubs, repository_processes
+    from forge.server.triton_server import describe_process, free_ports, python_stubs, repository_processes
 
     ports = free_ports(3)
     script = tmp_path / "serve.sh"

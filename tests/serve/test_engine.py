@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from forge.served.decoder_engine.forge_decoder import graphs  # noqa: E402
-from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
-from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits, SamplingParams  # noqa: E402
+from forge.in_triton.python_target.forge_decoder import graphs  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits, SamplingParams  # noqa: E402
 
 VOCAB = 200
 
@@ -287,7 +287,7 @@ def test_penalties_ignore_prompt_ids_past_the_vocabulary(model):
 
 def test_automatic_runtime_choices_follow_the_device(monkeypatch):
     """-o compute_dtype / cpu_threads / inflight_sequences = auto: what the served model picks per device."""
-    from forge.served.decoder_engine.forge_decoder import engine as eng
+    from forge.in_triton.python_target.forge_decoder import engine as eng
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(eng, "cpu_has_bf16", lambda: False)
@@ -310,7 +310,7 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     16 // ADMIT_SHARE are waiting or the oldest waited long enough: ADMIT_WAIT_STEPS decoding steps, or for a
     streamed one (its client watches for the first token) admit_wait_ns; with nothing running it is admitted at
     once. (On a CPU admit_wait_ns is 0: every arrival is admitted at the next step.)"""
-    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
+    from forge.in_triton.python_target.forge_decoder import engine as engine_mod
 
     engine = engine_for(model, max_rows=32)
     assert engine.admit_wait_ns == 0

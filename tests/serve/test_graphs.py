@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from forge.served.decoder_engine.forge_decoder import graphs  # noqa: E402
-from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence  # noqa: E402
-from forge.served.decoder_engine.forge_decoder.request import GenerationRequest, Limits  # noqa: E402
+from forge.in_triton.python_target.forge_decoder import graphs  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits  # noqa: E402
 
 VOCAB = 160
 PAGED = {"block": 4, "blocks": 40}  # blocks of 4 tokens; 40 blocks: fewer than 4 rows × 64 columns
@@ -120,7 +120,7 @@ def test_the_fused_kernel_writes_and_attends_as_sdpa(heads, kv, dim, page, dtype
     a pool (each row's block table): its result equals SDPA's row by row, and the cache differs from before only in
     each row's new key and value at its position. ``check`` passes for the shape; a kernel that skipped the new
     token would not match."""
-    from forge.served.decoder_engine.forge_decoder import decode_kernel
+    from forge.in_triton.python_target.forge_decoder import decode_kernel
 
     dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(heads + dim)
@@ -153,7 +153,7 @@ def test_the_fused_kernel_writes_and_attends_as_sdpa(heads, kv, dim, page, dtype
 def test_the_fused_kernel_refuses_what_it_cannot_run():
     """Head dims that are not a power of two, and paged blocks of fewer than 16 tokens, keep SDPA (the reason is
     logged); asking for the fused form there is an error."""
-    from forge.served.decoder_engine.forge_decoder import decode_kernel
+    from forge.in_triton.python_target.forge_decoder import decode_kernel
 
     assert decode_kernel.unsupported(4, 2, 80, torch.float16) == \
         "its head dim 80 is not a power of two of at least 16"
@@ -175,7 +175,7 @@ def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind, compiled
     every position's logits equal transformers' forward of that prompt alone in float32, each slot's keys
     and values equal that forward's cache, and the argmax picks equal the last position's argmax; the same
     with the layers' pieces traced by torch.compile, and into the blocks of a paged cache."""
-    from forge.served.decoder_engine.forge_decoder import kvcache
+    from forge.in_triton.python_target.forge_decoder import kvcache
 
     model, reference = _model(kind), _model(kind)
     decoder = graphs.decoder_for(model, 4, 64, capture=False, paged=paged)
@@ -278,7 +278,7 @@ def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch, pag
 def test_sampled_and_processed_rows_share_the_static_step():
     """A row with a repetition penalty and a sampled row beside a greedy one: the graph's argmax is used
     only when every row is plain greedy; the others go through the sampler (seeded: reproducible)."""
-    from forge.served.decoder_engine.forge_decoder.request import SamplingParams
+    from forge.in_triton.python_target.forge_decoder.request import SamplingParams
 
     model = _model("llama")
 
@@ -348,7 +348,7 @@ def test_steps_with_a_lora_adapter_run_through_the_hooked_modules():
     """A LoRA build: rows with an adapter and rows without share a batch; a step with an adapter in it
     runs eagerly through the projection modules (their hooks add the deltas), the others through the
     fused weights. Tokens equal the plain engine's (Hugging Face forward with the same hooks)."""
-    from forge.served.decoder_engine.forge_decoder import lora
+    from forge.in_triton.python_target.forge_decoder import lora
 
     modules = {0: "model.layers.{i}.self_attn.q_proj", 1: "model.layers.{i}.self_attn.v_proj",
                2: "model.layers.{i}.mlp.down_proj"}
@@ -535,8 +535,8 @@ def _overlap_run(model, requests, overlap: str, *, late: int = 0, cancel_at: int
 def test_finished_rows_leave_holes_the_last_rows_fill():
     """When rows finish, the rows past the new end move into their slots (the others stay where they are): every
     layer's keys and values of the moved slots in one gather, their columns in use only."""
-    from forge.served.decoder_engine.forge_decoder.engine import filled_holes
-    from forge.served.decoder_engine.forge_decoder.kvlayout import StaticSlots
+    from forge.in_triton.python_target.forge_decoder.engine import filled_holes
+    from forge.in_triton.python_target.forge_decoder.kvlayout import StaticSlots
 
     assert filled_holes([0, 2, 3, 5]) == [0, 5, 2, 3]
     assert filled_holes([1, 2, 3]) == [3, 1, 2] and filled_holes([0, 1]) == [0, 1] and filled_holes([]) == []
@@ -573,7 +573,7 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     dropped for them), one by its max_tokens (padding in the step after), a cancelled one, and a sampled row that
     makes its steps run one at a time. Every sequence's updates equal the engine's without overlap, and the plain
     rows' ids equal transformers. Steps with a streaming row run one at a time."""
-    from forge.served.decoder_engine.forge_decoder.request import SamplingParams
+    from forge.in_triton.python_target.forge_decoder.request import SamplingParams
 
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     model, reference = _model("llama"), _model("llama")
@@ -642,7 +642,7 @@ def test_prompts_admitted_while_a_step_is_in_flight_join_it(monkeypatch):
     second token is its end_id (min_length 1 bans it as the first), one cancelled right after it joined. Every
     update equals the engine's one step at a time, and the ids equal transformers. Prompts asking for context
     logits, or holding prompt-table ids, wait for the step in flight instead (their prefill reads them back)."""
-    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
+    from forge.in_triton.python_target.forge_decoder import engine as engine_mod
 
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     monkeypatch.setattr(engine_mod, "JOIN_PREFILLS", True)
@@ -693,7 +693,7 @@ def test_a_joined_prefill_keeps_the_step_picks_from_the_shared_graph_pool(monkey
     on the CPU: steps and prefills through static outputs as replayed graphs have them, each prefill replay
     scribbling over every step graph's picks. A joined prefill copies the step's picks before its graph runs: the
     updates equal the engine's one step at a time."""
-    from forge.served.decoder_engine.forge_decoder import engine as engine_mod
+    from forge.in_triton.python_target.forge_decoder import engine as engine_mod
 
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     monkeypatch.setattr(engine_mod, "JOIN_PREFILLS", True)

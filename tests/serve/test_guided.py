@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from forge.served.decoder_engine.forge_decoder import graphs, guided  # noqa: E402
-from forge.served.decoder_engine.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
-from forge.served.decoder_engine.forge_decoder.request import (  # noqa: E402
-    GenerationRequest, Guide, Limits, RequestError, SamplingParams, parse)
+from forge.in_triton.python_target.forge_decoder import graphs, guided  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.request import (GenerationRequest, Guide, Limits, RequestError,
+    SamplingParams, parse)
 
 PROMPT = "What is machine learning?"
 # Short, bounded outputs. The JSON grammar allows any whitespace between tokens (as TensorRT-LLM compiles

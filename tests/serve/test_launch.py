@@ -11,7 +11,7 @@ import pytest
 from forge import tritonconfig as tc
 from forge.cli import main
 from forge.errors import EXIT_INVALID, EXIT_TOOL_MISSING, EXIT_USAGE
-from forge.serving import launch
+from forge.server import launch
 
 
 def engine_repo(root: Path, world: int = 2, manifest: dict | None = None) -> Path:
@@ -140,7 +140,7 @@ def test_a_restart_whose_start_fails_tries_again(tmp_path):
     """A model whose initialize fails once after a restart (a flag file it removes): ``restart(attempts=2)``
     reports the failed start and comes back READY on the second; with one attempt the failure is raised."""
     from forge.errors import ForgeError
-    from forge.serving.server import TritonServer
+    from forge.server.triton_server import TritonServer
 
     repo, flag = tmp_path / "repo", tmp_path / "fail-once"
     python_model(repo / "flaky", f"import os\n        if os.path.exists({str(flag)!r}):\n"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from forge.serving.server import (describe_process, engine_processes, python_stubs, repository_processes,
-                                  session_processes)
+from forge.server.triton_server import (describe_process, engine_processes, python_stubs, repository_processes,
+    session_processes)
 
 GONE_WITHIN = 15.0
 PROMPT = "hello world"
@@ -233,8 +233,8 @@ def test_serve_refuses_a_repository_with_leftover_processes(repos, handover, tmp
 def test_requests_on_a_dead_model_process_get_an_error(repos):
     """kill -9 of the tensorrt_llm stub with 8 requests in flight: each gets an error within 10 s (the
     supervisor restarts tritonserver, which closes their connections), and requests succeed again after."""
-    from forge.serving.server import TritonServer
-    from forge.serving.supervisor import Supervisor, stub_processes
+    from forge.server.triton_server import TritonServer
+    from forge.server.supervisor import Supervisor, stub_processes
 
     with TritonServer(repos[""]) as server, Supervisor(server, interval=0.25) as supervisor:
         http = f"http://{server.http_url}"
@@ -274,7 +274,7 @@ def test_code_about_to_call_a_dead_server_ends_the_process_first(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     code = ("import sys, time\n"
-            "from forge.served import forge_glue\n"
+            "from forge.in_triton import forge_glue\n"
             "forge_glue.exit_with_parent(also=[int(sys.argv[1])], interval=3600, what='test process')\n"
             "forge_glue.exit_if_orphaned()\n"
             "print('still here')\n")

@@ -89,7 +89,7 @@ def test_bad_requests_get_an_error_and_the_model_keeps_serving(server, body, mes
 @pytest.fixture(scope="module")
 def fronts(server, repos):
     """The OpenAI API over each LLM-API build (its catalog read from that repository)."""
-    from forge.serving.openai import OpenAIServer
+    from forge.openai_front import OpenAIServer
 
     served = {name: OpenAIServer(repos[name], server.grpc_url, port=0).start() for name in ("l_", "ls_")}
     try:

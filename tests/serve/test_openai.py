@@ -52,8 +52,8 @@ def smollm2() -> Path:
 def served(smollm2, tmp_path_factory):
     """SmolLM2 built with --decoupled, served by tritonserver, the OpenAI API in front (in this process)."""
     from forge.cli import main
-    from forge.serving.openai import OpenAIServer
-    from forge.serving.server import TritonServer
+    from forge.openai_front import OpenAIServer
+    from forge.server.triton_server import TritonServer
 
     repo = tmp_path_factory.mktemp("openai") / "smollm2"
     assert main(["build", "--backend-version", ENGINE, "--family", "llama", "--model", str(smollm2), "--target", "python", "--decoupled",
@@ -249,7 +249,7 @@ def test_a_chat_template_held_up_keeps_no_other_request_waiting(served, client, 
 
 
 def test_api_key_and_an_unreachable_tritonserver(served):
-    from forge.serving.openai import OpenAIServer
+    from forge.openai_front import OpenAIServer
 
     repo, triton, _ = served
     guarded = OpenAIServer(repo, triton.grpc_url, port=0, api_key="s3cret").start()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from forge.served.decoder_engine.forge_decoder import request as rq
-from forge.served.decoder_engine.forge_decoder.responses import OutputSpec, RowResult, assemble
+from forge.in_triton.python_target.forge_decoder import request as rq
+from forge.in_triton.python_target.forge_decoder.responses import OutputSpec, RowResult, assemble
 
 LIMITS = rq.Limits(vocab_size=100, max_input_len=16, max_seq_len=32)
 
@@ -165,7 +165,7 @@ def test_a_rank_whose_teardown_did_not_finish_leaves_at_once_with_status_0(tmp_p
     import sys
     from pathlib import Path
 
-    import forge.served.decoder_engine as runtime
+    import forge.in_triton.python_target as runtime
 
     script = tmp_path / "rank.py"
     script.write_text(
@@ -186,7 +186,7 @@ def test_the_commands_of_every_step_and_admission_travel_as_tensors_and_come_bac
     unpack to the same command; anything else (adapters, context logits, prompt tables, shared prefixes, setup)
     is sent pickled."""
     torch = pytest.importorskip("torch")
-    from forge.served.decoder_engine.forge_decoder import distributed as d
+    from forge.in_triton.python_target.forge_decoder import distributed as d
 
     ids = torch.tensor([[5, 6, 7], [8, 9, 0]], dtype=torch.int32)
     plain = {"lengths": [3, 2], "needs": [40, 41], "banned": [2, -1], "all_logits": False, "modules": False,
@@ -233,7 +233,7 @@ def test_commands_sent_by_rank_0_arrive_equal_at_a_follower_over_gloo(tmp_path):
     from pathlib import Path
 
     pytest.importorskip("torch")
-    import forge.served.decoder_engine as runtime
+    import forge.in_triton.python_target as runtime
 
     script = tmp_path / "ranks.py"
     script.write_text(
@@ -283,7 +283,7 @@ def test_a_process_in_a_sibling_repository_whose_name_starts_alike_is_not_counte
     import subprocess
     import sys
 
-    from forge.serving.server import repository_processes
+    from forge.server.triton_server import repository_processes
 
     repo, sibling = tmp_path / "p", tmp_path / "plain"
     (repo / "m").mkdir(parents=True)

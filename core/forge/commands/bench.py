@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..serving.targets import (DEFAULT_SWEEP, Source, Tokenizers, check_lengths, chat, endpoint, loads, measure,
-                               protocol_of, resolve, tokenizer_dirs, workload_items)
+from ..loadgen.targets import (DEFAULT_SWEEP, Source, Tokenizers, check_lengths, chat, endpoint, loads, measure,
+    protocol_of, resolve, tokenizer_dirs, workload_items)
 
 HELP = ("benchmark repositories (served for the run) or running servers: req/s, tokens/s, latency "
         "percentiles; --compare several side by side, --sweep loads into a plot")
@@ -191,7 +191,7 @@ def _baseline(sources: list[Source], wanted: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serving import bench
+    from ..loadgen import workload as bench
     from ..ui import Progress, emit_json
 
     workload = args.workload or "token-norm-dist"
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_openai(args: argparse.Namespace, workload: str) -> int:
     """``--api openai``: the same workloads, loads and summary against an OpenAI-compatible server."""
-    from ..serving import bench, openai_load
+    from ..loadgen import workload as bench, openai_load
     from ..ui import Progress, emit_json
 
     if args.target or args.compare:

@@ -106,7 +106,7 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
         if value is not None and value is not False:
             options.setdefault(key, value)
     if "lora" in options and not isinstance(options["lora"], dict):  # --lora NAME=DIR (repeated) or -o lora=…
-        from ..llm.lora import parse_option
+        from ..llm.peft import parse_option
 
         value = options["lora"]
         value = ",".join(value) if isinstance(value, list) else str(value)
@@ -157,7 +157,7 @@ def print_plan(plans: list, out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..driver import Driver
-    from ..plugins import registry
+    from ..registry import registry
     from ..ui import Progress, emit_json
 
     spec = spec_from_args(args)

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _refuse_unused(args: argparse.Namespace, world) -> None:
     """Flags the artifact would not use are errors, never silently dropped."""
-    from ..serving.deploy import NO_CONTAINER
+    from ..deployment import NO_CONTAINER
 
     if args.container_image == NO_CONTAINER:
         unused = [flag for flag, value in (("--backend-version", args.backend_version),
@@ -75,7 +75,8 @@ def _refuse_unused(args: argparse.Namespace, world) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serving import deploy, launch
+    from .. import deployment as deploy
+    from ..server import launch
 
     launch.check_servable(args.repo)
     world = launch.layout(args.repo)

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import __version__, toolchain
-    from ..plugins import registry
+    from ..registry import registry
     from ..ui import emit_json
 
     rows: list[dict[str, str | None]] = [

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..driver import Driver
-    from ..plugins import registry
+    from ..registry import registry
     from ..ui import Progress, emit_json
 
     if args.lora:

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _grpc_url(args: argparse.Namespace) -> str:
     if args.grpc_url:
         return args.grpc_url
-    from ..serving.client import grpc_target
+    from ..clients.inference import grpc_target
 
     host = grpc_target(args.url).rsplit(":", 1)[0]  # host:port → host (a bare host stays as it is)
     return f"{host}:8001"
@@ -86,7 +86,7 @@ def read_image(path: Path | None) -> bytes | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serving import client
+    from ..clients import inference as client
     from ..ui import emit_json
 
     if args.max_tokens < 1:
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     adapter = None
     if args.lora is not None:
-        from ..serving import lora
+        from ..clients import lora_requests as lora
 
         (adapter,) = lora.resolve([args.lora], args.repo)
     elif args.repo is not None:
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             if adapter is None:
                 ask({})
             else:
-                from ..serving.lora import LoraRequests
+                from ..clients.lora_requests import LoraRequests
 
                 LoraRequests(inputs, weights_first=False).call(adapter, ask)
         except TimeoutError as exc:

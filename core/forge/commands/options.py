@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..contract import describe
     from ..errors import UsageError
-    from ..plugins import registry
+    from ..registry import registry
     from ..ui import emit_json
 
     family = registry().family(args.family)
@@ -58,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _forge_options() -> set[str]:
     """forge's own -o options of the decoders (every release takes them)."""
-    from ..llm.options import FORGE, LORA
+    from ..llm.decoder_options import FORGE, LORA
 
     return {o.name for o in FORGE} | {LORA.name}

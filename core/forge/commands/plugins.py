@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..contract import describe
-    from ..plugins import registry
+    from ..registry import registry
     from ..ui import emit_json
 
     reg = registry()

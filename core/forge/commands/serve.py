@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _docker(args: argparse.Namespace, world) -> int:
-    from ..serving import launch
+    from ..server import launch
 
     if args.image is not None:
         launch.check_image(args.image)
@@ -134,7 +134,7 @@ def _supervise(server, restarts: _Restarts):
     the server itself ends within RANK_GRACE_S of their deaths, ``run`` handles that end (naming the rank)."""
     import subprocess
 
-    from ..serving.supervisor import Supervisor
+    from ..server.supervisor import Supervisor
 
     def on_dead(models: list[str]) -> None:
         process = server.process
@@ -197,8 +197,8 @@ def _drain(server, front, supervisor, timeout: float) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serving import launch
-    from ..serving.server import TritonServer
+    from ..server import launch
+    from ..server.triton_server import TritonServer
     from ..ui import emit_json
 
     launch.check_servable(args.repo)
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                 "log": str(server.log_file), "world_size": world.world_size,
                 "models": [m["name"] for m in models]}
         if not args.no_openai:
-            from ..serving.openai import OpenAIServer
+            from ..openai_front import OpenAIServer
 
             try:
                 front = OpenAIServer(args.repo, server.grpc_url, host=args.host, port=args.openai_port,

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..ui import emit_json
-    from ..validate import validate_repository
+    from ..checks import validate_repository
 
     problems = validate_repository(args.repo)
     if args.json:

@@ -24,7 +24,7 @@ IMAGE = "image"
 EMBEDDING = "embedding"  # the output tensor of every encoder and every encoder ensemble
 
 #: Default parity tolerances per precision: max |Δ| of the embedding against torch float32, divided by
-#: max(1, largest |value|) — see forge.encoder.parity.check.
+#: max(1, largest |value|) — see forge.encoder.encoder_parity.check.
 DEFAULT_TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "int8": 0.15}
 
 
@@ -112,7 +112,7 @@ class EncoderAdapter:
     tolerance: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_TOLERANCE))
     #: ensemble name when the family is built alone and has one pipeline ("ensemble": default clients)
     solo_ensemble: str | None = None
-    #: ``-o`` options only this family reads (the shared ones are ``forge.encoder.options.OPTIONS``)
+    #: ``-o`` options only this family reads (the shared ones are ``forge.encoder.encoder_options.OPTIONS``)
     options: tuple[Option, ...] = ()
 
     def tower(self, role: str) -> Tower:

@@ -1,7 +1,7 @@
 """Hugging Face ``CLIPImageProcessor`` settings (``preprocessor_config.json``) as forge's image recipe.
 
 Shared by every family whose checkpoints carry CLIP's image processor (CLIP, LLaVA's vision tower);
-the recipe's keys are those of :mod:`forge.served.encoder.image`.
+the recipe's keys are those of :mod:`forge.in_triton.encoder_models.image`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from forge import hookimpl
 from forge.components import Component, Family
 
 from .adapter import EncoderAdapter
-from .options import OPTIONS
+from .encoder_options import OPTIONS
 
 TARGETS = ("tensorrt", "onnxruntime", "python")
 #: Production wants TensorRT plans on GPUs; on machines without trtexec use --target python/onnxruntime.
@@ -86,7 +86,7 @@ class EncoderPlugin:
     def forge_export(self, component, ctx):
         if not self._mine(component):
             return None
-        from . import export
+        from . import onnx_export as export
 
         return export.export(self.adapter, component, ctx)
 
@@ -94,7 +94,7 @@ class EncoderPlugin:
     def forge_quantize(self, component, artifact, ctx):
         if not self._mine(component):
             return None
-        from . import quantize
+        from . import onnx_quant as quantize
 
         return quantize.quantize(self.adapter, component, artifact, ctx)
 
@@ -110,12 +110,12 @@ class EncoderPlugin:
     def forge_emit_config(self, component, artifact, ctx):
         if not self._mine(component):
             return None
-        from . import repository
+        from . import tower_models as repository
 
         return repository.emit(component, artifact, ctx)
 
     @hookimpl
     def forge_ensemble_edges(self, components, models, ctx):
-        from . import repository
+        from . import tower_models as repository
 
         return [edge for c in components if self._mine(c) for edge in repository.edges(c, models)]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from ..components import Artifact, Component
 from ..context import BuildContext
-from . import layout, parity
+from . import layout, encoder_parity as parity
 from .adapter import TEXT, TowerInterface
-from .options import EncoderOptions
-from .preprocessing import text_padding
+from .encoder_options import EncoderOptions
+from .input_models import text_padding
 
 
 def shapes(iface: TowerInterface, opts: EncoderOptions, max_batch: int) -> dict[str, str]:

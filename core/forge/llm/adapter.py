@@ -2,7 +2,7 @@
 
 A family plugin is one :class:`DecoderAdapter` subclass of a few dozen lines (the way optimum's
 per-model export configs are); the conversion, quantization and engine logic that reads these
-declarations lives in :mod:`forge.llm.checkpoint`, :mod:`forge.llm.quantize` and :mod:`forge.llm.engine`.
+declarations lives in :mod:`forge.llm.checkpoint`, :mod:`forge.llm.weight_quant` and :mod:`forge.llm.trtllm_build`.
 """
 
 from __future__ import annotations

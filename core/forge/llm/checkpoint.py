@@ -29,7 +29,7 @@ from forge.components import Artifact
 from forge.errors import UsageError
 
 from .adapter import DecoderAdapter
-from .parity import check_parity
+from .decoder_parity import check_parity
 from .sharding import Job, Piece, Planned, check_parallelism, plan, stage_layers
 from .tensorio import CHUNK_BYTES, DTYPE_TAGS, NUMPY_TYPES, PAGE, Scratch, SourceIndex, TensorRef, convert, nonfinite
 

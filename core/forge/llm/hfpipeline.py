@@ -1,7 +1,7 @@
 """``--target hf-pipeline``: seed 000's baseline as something forge builds.
 
 One python-backend model named like the decoder's ensemble (``<prefix>ensemble``) that runs the
-Hugging Face ``text-generation`` pipeline per request (``forge.served.hf_pipeline``), with the seed's
+Hugging Face ``text-generation`` pipeline per request (``forge.in_triton.hf_pipeline``), with the seed's
 deployment choices: no dynamic batching (``max_batch_size`` 0), one instance, ``--dtype`` (float16 by
 default, as the seed writes it), torch's default threads. ``forge bench --compare`` measures an
 optimized build against it without anyone writing a model. Nothing is exported or compiled: the
@@ -15,7 +15,7 @@ from pathlib import Path
 from ..components import Artifact, Component, TritonModel
 from ..errors import UsageError
 from ..spec import Limits
-from .. import served
+from .. import in_triton as served
 from .. import tritonconfig as tc
 from .pytarget import WEIGHTS_DIR, weight_files
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from forge import served
+from forge import in_triton as served
 from forge import tritonconfig as tc
 from forge.components import Artifact, Component, TritonModel
 from forge.errors import UsageError
-from forge.served.forge_glue import TOKENIZER_FILES
+from forge.in_triton.forge_glue import TOKENIZER_FILES
 
 from ..profiles import Profile
 from .interface import LLM, tensorrt_llm_io, truthy
@@ -194,7 +194,7 @@ def check_spec(spec, profile: Profile, target: str, adapter) -> None:
     if len([m for m in spec.quant if m in QUANTS]) > 1:
         raise UsageError(f"--quant {','.join(spec.quant)}: choose one weight format ({' or '.join(QUANTS)})")
     if spec.options.get("lora"):
-        from .lora import check_llmapi_modules
+        from .peft import check_llmapi_modules
 
         check_llmapi_modules(adapter, spec, profile)
 
@@ -207,7 +207,7 @@ def quantize(adapter, source: Path, artifact: Artifact, ctx) -> Artifact | None:
     import sys
     from dataclasses import asdict
 
-    from . import quantize as q
+    from . import weight_quant as q
 
     spec = ctx.spec
     meta = dict(artifact.meta)
@@ -275,7 +275,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx, profile: Profil
 def _lora_yaml(adapter, lora: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """model.yaml's ``lora_config`` for the shipped adapters (``--lora``: name → summary): their folders, the
     TensorRT-LLM modules they patch and the largest rank."""
-    from .lora import build_modules
+    from .peft import build_modules
 
     return {"adapters": list(lora), "modules": build_modules([e["modules"] for e in lora.values()]),
             "max_rank": max(int(e["rank"]) for e in lora.values())}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from forge import served
+from forge import in_triton as served
 from forge import tritonconfig as tc
 from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import UsageError

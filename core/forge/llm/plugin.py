@@ -16,7 +16,7 @@ QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
 
 
 def _options():
-    from .options import LORA, decoder_options
+    from .decoder_options import LORA, decoder_options
 
     return decoder_options() + (LORA,)
 
@@ -31,7 +31,7 @@ class DecoderPlugin:
         return component.family == self.adapter.family
 
     def _components(self, spec) -> list[Component]:
-        from .options import check_options, has_trtllm_build, no_trtllm_build
+        from .decoder_options import check_options, has_trtllm_build, no_trtllm_build
 
         profile = check_options(spec)  # bad -o values / --backend-version fail before any stage runs
         target = spec.target or "tensorrtllm"
@@ -54,7 +54,7 @@ class DecoderPlugin:
         family = self.adapter.family
         options = {}
         if "lora" in spec.options:  # bad adapters fail here, before any stage runs
-            from .lora import check_build, for_build, summary
+            from .peft import check_build, for_build, summary
 
             adapters = for_build(self.adapter, spec, spec.source_for(family))
             check_build(spec, profile, adapters)
@@ -95,7 +95,7 @@ class DecoderPlugin:
             from . import llmapi
 
             return llmapi.quantize(self.adapter, component.source, artifact, ctx)
-        from . import quantize
+        from . import weight_quant as quantize
 
         return quantize.quantize(self.adapter, component.source, artifact, ctx)
 
@@ -103,7 +103,7 @@ class DecoderPlugin:
     def forge_compile(self, component, artifact, ctx):
         if not self._mine(component) or ctx.target != "tensorrtllm" or _llmapi(ctx):
             return None  # the python target and the LLM API serve the checkpoint as it is
-        from . import engine, multimodal
+        from . import trtllm_build as engine, multimodal
 
         table = multimodal.prompt_table(component)  # an encoder fills its prompt table (llava)
         return engine.compile(artifact, ctx, lora=component.options.get("lora"),
@@ -117,13 +117,13 @@ class DecoderPlugin:
             from . import hfpipeline
 
             return hfpipeline.emit(component, ctx)
-        from . import repository
+        from . import decoder_models as repository
 
         return repository.emit(self.adapter, component, artifact, ctx)
 
     @hookimpl
     def forge_ensemble_edges(self, components, models, ctx):
-        from . import repository
+        from . import decoder_models as repository
 
         return [edge for c in components if self._mine(c) and ctx.spec.target != "hf-pipeline"
                 for edge in repository.edges(c, models, ctx)]

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from ..errors import UsageError
-from .engine import BUILD_FLAGS, ENGINE_RELEASES
-from .llmapi import LLMAPI_RELEASES
+from .engine_releases import BUILD_FLAGS, ENGINE_RELEASES
+from .llmapi_releases import LLMAPI_RELEASES
 from .vocabulary import (ENCODER_FEATURES, ENGINE, LAYOUTS, LLMAPI, LOGITS, MODELS, PROMPT_TABLE, YAML, Add,
                          Batching, Change, Drop, DropParam, Interface, Parameter, Profile, Release, Rename, SetParam,
                          Tensor, add, change, drop, flag, i, number, o, param, parse_version)

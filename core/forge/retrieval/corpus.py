@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..served.retriever import forge_store
+from ..in_triton.retriever import forge_store
 
 TEXT, IMAGE = "text", "image"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")

@@ -20,9 +20,9 @@ import numpy as np
 
 from .. import tritonconfig as tc
 from ..encoder.adapter import EMBEDDING
-from ..encoder.repository import IMAGE_INPUT, TEXT_INPUT
+from ..encoder.tower_models import IMAGE_INPUT, TEXT_INPUT
 from ..errors import ForgeError, UsageError
-from ..served.retriever import forge_store
+from ..in_triton.retriever import forge_store
 from . import corpus, store
 
 MODALITY_OF_INPUT = {TEXT_INPUT: corpus.TEXT, IMAGE_INPUT: corpus.IMAGE}
@@ -50,7 +50,7 @@ class SearchRepository:
 
 def read_repository(repo: Path) -> SearchRepository:
     """The store, collection and search pipelines of ``repo``; refuses repositories built without --store."""
-    from ..validate import load_configs
+    from ..checks import load_configs
 
     if not repo.is_dir():
         raise UsageError(f"{repo} is not a directory")
@@ -110,7 +110,7 @@ def embedder(repo: Path, url: str | None, log: Callable[[str], None]) -> Iterato
     if url:
         yield Embedder(url)
         return
-    from ..serving.server import TritonServer
+    from ..server.triton_server import TritonServer
 
     log(f"starting tritonserver on {repo} for the run")
     with TritonServer(repo) as server:

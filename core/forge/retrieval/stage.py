@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 
-from .. import served
+from .. import in_triton as served
 from .. import tritonconfig as tc
 from ..components import Artifact, Component, Edge, TritonModel
 from ..context import BuildContext
 from ..encoder.adapter import EMBEDDING
-from ..encoder.repository import IMAGE_INPUT, TEXT_INPUT, encoder_name
+from ..encoder.tower_models import IMAGE_INPUT, TEXT_INPUT, encoder_name
 from ..errors import UsageError
-from ..served.retriever import forge_store
+from ..in_triton.retriever import forge_store
 from . import RETRIEVER, SEARCH_IMAGE, SEARCH_TEXT, store
 
 #: encoder tower role → (search ensemble, its input tensor)

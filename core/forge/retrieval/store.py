@@ -15,7 +15,7 @@ from typing import Iterator
 from urllib.parse import urlsplit
 
 from ..errors import ForgeError, UsageError
-from ..served.retriever import forge_store
+from ..in_triton.retriever import forge_store
 
 METRIC = "COSINE"  # sentence and CLIP embeddings are compared by cosine (= inner product once normalised)
 #: Below this many vectors exact search (FLAT) is fast enough and exact; above it HNSW.

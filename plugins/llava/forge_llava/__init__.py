@@ -47,7 +47,7 @@ _VISION_KEYS = {"vision_opset": "opset", "vision_parity_tolerance": "parity_tole
 
 
 def _options():
-    from forge.llm.options import decoder_options
+    from forge.llm.decoder_options import decoder_options
 
     return decoder_options() + VISION_OPTIONS
 
@@ -93,7 +93,7 @@ class LlavaPlugin:
     def components(self, spec) -> list[Component]:
         from forge import subcheckpoint
         from forge.llm import multimodal
-        from forge.llm.options import check_options, has_trtllm_build, no_trtllm_build
+        from forge.llm.decoder_options import check_options, has_trtllm_build, no_trtllm_build
 
         from .checkpoint import read
 

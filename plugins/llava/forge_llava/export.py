@@ -1,6 +1,6 @@
 """The vision component's stages: the shared encoder export plus a check against transformers, and its model.
 
-The shared export (:mod:`forge.encoder.export`) traces forge's vision module to ONNX and checks ONNX
+The shared export (:mod:`forge.encoder.onnx_export`) traces forge's vision module to ONNX and checks ONNX
 Runtime against it. forge's module re-implements the feature selection (to drop the tower's unused
 layers), so the export is also checked against transformers' own ``LlavaModel.get_image_features``
 on the same parity images: both results go into the manifest.
@@ -9,9 +9,9 @@ on the same parity images: both results go into the manifest.
 from __future__ import annotations
 
 from forge.components import Artifact, Component, TritonModel
-from forge.encoder import layout, parity
-from forge.encoder import export as encoder_export
-from forge.encoder.preprocessing import image_parameters
+from forge.encoder import layout, encoder_parity as parity
+from forge.encoder import onnx_export as encoder_export
+from forge.encoder.input_models import image_parameters
 from forge.encoder.adapter import TowerInterface
 from forge.llm import multimodal
 

@@ -1,7 +1,7 @@
 """``--target python`` for decoders: a Triton python-backend model with the tensorrt_llm interface.
 
 :func:`emit_model` builds the ``tensorrt_llm`` model of a repository as a python-backend model that
-forge writes itself: ``1/model.py`` and ``1/forge_decoder/`` from ``forge.served.decoder_engine`` (the
+forge writes itself: ``1/model.py`` and ``1/forge_decoder/`` from ``forge.in_triton.python_target`` (the
 runtime package: request checks, continuous-batching engine, sampling, responses) and ``1/hf/``
 (the Hugging Face config and safetensors, linked from the source checkpoint). Its inputs and outputs
 are exactly those of the C++ tensorrt_llm model of the chosen backend profile, so the preprocessing,
@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from ...components import Artifact, Component, TritonModel
 from ...errors import UsageError
-from ... import served
+from ... import in_triton as served
 from ... import tritonconfig as tc
 from ... import profiles
 
@@ -94,7 +94,7 @@ def check_spec(spec) -> None:
 def limits(spec, meta: dict[str, Any]) -> tuple[int, int]:
     """(max_input_len, max_seq_len): the tensorrtllm target's rule (within the position table, with room to
     generate), so preprocessing and this model agree."""
-    from ..engine import sequence_limits
+    from ..trtllm_build import sequence_limits
 
     return sequence_limits(spec, meta)
 
@@ -112,7 +112,7 @@ def runtime_choices(spec, ctx) -> dict[str, Any]:
     try:
         import torch
 
-        from ...served.decoder_engine.forge_decoder import engine
+        from ...in_triton.python_target.forge_decoder import engine
     except ImportError:  # the build machine has no torch: nothing to resolve here
         return resolved
     where = engine.choose_device(device)
@@ -130,7 +130,7 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
     """The served model's LoRA settings: which modules take adapters, the adapter cache bounds (the backend's
     lora_cache_* parameters of the profile), and the shipped adapters to load at start (lora_prefetch_dir)."""
     from ..interface import parameter_value
-    from ..lora import FOLDER, served_modules
+    from ..peft import FOLDER, served_modules
 
     by_name = profile.llmapi  # the LLM-API interface names adapters per request (lora_id, lora_name, lora_path)
     if not adapter.lora_targets or (profile.interface("tensorrt_llm").input("lora_weights") is None and not by_name):
@@ -158,7 +158,7 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
 def _text_parameters(component: Component, ctx) -> dict[str, Any]:
     """What the LLM-API interface's text front needs: the tokenizer (beside the weights) and end ids."""
     from ..interface import truthy
-    from ..repository import tokenizer_defaults
+    from ..decoder_models import tokenizer_defaults
 
     defaults = tokenizer_defaults(component.source, ctx.spec)
     return {"forge_layout": "llmapi", "tokenizer_dir": WEIGHTS_DIR,

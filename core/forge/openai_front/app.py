@@ -1,0 +1,193 @@
+"""The OpenAI API routes (FastAPI): models, chat completions, completions, embeddings, health.
+
+Every route answers OpenAI's error shape; generation goes to the served ensemble through
+:class:`~forge.openai_front.upstream.Triton`, so the same front serves every target. The answers themselves
+are built in ``chat``, ``completions`` and ``embeddings``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import chat, completions, embeddings
+from .catalog import model_card
+from .front import Front
+from .protocol import APIError, ChatRequest, CompletionRequest, EmbeddingRequest, unsupported
+from .upstream import Triton
+
+
+# -- how an answer leaves -----------------------------------------------------------------------------
+
+async def until_disconnected(request: Request, work):
+    """Run ``work``; cancel it (and its generation on the server) when the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def gone():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise APIError(499, "the client closed the connection")
+    finally:
+        watcher.cancel()
+
+
+def sse(events: AsyncIterator[dict[str, Any]]):
+    """``events`` as Server-Sent Events, ending with ``[DONE]`` (an error after the first event is the last)."""
+    from sse_starlette.sse import EventSourceResponse
+
+    async def lines():
+        try:
+            async for event in events:
+                yield {"data": json.dumps(event, separators=(",", ":"))}
+        except APIError as exc:  # after the headers went out: the error is the last event
+            yield {"data": json.dumps(exc.body())}
+        yield {"data": "[DONE]"}
+
+    return EventSourceResponse(lines(), sep="\n", ping=15)
+
+
+# -- the application ---------------------------------------------------------------------------------
+
+class Draining:
+    """ASGI middleware: counts the API requests in flight on ``front`` until their response is sent whole
+    (a stream to its ``[DONE]``); once ``front.draining``, new ones get 503 with ``Retry-After``."""
+
+    def __init__(self, app, front: Front):
+        self.app = app
+        self.front = front
+
+    async def __call__(self, scope, receive, send):
+        front = self.front
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if front.draining:
+            error = APIError(503, "the server is shutting down: it finishes the requests in flight and takes no "
+                                  "new ones", code="server_shutting_down", headers={"Retry-After": "5"})
+            return await JSONResponse(error.body(), 503, headers=error.headers)(scope, receive, send)
+        front.in_flight += 1  # on the event loop's thread only; forge serve's thread reads ``idle``
+        front.idle.clear()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            front.in_flight -= 1
+            if not front.in_flight:
+                front.idle.set()
+
+
+def create_app(front: Front) -> FastAPI:
+    """The FastAPI application of ``front``."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        front.triton = Triton(front.grpc_url)
+        yield
+        await front.triton.close()
+
+    app = FastAPI(title="forge OpenAI API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Draining, front=front)
+    catalog = front.catalog
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status if exc.status != 499 else 400, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        elif first.get("type") == "extra_forbidden":
+            message = f"unrecognized request argument supplied: {where}"
+        else:
+            message = f"{where or 'body'}: {first.get('msg', 'invalid value')}"
+        return JSONResponse(APIError(400, message, param=where or None, code="invalid_request").body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        return JSONResponse(APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).body(),
+                            exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), 500)
+
+    async def authorized(request: Request) -> None:
+        if front.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {front.api_key}":
+            raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    guarded = [Depends(authorized)]
+
+    @app.get("/health/live")
+    async def live():
+        if front.draining:
+            return JSONResponse({"status": "draining"}, 200)
+        ok, reason = await front.triton.ready([])
+        return JSONResponse({"status": "live" if ok else reason}, 200 if ok else 503)
+
+    @app.get("/health/ready")
+    async def ready():
+        if front.draining:
+            return JSONResponse({"status": "draining: the server is shutting down"}, 503, headers={"Retry-After": "5"})
+        ok, reason = await front.triton.ready(front.models_behind())
+        return JSONResponse({"status": "ready" if ok else reason}, 200 if ok else 503)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [model_card(catalog, i) for i in catalog.ids()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=guarded)
+    async def model(model_id: str):
+        front.resolve(model_id)
+        return model_card(catalog, model_id)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatRequest, request: Request):
+        unsupported(body)
+        adapter = front.resolve(body.model)
+        generation = await chat.prepare(front, body)
+        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        if body.stream:
+            return sse(chat.chunks(front, body, generation, adapter, ident, created))
+        return await until_disconnected(request, chat.answer(front, body, generation, adapter, ident, created))
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def text_completions(body: CompletionRequest, request: Request):
+        unsupported(body)
+        adapter = front.resolve(body.model)
+        generations = await completions.prepare(front, body)
+        ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        if body.stream:
+            return sse(completions.chunks(front, body, generations, adapter, ident, created))
+        return await until_disconnected(request, completions.answer(front, body, generations, adapter, ident,
+                                                                    created))
+
+    @app.post("/v1/embeddings", dependencies=guarded)
+    async def embed(body: EmbeddingRequest, request: Request):
+        return await until_disconnected(request, embeddings.answer(front, body))
+
+    return app

@@ -1,0 +1,188 @@
+"""What a served repository offers the OpenAI API: its generator and embedder models, tokenizers, adapters.
+
+Read once at start-up from the repository's own ``config.pbtxt`` files (protobuf) and manifest, so it
+works for every target and for hand-written repositories whose models follow the same tensor names: a
+generator is a model taking ``text_input`` and a token budget (``max_tokens``, or the LLM-API model's
+``sampling_param_max_tokens``; an ensemble first), an embedder one taking
+``text_input`` and answering ``embedding``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..clients.inference import ModelInputs, is_text_generator
+from ..clients.lora_requests import ServedAdapter, repository_adapters
+
+LLAVA_TURN = "USER: {user} ASSISTANT:"  # LLaVA-1.5's conversation format, for tokenizers without a template
+
+
+@dataclass
+class TextModel:
+    """A served model and the tokenizer its preprocessing uses."""
+
+    inputs: ModelInputs
+    tokenizer: Any = None
+    add_special_tokens: bool = True
+    parameters: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.inputs.name
+
+    def count(self, text: str, *, special: bool | None = None) -> int:
+        """Tokens of ``text`` as the served preprocessing counts them."""
+        from ..in_triton import forge_text
+
+        if hasattr(self.tokenizer, "max_length"):  # an encoder's own tokenizer model (truncates as it does)
+            return int(self.tokenizer([text])["attention_mask"].sum()) if "attention_mask" in \
+                self.tokenizer.outputs else int(self.tokenizer([text])["input_ids"].shape[1])
+        add = self.add_special_tokens if special is None else special
+        return len(forge_text.token_ids(text, self.tokenizer, add))
+
+
+@dataclass
+class Catalog:
+    """The model ids of a served repository and the models that answer them."""
+
+    model_id: str
+    created: int
+    generator: TextModel | None = None
+    stopper: ModelInputs | None = None  # the generator's step that takes TensorRT-LLM's ``stop`` request
+    embedder: TextModel | None = None
+    embedding_dim: int | None = None
+    adapters: dict[str, ServedAdapter] = field(default_factory=dict)
+    max_input_len: int | None = None
+    max_seq_len: int | None = None
+    image_placeholder: str | None = None
+
+    def ids(self) -> list[str]:
+        return [self.model_id, *sorted(self.adapters)]
+
+
+@dataclass
+class _Config:
+    """One model of the repository as its ``config.pbtxt`` says it."""
+
+    inputs: ModelInputs
+    platform: str  # "ensemble", "python", "tensorrtllm", ...
+    directory: Path
+    output_dims: dict[str, list[int]]
+
+    @property
+    def parameters(self) -> dict[str, str]:
+        return self.inputs.parameters
+
+
+def _configs(repo: Path) -> dict[str, _Config]:
+    from google.protobuf import json_format
+
+    from ..tritonconfig import read
+
+    found = {}
+    for config_file in sorted(repo.glob("*/config.pbtxt")):
+        try:
+            config = read(config_file.parent)
+        except Exception:  # noqa: BLE001 - a model forge cannot parse is one the OpenAI API does not use
+            continue
+        as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True)
+        as_dict.setdefault("name", config_file.parent.name)
+        inputs = ModelInputs.from_config(as_dict)
+        dims = {o["name"]: [int(d) for d in o.get("dims", [])] for o in as_dict.get("output", [])}
+        found[inputs.name] = _Config(inputs, config.platform or config.backend, config_file.parent, dims)
+    return found
+
+
+def _prefer(names: list[str], configs: dict[str, _Config]) -> str | None:
+    """Ensembles first, then the one named like tensorrtllm_backend's entry point."""
+    def rank(name: str) -> tuple:
+        return (configs[name].platform != "ensemble", not name.endswith("ensemble"), name != "ensemble", len(name),
+                name)
+
+    return min(names, key=rank) if names else None
+
+
+def _tokenizer_of(model: str, configs: dict[str, _Config]) -> tuple[Any, bool, dict[str, str]]:
+    """The tokenizer of the first step of ``model`` (or ``model`` itself) that names a ``tokenizer_dir``."""
+    from ..in_triton import forge_text
+
+    for name in [model, *configs[model].inputs.steps]:
+        if name not in configs:
+            continue
+        params, directory = configs[name].parameters, configs[name].directory
+        value = params.get("tokenizer_dir")
+        if params.get("max_length") and (directory / "1" / params.get("tokenizer_file", "tokenizer.json")).is_file():
+            from ..in_triton.encoder_models import tokenizer as encoder_tokenizer  # an encoder tower's tokenizer model
+
+            return encoder_tokenizer.from_parameters(params, str(directory / "1")), True, params
+        if not value or value.startswith("${"):
+            continue
+        path = forge_text.resolve_dir(value, str(directory), "1")
+        try:
+            tokenizer = forge_text.load_tokenizer(path, trust_remote_code=forge_text.parse_bool(
+                params.get("trust_remote_code"), False))
+        except Exception as exc:  # noqa: BLE001 - said once at start-up, the API still serves what it can
+            raise UsageError(f"the OpenAI API cannot load the tokenizer of model {name!r} ({path}): {exc}") from None
+        # the first encode may reset the truncation and padding that tokenizer.json sets; done here, it cannot
+        # race an encode of another request on a worker thread ("Already borrowed")
+        forge_text.token_ids("", tokenizer, False)
+        return tokenizer, forge_text.parse_bool(params.get("add_special_tokens"), True), params
+    return None, True, {}
+
+
+def _int(params: dict[str, str], key: str) -> int | None:
+    value = params.get(key, "")
+    return int(value) if value.strip().isdigit() else None
+
+
+def load(repo: Path, served_name: str | None = None) -> Catalog:
+    """The catalog of ``repo`` (a model repository being served)."""
+    repo = Path(repo).resolve()
+    configs = _configs(repo)
+    catalog = Catalog(served_name or repo.name, int(repo.stat().st_mtime))
+
+    generators = [n for n, c in configs.items() if is_text_generator(c.inputs)]
+    name = _prefer(generators, configs)
+    if name is not None:
+        tokenizer, special, params = _tokenizer_of(name, configs)
+        # an ensemble streams when one of its steps is decoupled (its own config cannot say so)
+        steps = [configs[s] for s in configs[name].inputs.steps if s in configs]
+        inputs = configs[name].inputs
+        inputs = replace(inputs, decoupled=inputs.decoupled or any(s.inputs.decoupled for s in steps))
+        catalog.generator = TextModel(inputs, tokenizer, special, params)
+        catalog.stopper = next((s.inputs for s in steps if {"stop", "input_ids"} <= set(s.inputs.inputs)), None)
+        catalog.max_input_len = _int(params, "max_input_len")
+        limits = [_int(c.parameters, "max_seq_len") for n, c in configs.items()
+                  if n == name or n in configs[name].inputs.steps]
+        catalog.max_seq_len = next((v for v in limits if v), None)
+        if params.get("image_token_id"):
+            catalog.image_placeholder = params.get("image_placeholder") or "<image>"
+        try:
+            catalog.adapters = repository_adapters(repo)
+        except UsageError:
+            catalog.adapters = {}  # not a forge repository: no manifest, no adapters
+
+    embedders = [n for n, c in configs.items() if "text_input" in c.inputs.inputs and "embedding" in c.inputs.outputs]
+    name = _prefer(embedders, configs)
+    if name is not None:
+        tokenizer, special, params = _tokenizer_of(name, configs)
+        catalog.embedder = TextModel(configs[name].inputs, tokenizer, special, params)
+        dims = configs[name].output_dims.get("embedding") or []
+        catalog.embedding_dim = dims[-1] if dims and dims[-1] > 0 else None
+    if catalog.generator is None and catalog.embedder is None:
+        raise UsageError(f"{repo} has no model the OpenAI API can serve (none takes text_input)",
+                         hint="serve it with --no-openai")
+    return catalog
+
+
+def model_card(catalog: Catalog, model_id: str) -> dict[str, Any]:
+    """One entry of ``GET /v1/models``."""
+    card = {"id": model_id, "object": "model", "created": catalog.created, "owned_by": "forge"}
+    if model_id != catalog.model_id:
+        card["parent"] = catalog.model_id
+        card["root"] = catalog.model_id
+    return card
+

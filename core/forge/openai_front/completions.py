@@ -1,0 +1,94 @@
+"""``/v1/completions``: one generation per prompt (run concurrently), the answer whole or as chunks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from . import translate as rq
+from .catalog import Catalog
+from .front import Front
+from .generation import Outcome, generate, total_usage
+from .protocol import APIError, CompletionRequest
+
+
+async def prepare(front: Front, body: CompletionRequest) -> list[rq.Generation]:
+    """The generations ``body`` asks for, one a prompt, counted on a worker thread (a long prompt blocks no
+    other request)."""
+    front.generator()
+    return await asyncio.to_thread(_generations, front.catalog, body)
+
+
+def _generations(catalog: Catalog, body: CompletionRequest) -> list[rq.Generation]:
+    model = catalog.generator
+    found = []
+    for prompt in [body.prompt] if isinstance(body.prompt, str) else list(body.prompt):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        count = model.count(prompt) if model.tokenizer is not None else None
+        found.append(rq.Generation(prompt, rq.max_tokens(catalog, body.max_tokens, count, 16), count,
+                                   rq.sampling(body), body.stops()))
+    return found
+
+
+async def answer(front: Front, body: CompletionRequest, generations: list[rq.Generation], adapter, ident: str,
+                 created: int) -> dict[str, Any]:
+    """The ``text_completion`` object, a choice per prompt."""
+    async def one(index: int, generation: rq.Generation):
+        outcome = Outcome()
+        text = "".join([p async for p in generate(front, generation, adapter, stream=False, outcome=outcome,
+                                                  request_id=f"{ident}-{index}")])
+        return {"index": index, "text": (generation.prompt + text) if body.echo else text, "logprobs": None,
+                "finish_reason": outcome.finish_reason}, outcome
+
+    answers = await asyncio.gather(*(one(i, g) for i, g in enumerate(generations)))
+    return {"id": ident, "object": "text_completion", "created": created, "model": body.model,
+            "system_fingerprint": None, "choices": [c for c, _ in answers],
+            "usage": total_usage([o for _, o in answers])}
+
+
+async def chunks(front: Front, body: CompletionRequest, generations: list[rq.Generation], adapter, ident: str,
+                 created: int) -> AsyncIterator[dict[str, Any]]:
+    """The ``text_completion`` events of every prompt as they come, then the usage when asked."""
+    with_usage = bool(body.stream_options and body.stream_options.include_usage)
+    queue: asyncio.Queue = asyncio.Queue()
+    outcomes = [Outcome() for _ in generations]
+
+    def chunk(index: int, text: str, reason: str | None = None) -> dict[str, Any]:
+        event = {"id": ident, "object": "text_completion", "created": created, "model": body.model,
+                 "system_fingerprint": None,
+                 "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+        if with_usage:
+            event["usage"] = None
+        return event
+
+    async def run(index: int, generation: rq.Generation):
+        try:
+            if body.echo:
+                await queue.put(chunk(index, generation.prompt))
+            async for piece in generate(front, generation, adapter, stream=True, outcome=outcomes[index],
+                                        request_id=f"{ident}-{index}"):
+                await queue.put(chunk(index, piece))
+            await queue.put(chunk(index, "", outcomes[index].finish_reason))
+        except APIError as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(run(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+    if with_usage:
+        yield {"id": ident, "object": "text_completion", "created": created, "model": body.model,
+               "system_fingerprint": None, "choices": [], "usage": total_usage(outcomes)}

@@ -1,0 +1,107 @@
+"""One generation of the served generator, as text pieces: stop strings applied, tokens counted, adapters sent.
+
+Tokenizer calls run on a worker thread (``asyncio.to_thread``): a long text keeps no other request waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from ..clients.inference import EXCLUDE_INPUT, first_input
+from ..clients.lora_requests import UNKNOWN_TASK, ServedAdapter
+from . import translate as rq
+from .catalog import TextModel
+from .front import Front
+from .protocol import APIError
+from .upstream import first_int, strings
+
+
+class Outcome:
+    """What a finished generation reports besides its text."""
+
+    def __init__(self):
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.finish_reason = "stop"
+
+
+async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapter | None, *, stream: bool,
+                   outcome: Outcome, request_id: str) -> AsyncIterator[str]:
+    """The generated text in pieces (one piece when the model is not decoupled), stop strings applied."""
+    model = front.generator()
+    tensors = rq.tensors(model, generation, stream=stream)
+    echoes = first_input(model.inputs, EXCLUDE_INPUT) is None  # older profiles: the prompt comes back too
+    stop = rq.StopText(generation.stops)
+    texts: list[str] = []
+    for attempt in (0, 1):
+        first = adapter is not None and attempt == 1
+        extra = front.lora_tensors(adapter, first)
+        try:
+            async with aclosing(front.triton.generate(model.inputs, {**tensors, **extra}, request_id,
+                                                      stopper=front.catalog.stopper)) as responses:
+                async for outputs in responses:
+                    piece = "".join(strings(outputs.get("text_output")))
+                    texts.append(piece)
+                    outcome.prompt_tokens = first_int(outputs.get("num_input_tokens")) or outcome.prompt_tokens
+                    count = first_int(outputs.get("num_output_tokens"))
+                    if count is not None:
+                        outcome.completion_tokens = count
+                    if echoes:
+                        continue
+                    out = stop.feed(piece)
+                    if out:
+                        yield out
+                    if stop.stopped:
+                        break  # closing the responses stops the rest of the generation on the server
+            break
+        except APIError as exc:
+            if adapter is None or attempt or UNKNOWN_TASK not in exc.message or adapter.weights is None:
+                raise
+    if echoes:
+        texts = [await asyncio.to_thread(_without_prompt, "".join(texts), generation.prompt, model)]
+        out = stop.feed(texts[0])
+        if out:
+            yield out
+    tail = stop.flush()
+    if tail:
+        yield tail
+    if outcome.prompt_tokens is None:
+        outcome.prompt_tokens = generation.prompt_tokens
+    if outcome.completion_tokens is None and model.tokenizer is not None:
+        outcome.completion_tokens = await asyncio.to_thread(model.count, "".join(texts), special=False)
+    if stop.stopped:
+        outcome.finish_reason = "stop"
+    elif outcome.completion_tokens is not None and outcome.completion_tokens >= generation.max_tokens:
+        outcome.finish_reason = "length"
+
+
+def _without_prompt(whole: str, prompt: str, model: TextModel) -> str:
+    """An echoing profile's answer without its prompt (as the postprocessing decoded it, or as sent)."""
+    shown = [prompt]
+    if model.tokenizer is not None and not hasattr(model.tokenizer, "max_length"):
+        from ..in_triton import forge_text
+
+        ids = forge_text.token_ids(prompt, model.tokenizer, model.add_special_tokens)
+        shown.insert(0, forge_text.decode(model.tokenizer, ids, True))
+    for text in shown:
+        if whole.startswith(text):
+            return whole[len(text):]
+    return whole
+
+
+def usage(outcome: Outcome) -> dict[str, int] | None:
+    """OpenAI's ``usage`` of one generation (``None`` where a count is unknown)."""
+    if outcome.prompt_tokens is None or outcome.completion_tokens is None:
+        return None  # not measured: not reported as zero
+    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+
+
+def total_usage(outcomes: list[Outcome]) -> dict[str, int] | None:
+    """The ``usage`` of several generations together (``None`` where one of them is unknown)."""
+    counted = [usage(o) for o in outcomes]
+    if any(u is None for u in counted):
+        return None
+    return {key: sum(u[key] for u in counted) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}

@@ -1,1 +1,0 @@
-"""Running Triton: the tritonserver launcher, clients for infer and bench."""
