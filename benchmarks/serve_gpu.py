@@ -149,12 +149,12 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
     ``warmup_s``, not the cell's); with ``engine_model``, what its engine did in the cell.
     With ``processes`` > 1 the clients are split over that many client processes (one Python's GIL can be
     what limits a streamed cell: every response is parsed by the client), started together."""
-    from forge.loadgen import workload as bench
+    from forge.loadgen import workload
 
     target = _target(server.grpc_url, model, tokenizer, stream)
-    items = bench.prompts(prompts(tokenizer, 16), requests, max_tokens)
+    items = workload.prompts(prompts(tokenizer, 16), requests, max_tokens)
     warmup = time.perf_counter()
-    bench.run(server.grpc_url, target, items[:2 * concurrency], concurrency=concurrency)
+    workload.run(server.grpc_url, target, items[:2 * concurrency], concurrency=concurrency)
     warmup_s = round(time.perf_counter() - warmup, 2)
     before, models_before = engine_counters(server, engine_model), model_durations(server)
     cpu_before, client_before = process_cpu(server), _client_cpu()
@@ -163,8 +163,8 @@ def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tok
         samples = _in_processes(server.grpc_url, model, tokenizer.name_or_path, stream, items, concurrency, processes)
         wall = max(s.done for s in samples) - min(s.sent for s in samples)
     else:
-        samples, wall = bench.run(server.grpc_url, target, items, concurrency=concurrency)
-    return {**bench.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall),
+        samples, wall = workload.run(server.grpc_url, target, items, concurrency=concurrency)
+    return {**workload.summarize(samples, wall), **engine_share(before, engine_counters(server, engine_model), wall),
             "triton_ms": per_request_ms(models_before, model_durations(server)), "client_processes": processes,
             "cpu_cores": cores_busy(cpu_before, process_cpu(server), wall),
             "client_cores": round((_client_cpu() - client_before) / wall, 2) if wall else None, "warmup_s": warmup_s}
@@ -179,12 +179,12 @@ def _client_cpu() -> float:
 
 
 def _target(url: str, model: str, tokenizer, stream: bool):
-    from forge.loadgen import workload as bench
+    from forge.loadgen import workload
     from forge.clients.inference import GrpcSession
 
     with GrpcSession(url) as session:
         inputs = session.config(model)
-    return bench.Target(inputs, stream=stream, extra={"exclude_input_in_output": True},
+    return workload.Target(inputs, stream=stream, extra={"exclude_input_in_output": True},
                         count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
 
 
@@ -211,11 +211,11 @@ def _in_processes(url: str, model: str, tokenizer_dir: str, stream: bool, items:
 def _client_process(url, model, tokenizer_dir, stream, items, concurrency, ready, results) -> None:
     from transformers import AutoTokenizer
 
-    from forge.loadgen import workload as bench
+    from forge.loadgen import workload
 
     target = _target(url, model, AutoTokenizer.from_pretrained(tokenizer_dir), stream)
     ready.wait(600)
-    samples, _ = bench.run(url, target, items, concurrency=concurrency)
+    samples, _ = workload.run(url, target, items, concurrency=concurrency)
     results.put(samples)
 
 
@@ -1029,7 +1029,7 @@ def soak(args) -> dict:
 
     from transformers import AutoTokenizer
 
-    from forge.loadgen import workload as bench
+    from forge.loadgen import workload
     from forge.clients.inference import GrpcSession
     from forge.server.triton_server import TritonServer
 
@@ -1055,17 +1055,17 @@ def soak(args) -> dict:
         def drive(shape: str) -> None:
             with GrpcSession(server.grpc_url) as session:
                 inputs = session.config(f"{shape}_ensemble")
-            target = bench.Target(inputs, stream=False, extra={"exclude_input_in_output": True},
+            target = workload.Target(inputs, stream=False, extra={"exclude_input_in_output": True},
                                   count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
             samples, rounds, started = [], 0, time.perf_counter()
             while time.monotonic() < end:
-                items = bench.prompts(prompts(tokenizer, 16), 4 * args.soak_concurrency, args.max_tokens)
-                got, _ = bench.run(server.grpc_url, target, items, concurrency=args.soak_concurrency,
+                items = workload.prompts(prompts(tokenizer, 16), 4 * args.soak_concurrency, args.max_tokens)
+                got, _ = workload.run(server.grpc_url, target, items, concurrency=args.soak_concurrency,
                                    timeout_s=args.soak_timeout)
                 samples += got
                 rounds += 1
             wall = time.perf_counter() - started
-            summary = bench.summarize(samples, wall)
+            summary = workload.summarize(samples, wall)
             summary["hung"] = sum(1 for x in samples if x.error and ("timed out" in x.error.lower()
                                                                       or "deadline" in x.error.lower()))
             summary["rounds"] = rounds

@@ -114,22 +114,9 @@ def probe(argv: "list[str]") -> int:  # a string: the copy may run on an older p
     return 0
 
 
-def python_processes(repo: Path) -> dict[str, int]:
-    """Python-backend model → how many processes (instances) tritonserver starts for it on rank 0."""
-    from .checks import load_configs
-
-    configs, _, _ = load_configs(repo)
-    wanted = {}
-    for name, config in sorted(configs.items()):
-        if config.backend == "python":
-            counts = [max(g.count, 1) * max(len(g.gpus), 1) for g in config.instance_group]
-            wanted[name] = max(sum(counts), 1)
-    return wanted
-
-
 def probe_argv(python: str, url: str, repo: Path) -> list[str]:
     """A command running :func:`probe` (its source inlined) for ``repo``'s tritonserver at ``url``."""
-    args = [url, str(repo.resolve()), *(f"{m}={n}" for m, n in python_processes(repo).items())]
+    args = [url, str(repo.resolve()), *(f"{m}={n}" for m, n in launch.python_processes(repo).items())]
     code = inspect.getsource(probe) + f"\nraise SystemExit(probe({args!r}))\n"
     return [python, "-c", code]
 
@@ -182,7 +169,7 @@ def _readiness(repo: Path, world: launch.Layout, rt: Runtime, ends: Endpoints, a
 
     ``$server`` is the pid of what serves (srun, mpirun, tritonserver): when it ends the script ends with its status.
     """
-    models = " ".join(shlex.quote(f"{m}={n}") for m, n in python_processes(repo).items())
+    models = " ".join(shlex.quote(f"{m}={n}") for m, n in launch.python_processes(repo).items())
     check = f'{shlex.quote(rt.python)} "$PROBE" "http://{address}:{ends.http_port}" {shlex.quote(str(repo))} {models}'
     alive = f'kill -0 "${server}" 2>/dev/null'
     return [f"until {check.rstrip()} > \"$PROBE.out\"; do",

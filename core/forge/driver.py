@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, contract, staging as repository, toolchain
+from . import __version__, contract, publish, toolchain
 from .cache import StageCache, cache_dir, fingerprint, source_fingerprint
 from .components import Artifact, Component, Edge, TritonModel
 from .context import BuildContext, StageRecord
@@ -200,14 +200,14 @@ class Driver:
     def _copy_exports(self, plans: list[ComponentPlan], staging: Path) -> dict[str, Any]:
         for plan in plans:
             dst = staging / plan.component.name if len(plans) > 1 else staging
-            repository.place(plan.artifact.path, dst if plan.artifact.path.is_dir() else dst / plan.artifact.path.name)
+            publish.place(plan.artifact.path, dst if plan.artifact.path.is_dir() else dst / plan.artifact.path.name)
         return self._manifest(plans, [], None)
 
     def build(self, spec: BuildSpec) -> BuildResult:
         """Build a complete repository (or print the plan under ``--dry-run``)."""
         plans = self.plan(spec)
         build_key = fingerprint([p.keys for p in plans], spec.name_prefix)
-        manifest_path = spec.out / repository.MANIFEST
+        manifest_path = spec.out / publish.MANIFEST
         if not spec.dry_run and manifest_path.is_file():
             try:
                 previous = json.loads(manifest_path.read_text())
@@ -259,7 +259,7 @@ class Driver:
 
         def write(staging: Path) -> dict[str, Any]:
             for model in models.values():
-                repository.write_model(model, staging)
+                publish.write_model(model, staging)
             from .checks import validate_repository
 
             problems = validate_repository(staging, located_at=spec.out)
@@ -274,17 +274,17 @@ class Driver:
     def _publish(self, out: Path, fill: Callable[[Path], dict[str, Any]]) -> None:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--out {out} is a regular file, not a directory")
-        if out.is_dir() and any(out.iterdir()) and not repository.is_forge_repo(out):
+        if out.is_dir() and any(out.iterdir()) and not publish.is_forge_repo(out):
             raise UsageError(f"--out {out} is a non-empty directory that forge did not write",
                              hint="choose another --out or empty it first")
         out.parent.mkdir(parents=True, exist_ok=True)
-        with repository.locked(out, cache_dir() / "locks"):
-            repository.clean_stale(out)
-            staging = repository.staging_dir(out)
+        with publish.locked(out, cache_dir() / "locks"):
+            publish.clean_stale(out)
+            staging = publish.staging_dir(out)
             try:
                 manifest = fill(staging)
-                (staging / repository.MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
-                repository.swap_into_place(staging, out)
+                (staging / publish.MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+                publish.swap_into_place(staging, out)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from forge import staging as repository
+from forge import publish as repository
 from forge.cli import main
 from forge.checks import validate_repository
 

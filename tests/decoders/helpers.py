@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from forge import ensemble
-from forge import staging as repo_writer
+from forge import publish as repo_writer
 from forge.components import Artifact, Component, TritonModel
 from forge.context import BuildContext, StageRecord
 from forge.llm import decoder_models as repository

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from forge.llm import peft as lora
-from forge.staging import MANIFEST
+from forge.publish import MANIFEST
 
 ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own
 

@@ -41,7 +41,7 @@ class ServedAdapter:
 
 def repository_adapters(repo: Path) -> dict[str, ServedAdapter]:
     """The adapters a repository's manifest lists, by name."""
-    from ..staging import MANIFEST
+    from ..publish import MANIFEST
 
     path = Path(repo) / MANIFEST
     try:

@@ -75,28 +75,28 @@ def _refuse_unused(args: argparse.Namespace, world) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import deployment as deploy
+    from .. import deployment
     from ..server import launch
 
     launch.check_servable(args.repo)
     world = launch.layout(args.repo)
-    if args.kind == "compose" and args.container_image == deploy.NO_CONTAINER:
+    if args.kind == "compose" and args.container_image == deployment.NO_CONTAINER:
         raise UsageError("forge deploy compose runs a container; --container-image none has nothing to run",
                          hint="leave --container-image out (the profile's NGC container) or name an image")
     _refuse_unused(args, world)
-    rt = deploy.runtime(args.repo, args.container_image, args.backend_version)
-    ends = deploy.Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port,
-                            args.rendezvous_port or deploy.Endpoints.rendezvous_port)
+    rt = deployment.runtime(args.repo, args.container_image, args.backend_version)
+    ends = deployment.Endpoints(args.host, args.http_port, args.grpc_port, args.metrics_port,
+                            args.rendezvous_port or deployment.Endpoints.rendezvous_port)
     if len({ends.http_port, ends.grpc_port, ends.metrics_port}) < 3:
         raise UsageError("--http-port, --grpc-port and --metrics-port must differ")
     if args.kind == "slurm":
-        text = deploy.slurm_script(args.repo, world, rt, ends, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        text = deployment.slurm_script(args.repo, world, rt, ends, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                                    partition=args.partition, time_limit=args.time_limit, job_name=args.job_name,
                                    output=args.output, mpi=args.mpi)
     elif args.kind == "compose":
-        text = deploy.compose_file(args.repo, world, rt, ends, gpus=args.gpus or "all", shm_size=args.shm_size or "2g")
+        text = deployment.compose_file(args.repo, world, rt, ends, gpus=args.gpus or "all", shm_size=args.shm_size or "2g")
     else:
-        text = deploy.shell_script(args.repo, world, rt, ends, gpus=args.gpus or "all", shm_size=args.shm_size or "2g")
+        text = deployment.shell_script(args.repo, world, rt, ends, gpus=args.gpus or "all", shm_size=args.shm_size or "2g")
     out = args.out or Path(DEFAULT_OUT[args.kind])
     if str(out) == "-":
         sys.stdout.write(text)

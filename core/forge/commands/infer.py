@@ -86,7 +86,7 @@ def read_image(path: Path | None) -> bytes | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..clients import inference as client
+    from ..clients import inference
     from ..ui import emit_json
 
     if args.max_tokens < 1:
@@ -104,36 +104,36 @@ def run(args: argparse.Namespace) -> int:
 
     adapter = None
     if args.lora is not None:
-        from ..clients import lora_requests as lora
+        from ..clients import lora_requests
 
-        (adapter,) = lora.resolve([args.lora], args.repo)
+        (adapter,) = lora_requests.resolve([args.lora], args.repo)
     elif args.repo is not None:
         raise UsageError("--repo only names the adapters of --lora; give --lora NAME too")
 
     if args.model is None:
-        args.model = client.text_model(args.url)
+        args.model = inference.text_model(args.url)
     if not args.stream and args.stop_after_ms is None and adapter is None:
-        inputs = client.ModelInputs.from_config(client.model_config(args.url, args.model))
-        payload = client.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,
+        inputs = inference.ModelInputs.from_config(inference.model_config(args.url, args.model))
+        payload = inference.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,
                                           bad_words=args.bad_words, image=image, **sampling)
-        response = client.generate(args.url, args.model, payload)
+        response = inference.generate(args.url, args.model, payload)
         if args.json:
             emit_json(response)
         else:
-            print(client.text_of(response.get("text_output", "")))
+            print(inference.text_of(response.get("text_output", "")))
         return 0
 
     stop_s = None if args.stop_after_ms is None else args.stop_after_ms / 1000.0
-    with client.GrpcSession(_grpc_url(args)) as session:
+    with inference.GrpcSession(_grpc_url(args)) as session:
         inputs = session.config(args.model)
-        tensors = client.text_request(inputs, prompt, args.max_tokens, stream=args.stream,
+        tensors = inference.text_request(inputs, prompt, args.max_tokens, stream=args.stream,
                                       stop_words=args.stop_words, bad_words=args.bad_words, image=image, **sampling)
         pieces: list[str] = []
 
         def ask(extra) -> None:
             for event in session.stream(args.model, {**tensors, **extra}, stop_after_s=stop_s):
                 if "text_output" in event.outputs:
-                    piece = client.text_of(event.outputs["text_output"])
+                    piece = inference.text_of(event.outputs["text_output"])
                     pieces.append(piece)
                     if not args.json:
                         print(piece, end="" if args.stream else "\n", flush=True)

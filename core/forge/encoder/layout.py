@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..staging import place
+from ..publish import place
 
 ONNX_DIR = "onnx"
 ONNX_FILE = "model.onnx"

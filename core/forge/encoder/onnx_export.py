@@ -9,7 +9,7 @@ from typing import Any
 from ..components import Artifact, Component
 from ..context import BuildContext
 from ..errors import ForgeError
-from . import layout, encoder_parity as parity, samples
+from . import layout, encoder_parity, samples
 from .adapter import TEXT, EncoderAdapter, TowerInterface
 from .encoder_options import EncoderOptions
 from .input_models import image_preprocessor, text_tokenizer
@@ -46,12 +46,12 @@ def export(adapter: EncoderAdapter, component: Component, ctx: BuildContext) -> 
 
     with torch.inference_mode():
         reference = [module(*[torch.from_numpy(f[t.name]) for t in iface.inputs]).numpy() for f in feeds]
-    stats = parity.measure(reference, parity.onnxruntime_outputs(onnx_file, feeds))
+    stats = encoder_parity.measure(reference, encoder_parity.onnxruntime_outputs(onnx_file, feeds))
     tolerance = opts.parity_tolerance or adapter.tolerance["float32"]
     ctx.note("parity", {**stats, "tolerance": tolerance, "precision": "float32",
                         "against": "torch float32", "runtime": "onnxruntime CPUExecutionProvider"})
-    parity.save(ctx.workdir / parity.SAMPLES_FILE, feeds, reference)
-    parity.check(stats, tolerance, f"{component.name}: ONNX export parity",
+    encoder_parity.save(ctx.workdir / encoder_parity.SAMPLES_FILE, feeds, reference)
+    encoder_parity.check(stats, tolerance, f"{component.name}: ONNX export parity",
                  "raise it with --parity-tolerance if the difference is expected")
     return Artifact("onnx-encoder", ctx.workdir, meta)
 

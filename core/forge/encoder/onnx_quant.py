@@ -19,7 +19,7 @@ from typing import Any
 from ..components import Artifact, Component
 from ..context import BuildContext
 from ..errors import ForgeError
-from . import layout, encoder_parity as parity, samples
+from . import layout, encoder_parity, samples
 from .adapter import TEXT, EncoderAdapter, TowerInterface
 from .encoder_options import EncoderOptions
 from .input_models import image_preprocessor, text_tokenizer
@@ -48,7 +48,7 @@ def quantize(adapter: EncoderAdapter, component: Component, artifact: Artifact, 
     meta = {**artifact.meta, "precision": precision}
     if ctx.dry_run:
         return Artifact("onnx-encoder", ctx.workdir, meta)
-    layout.carry(artifact.path, ctx.workdir, layout.ASSETS, parity.SAMPLES_FILE)
+    layout.carry(artifact.path, ctx.workdir, layout.ASSETS, encoder_parity.SAMPLES_FILE)
     src, dst = layout.onnx_path(artifact.path), layout.onnx_path(ctx.workdir)
     dst.parent.mkdir(parents=True)
     if int8:
@@ -60,12 +60,12 @@ def quantize(adapter: EncoderAdapter, component: Component, artifact: Artifact, 
         recipe = _float16(src, dst)
     meta["quantization"] = recipe
     ctx.note("quantization", recipe)
-    samples_, reference = parity.load(artifact.path / parity.SAMPLES_FILE)
-    stats = parity.measure(reference, parity.onnxruntime_outputs(dst, samples_))
+    samples_, reference = encoder_parity.load(artifact.path / encoder_parity.SAMPLES_FILE)
+    stats = encoder_parity.measure(reference, encoder_parity.onnxruntime_outputs(dst, samples_))
     tolerance = opts.quant_parity_tolerance or adapter.tolerance[precision]
     ctx.note("parity", {**stats, "tolerance": tolerance, "precision": precision, "against": "torch float32",
                         "runtime": "onnxruntime CPUExecutionProvider"})
-    parity.check(stats, tolerance, f"{component.name}: {precision} parity",
+    encoder_parity.check(stats, tolerance, f"{component.name}: {precision} parity",
                  "raise it with -o quant_parity_tolerance=X, or use --calib-data with representative inputs")
     return Artifact("onnx-encoder", ctx.workdir, meta)
 
@@ -183,7 +183,7 @@ def calibration_cache(component: Component, artifact: Artifact, ctx: BuildContex
     meta = {**artifact.meta, "precision": "int8", "calibration_cache": layout.CALIBRATION}
     if ctx.dry_run:
         return Artifact("onnx-encoder", ctx.workdir, meta)
-    layout.carry(artifact.path, ctx.workdir, layout.ONNX_DIR, layout.ASSETS, parity.SAMPLES_FILE)
+    layout.carry(artifact.path, ctx.workdir, layout.ONNX_DIR, layout.ASSETS, encoder_parity.SAMPLES_FILE)
     feeds, origin, count = calibration_feeds(iface, opts, artifact.path / layout.ASSETS, ctx)
     import numpy as np
     from onnxruntime.quantization import CalibrationMethod, create_calibrator

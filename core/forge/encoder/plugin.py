@@ -86,17 +86,17 @@ class EncoderPlugin:
     def forge_export(self, component, ctx):
         if not self._mine(component):
             return None
-        from . import onnx_export as export
+        from . import onnx_export
 
-        return export.export(self.adapter, component, ctx)
+        return onnx_export.export(self.adapter, component, ctx)
 
     @hookimpl
     def forge_quantize(self, component, artifact, ctx):
         if not self._mine(component):
             return None
-        from . import onnx_quant as quantize
+        from . import onnx_quant
 
-        return quantize.quantize(self.adapter, component, artifact, ctx)
+        return onnx_quant.quantize(self.adapter, component, artifact, ctx)
 
     @hookimpl
     def forge_compile(self, component, artifact, ctx):
@@ -110,12 +110,12 @@ class EncoderPlugin:
     def forge_emit_config(self, component, artifact, ctx):
         if not self._mine(component):
             return None
-        from . import tower_models as repository
+        from . import tower_models
 
-        return repository.emit(component, artifact, ctx)
+        return tower_models.emit(component, artifact, ctx)
 
     @hookimpl
     def forge_ensemble_edges(self, components, models, ctx):
-        from . import tower_models as repository
+        from . import tower_models
 
-        return [edge for c in components if self._mine(c) for edge in repository.edges(c, models)]
+        return [edge for c in components if self._mine(c) for edge in tower_models.edges(c, models)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..components import Artifact, Component
 from ..context import BuildContext
-from . import layout, encoder_parity as parity
+from . import layout, encoder_parity
 from .adapter import TEXT, TowerInterface
 from .encoder_options import EncoderOptions
 from .input_models import text_padding
@@ -61,5 +61,5 @@ def compile(component: Component, artifact: Artifact, ctx: BuildContext) -> Arti
                           "precision": ("int8+" if calibration else "") + ctx.spec.dtype})
     ctx.run_tool(argv, purpose=f"--target tensorrt (TensorRT plan of {component.name})")
     if not ctx.dry_run:
-        layout.carry(artifact.path, ctx.workdir, layout.ASSETS, parity.SAMPLES_FILE)
+        layout.carry(artifact.path, ctx.workdir, layout.ASSETS, encoder_parity.SAMPLES_FILE)
     return Artifact("tensorrt-plan", ctx.workdir, {**artifact.meta, "plan": layout.PLAN})

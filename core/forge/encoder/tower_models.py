@@ -12,8 +12,8 @@ from __future__ import annotations
 from .. import tritonconfig as tc
 from ..components import Artifact, Component, Edge, TritonModel
 from ..context import BuildContext
-from .. import in_triton as served
-from . import layout, input_models as preprocessing
+from .. import in_triton
+from . import layout, input_models
 from .adapter import EMBEDDING, IMAGE, TEXT, TowerInterface
 from .encoder_options import EncoderOptions
 
@@ -48,12 +48,12 @@ def _preprocessing(component: Component, iface: TowerInterface, artifact: Artifa
     outputs = [tc.model_output(t.name, t.dtype, t.dims) for t in iface.inputs]
     config = tc.model_config(preprocessing_name(component, iface.modality), backend="python",
                              max_batch_size=ctx.spec.limits.max_batch_size, inputs=[source], outputs=outputs,
-                             parameters=preprocessing.parameters(iface, opts),
+                             parameters=input_models.parameters(iface, opts),
                              instances=opts.preprocessing_instances, instance_kind="KIND_CPU",
                              dynamic_batching=True)
-    files: dict = {"1/model.py": served.TOKENIZER if text else served.IMAGE, **served.glue_files()}
+    files: dict = {"1/model.py": in_triton.TOKENIZER if text else in_triton.IMAGE, **in_triton.glue_files()}
     if text:
-        files[f"1/{preprocessing.TOKENIZER_FILE}"] = artifact.path / layout.ASSETS / preprocessing.TOKENIZER_FILE
+        files[f"1/{preprocessing.TOKENIZER_FILE}"] = artifact.path / layout.ASSETS / input_models.TOKENIZER_FILE
     return TritonModel(config, files)
 
 
@@ -80,7 +80,7 @@ def _encoder(component: Component, iface: TowerInterface, artifact: Artifact, op
                              parameters={"model_file": layout.ONNX_FILE, "device": opts.device,
                                          "intra_op_threads": opts.intra_op_threads,
                                          "precision": artifact.meta.get("precision", "float32")}, **common)
-    return TritonModel(config, {"1": onnx_dir, "1/model.py": served.ONNX_ENCODER, **served.glue_files()})
+    return TritonModel(config, {"1": onnx_dir, "1/model.py": in_triton.ONNX_ENCODER, **in_triton.glue_files()})
 
 
 def edges(component: Component, models_by_name: dict[str, TritonModel]) -> list[Edge]:

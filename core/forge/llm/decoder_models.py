@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from forge import in_triton as served
+from forge import in_triton
 from forge import tritonconfig as tc
 from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import ForgeError, UsageError
@@ -25,6 +25,7 @@ from .trtllm_build import sequence_limits  # the one clamping rule of prompt and
 from .interface import (BLS, LLM, POST, PRE, truthy, message_input, parameter_value, profile_of, resolve_dtype,
     tensorrt_llm_io, tensorrt_llm_parameters)
 from .decoder_options import check_options
+from .tokenizer_ids import tokenizer_defaults
 
 TOKENIZER_DIR = "tokenizer"  # inside each python model's version directory
 
@@ -62,39 +63,11 @@ def tokenizer_files(source: Path) -> dict[str, bytes]:
     return found
 
 
-def tokenizer_defaults(source: Path, spec) -> dict[str, Any]:
-    """End/pad ids and extra end-of-turn ids, read once at build time (and proving the tokenizer loads)."""
-    from forge.in_triton import forge_text
-
-    try:
-        tokenizer = forge_text.load_tokenizer(str(source), trust_remote_code=spec.trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - any loader failure means the same thing to the user
-        reason = (str(exc).strip().splitlines() or [""])[0]
-        raise UsageError(f"cannot load the tokenizer in {source}: {type(exc).__name__}: {reason}",
-                         hint="check the tokenizer files (or pass --trust-remote-code if it needs custom code)")
-    eos: list[int] = []
-    generation = source / "generation_config.json"
-    if generation.is_file():
-        try:
-            value = json.loads(generation.read_text()).get("eos_token_id")
-        except ValueError:
-            value = None
-        eos = [int(v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
-        eos.insert(0, int(tokenizer.eos_token_id))
-    if not eos:
-        raise UsageError(f"the tokenizer in {source} has no end-of-sequence token",
-                         hint="set one with -o end_id=<token id>")
-    pad = tokenizer.pad_token_id
-    return {"end_id": eos[0], "pad_id": eos[0] if pad is None else int(pad),
-            "stop_token_ids": ",".join(str(t) for t in eos[1:]), "vocab": len(tokenizer)}
-
-
 def _python_files(model_py: Path, tokenizer: Mapping[str, bytes]) -> dict[str, Path | bytes | str]:
     # Contents, not paths: the driver hard-links paths, and a repository must never share inodes
     # with forge's own sources or the user's checkpoint (editing one would change the other).
     files: dict[str, Path | bytes | str] = {"1/model.py": model_py.read_bytes(),
-                                            "1/forge_text.py": served.TEXT.read_bytes(), **served.glue_files()}
+                                            "1/forge_text.py": in_triton.TEXT.read_bytes(), **in_triton.glue_files()}
     files.update({f"1/{TOKENIZER_DIR}/{name}": data for name, data in tokenizer.items()})
     return files
 
@@ -137,7 +110,7 @@ def preprocessing_model(component: Component, profile: Profile, ctx, tokenizer: 
         outputs=[tc.model_output(t.name, t.dtype, t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "preprocessing_instance_count"),
         dynamic_batching=batching)
-    return TritonModel(config, _python_files(served.PREPROCESSING, tokenizer))
+    return TritonModel(config, _python_files(in_triton.PREPROCESSING, tokenizer))
 
 
 def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[str, bytes],
@@ -161,7 +134,7 @@ def postprocessing_model(component: Component, profile: Profile, ctx, tokenizer:
         outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims) for t in outputs],
         parameters=params, instances=_instances(ctx, "postprocessing_instance_count"),
         dynamic_batching=POST in profile.dynamic_batching)
-    return TritonModel(config, _python_files(served.POSTPROCESSING, tokenizer))
+    return TritonModel(config, _python_files(in_triton.POSTPROCESSING, tokenizer))
 
 
 def bls_routes(profile: Profile) -> dict[str, Any]:
@@ -208,7 +181,7 @@ def bls_model(component: Component, profile: Profile, ctx, tokenizer: Mapping[st
         outputs=[tc.model_output(t.name, resolve_dtype(t.dtype, spec, meta, engine_dir), t.dims)
                  for t in spec_io.outputs],
         parameters=params, instances=_instances(ctx, "bls_instance_count"), decoupled=decoupled)
-    return TritonModel(config, _python_files(served.BLS, tokenizer))
+    return TritonModel(config, _python_files(in_triton.BLS, tokenizer))
 
 
 def engine_files(engine_dir: Path) -> dict[str, Path]:

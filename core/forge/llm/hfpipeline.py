@@ -15,7 +15,7 @@ from pathlib import Path
 from ..components import Artifact, Component, TritonModel
 from ..errors import UsageError
 from ..spec import Limits
-from .. import in_triton as served
+from .. import in_triton
 from .. import tritonconfig as tc
 from .pytarget import WEIGHTS_DIR, weight_files
 
@@ -66,7 +66,7 @@ def emit(component: Component, ctx) -> list[TritonModel]:
         parameters={"forge_target": TARGET, "weights": WEIGHTS_DIR, "dtype": spec.dtype,
                     "device": ctx.option("device", "auto"), "cpu_threads": ctx.option("cpu_threads", 0)},
         instances=int(ctx.option("instances", 1)), instance_kind="KIND_CPU", dynamic_batching=False)
-    files: dict[str, Path | bytes] = {"1/model.py": served.HF_PIPELINE.read_bytes(), **served.glue_files(),
+    files: dict[str, Path | bytes] = {"1/model.py": in_triton.HF_PIPELINE.read_bytes(), **in_triton.glue_files(),
                                       **weight_files(component.source)}
     for name in _TOKENIZER_FILES:
         if (component.source / name).is_file():

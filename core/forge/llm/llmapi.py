@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from forge import in_triton as served
+from forge import in_triton
 from forge import tritonconfig as tc
 from forge.components import Artifact, Component, TritonModel
 from forge.errors import UsageError
@@ -207,15 +207,15 @@ def quantize(adapter, source: Path, artifact: Artifact, ctx) -> Artifact | None:
     import sys
     from dataclasses import asdict
 
-    from . import weight_quant as q
+    from . import weight_quant
 
     spec = ctx.spec
     meta = dict(artifact.meta)
-    recipe = q.make_recipe(spec.quant, meta, spec.options)
+    recipe = weight_quant.make_recipe(spec.quant, meta, spec.options)
     ctx.note("quantize", asdict(recipe))
     if ctx.dry_run:
         return None
-    texts = q.calibration_texts(spec.options.get("calib_data"), recipe.calibration["samples"])
+    texts = weight_quant.calibration_texts(spec.options.get("calib_data"), recipe.calibration["samples"])
     recipe.calibration["samples"] = len(texts)
     out = ctx.workdir / CHECKPOINT_DIR
     ctx.log(f"calibrating with nvidia-modelopt on {len(texts)} samples ({', '.join(recipe.modes)})")
@@ -223,8 +223,8 @@ def quantize(adapter, source: Path, artifact: Artifact, ctx) -> Artifact | None:
         import torch
         from modelopt.torch.export import export_hf_checkpoint
 
-        model, tokenizer = q.load_for_calibration(Path(source), spec)
-        q.calibrate(model, tokenizer, recipe, texts)
+        model, tokenizer = weight_quant.load_for_calibration(Path(source), spec)
+        weight_quant.calibrate(model, tokenizer, recipe, texts)
         export_hf_checkpoint(model, dtype=getattr(torch, spec.dtype), export_dir=out)
     del model
     written = out / "hf_quant_config.json"
@@ -261,8 +261,8 @@ def emit(adapter, component: Component, artifact: Artifact, ctx, profile: Profil
                              parameters=parameters, instances=1, instance_kind="KIND_CPU", decoupled=decoupled)
     source = Path(artifact.path)
     files: dict[str, Path | bytes | str] = {
-        "1/model.py": served.LLMAPI_MODEL.read_bytes(), "1/forge_llmapi.py": served.LLMAPI.read_bytes(),
-        **served.glue_files(), "1/model.yaml": dump_yaml(doc, profile),
+        "1/model.py": in_triton.LLMAPI_MODEL.read_bytes(), "1/forge_llmapi.py": in_triton.LLMAPI.read_bytes(),
+        **in_triton.glue_files(), "1/model.yaml": dump_yaml(doc, profile),
         **checkpoint_files(source, list(artifact.meta.get("files", []))), **(lora_files(lora) if lora else {})}
     ctx.note("llmapi", {"model_yaml": doc, "checkpoint": CHECKPOINT_DIR})
     if lora:  # the front and forge infer find the adapters here: lora_name, lora_id (task id), lora_path

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from forge import in_triton as served
+from forge import in_triton
 from forge import tritonconfig as tc
 from forge.components import Artifact, Component, Edge, TritonModel
 from forge.errors import UsageError
@@ -93,8 +93,8 @@ def encoders_model(component: Component, artifact: Artifact, ctx, files: Mapping
                  tc.model_output(EXTRA_ID, "UINT64", [1])],
         parameters=parameters, instances=1,
         instance_kind="KIND_GPU" if runtime == "tensorrt" else "KIND_CPU", dynamic_batching=True)
-    shipped = {"1/model.py": served.MULTIMODAL_ENCODERS.read_bytes(), **served.glue_files(),
-               "1/forge_image.py": served.IMAGE.read_bytes(), "1/forge_onnx.py": served.ONNX_ENCODER.read_bytes()}
+    shipped = {"1/model.py": in_triton.MULTIMODAL_ENCODERS.read_bytes(), **in_triton.glue_files(),
+               "1/forge_image.py": in_triton.IMAGE.read_bytes(), "1/forge_onnx.py": in_triton.ONNX_ENCODER.read_bytes()}
     return TritonModel(config, {**files, **shipped})
 
 

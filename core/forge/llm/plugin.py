@@ -95,18 +95,18 @@ class DecoderPlugin:
             from . import llmapi
 
             return llmapi.quantize(self.adapter, component.source, artifact, ctx)
-        from . import weight_quant as quantize
+        from . import weight_quant
 
-        return quantize.quantize(self.adapter, component.source, artifact, ctx)
+        return weight_quant.quantize(self.adapter, component.source, artifact, ctx)
 
     @hookimpl
     def forge_compile(self, component, artifact, ctx):
         if not self._mine(component) or ctx.target != "tensorrtllm" or _llmapi(ctx):
             return None  # the python target and the LLM API serve the checkpoint as it is
-        from . import trtllm_build as engine, multimodal
+        from . import trtllm_build, multimodal
 
         table = multimodal.prompt_table(component)  # an encoder fills its prompt table (llava)
-        return engine.compile(artifact, ctx, lora=component.options.get("lora"),
+        return trtllm_build.compile(artifact, ctx, lora=component.options.get("lora"),
                               prompt_table_rows=table["rows"] if table else 0)
 
     @hookimpl
@@ -117,16 +117,16 @@ class DecoderPlugin:
             from . import hfpipeline
 
             return hfpipeline.emit(component, ctx)
-        from . import decoder_models as repository
+        from . import decoder_models
 
-        return repository.emit(self.adapter, component, artifact, ctx)
+        return decoder_models.emit(self.adapter, component, artifact, ctx)
 
     @hookimpl
     def forge_ensemble_edges(self, components, models, ctx):
-        from . import decoder_models as repository
+        from . import decoder_models
 
         return [edge for c in components if self._mine(c) and ctx.spec.target != "hf-pipeline"
-                for edge in repository.edges(c, models, ctx)]
+                for edge in decoder_models.edges(c, models, ctx)]
 
 
 def _llmapi(ctx) -> bool:

@@ -348,26 +348,26 @@ def tokenizer_dirs(sources: list[Source], explicit: Path | None, compare: bool) 
 
 def workload_items(args: argparse.Namespace, workload: str, sources: list[Source], tokenizer) -> list:
     """The requests every target gets (the same list for all)."""
-    from . import workload as bench
+    from . import workload
 
     if workload == "token-norm-dist":
         max_inputs = [s.max_input for s in sources if s.max_input]
         vocabs = [s.vocab for s in sources if s.vocab]
-        return bench.token_norm_dist(
+        return workload.token_norm_dist(
             args.num_requests, input_mean=args.input_mean, input_stdev=args.input_stdev,
             output_mean=args.output_mean, output_stdev=args.output_stdev,
             vocab=args.vocab_size or (min(vocabs) if vocabs else 1000), seed=args.seed,
             text=not sources[0].token_mode, max_input=min(max_inputs) if max_inputs else None,
             tokenizer=tokenizer)
     if workload == "dataset":
-        return bench.read_dataset(args.dataset, num_requests=args.num_requests,
+        return workload.read_dataset(args.dataset, num_requests=args.num_requests,
                                   op_tokens_per_word=args.op_tokens_per_word)
     texts = list(args.prompt)
     if args.prompts_file:
         if not args.prompts_file.is_file():
             raise UsageError(f"--prompts-file {args.prompts_file} does not exist")
         texts += [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
-    return bench.prompts(texts, args.num_requests, args.output_len)
+    return workload.prompts(texts, args.num_requests, args.output_len)
 
 
 def chat(items: list, tokenizer, where: Path | None) -> None:
@@ -439,19 +439,19 @@ def lora_mix(source: Source, args: argparse.Namespace, protocol: str) -> list:
         if getattr(args, "lora_repo", None) is not None:
             raise UsageError("--lora-repo only names the adapters of --lora; give --lora NAME[,NAME…] too")
         return []
-    from ..clients import lora_requests as lora
+    from ..clients import lora_requests
 
     if protocol != "grpc":
         raise UsageError("--lora sends LoRA tensors over gRPC; drop --protocol http")
     names = [n.strip() for n in args.lora.split(",") if n.strip()]
     repo = args.lora_repo or source.repo
-    resolved = iter(lora.resolve([n for n in names if n != "base"], repo))
+    resolved = iter(lora_requests.resolve([n for n in names if n != "base"], repo))
     return [None if n == "base" else next(resolved) for n in names]
 
 
 def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str, stream: bool, items: list,
              load_points: list[Load], tokenizer, progress=None) -> list[dict]:
-    from . import workload as bench
+    from . import workload
     from ..clients.inference import session
 
     with contextlib.closing(session(url, protocol)) as client:
@@ -462,7 +462,7 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
         encode = lambda text: list(tokenizer.encode(text))  # noqa: E731
         echoes = lambda text: [tokenizer.decode(tokenizer.encode(text), skip_special_tokens=skip)  # noqa: E731
                                for skip in (True, False)]
-    target = bench.Target(inputs, stream=stream, count_text=count, encode=encode, echoes=echoes)
+    target = workload.Target(inputs, stream=stream, count_text=count, encode=encode, echoes=echoes)
     mix = lora_mix(source, args, protocol)
     if mix:
         target.use_lora(mix, items)
@@ -470,13 +470,13 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
     if stream and protocol == "http" and target.token_mode:
         raise UsageError("--stream over HTTP needs a text model (generate_stream); use --protocol grpc for token ids")
     if args.warmup > 0:
-        bench.run(url, target, items[: args.warmup], concurrency=1, timeout_s=args.timeout, protocol=protocol)
+        workload.run(url, target, items[: args.warmup], concurrency=1, timeout_s=args.timeout, protocol=protocol)
     rows = []
     for load in load_points:
-        samples, wall = bench.run(url, target, items, concurrency=load.concurrency, request_rate=load.rate,
+        samples, wall = workload.run(url, target, items, concurrency=load.concurrency, request_rate=load.rate,
                                   arrivals=load.arrivals, timeout_s=args.timeout, protocol=protocol)
         row = {"target": source.label, "load": load.label, "concurrency": load.concurrency,
-               "request_rate": load.rate, "arrivals": load.arrivals, **bench.summarize(samples, wall)}
+               "request_rate": load.rate, "arrivals": load.arrivals, **workload.summarize(samples, wall)}
         if mix:
             row["lora"] = [a.name if a else "base" for a in mix]
             row["lora_weights_resent"] = target.lora.retries

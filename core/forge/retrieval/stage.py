@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .. import in_triton as served
+from .. import in_triton
 from .. import tritonconfig as tc
 from ..components import Artifact, Component, Edge, TritonModel
 from ..context import BuildContext
@@ -38,7 +38,7 @@ def retriever_model(component: Component, artifact: Artifact, ctx: BuildContext)
         parameters={"store": meta["store"], "collection": meta["collection"], "metric": meta["metric"],
                     "default_k": int(ctx.option("top_k", 5))},
         instances=1, instance_kind="KIND_CPU", dynamic_batching=True)
-    files = {"1/model.py": served.RETRIEVER, "1/forge_store.py": served.STORE, **served.glue_files()}
+    files = {"1/model.py": in_triton.RETRIEVER, "1/forge_store.py": in_triton.STORE, **in_triton.glue_files()}
     return TritonModel(config, files)
 
 

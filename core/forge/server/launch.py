@@ -304,3 +304,16 @@ def docker_command(repo: Path, world: Layout, image: str, *, host: str = "127.0.
             repo, rank=0, world=world, host="0.0.0.0", http_port=http_port, grpc_port=grpc_port,
             metrics_port=metrics_port, shm_prefix="prefix", log_file=log_file)]
     return argv
+
+
+def python_processes(repo: Path) -> dict[str, int]:
+    """Python-backend model → how many processes (instances) tritonserver starts for it on rank 0."""
+    from ..checks import load_configs
+
+    configs, _, _ = load_configs(repo)
+    wanted = {}
+    for name, config in sorted(configs.items()):
+        if config.backend == "python":
+            counts = [max(g.count, 1) * max(len(g.gpus), 1) for g in config.instance_group]
+            wanted[name] = max(sum(counts), 1)
+    return wanted

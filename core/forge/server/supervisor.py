@@ -106,7 +106,7 @@ class Supervisor:
 
     def _wanted_processes(self) -> dict[str, int]:
         if self._wanted is None:
-            from ..deployment import python_processes
+            from .launch import python_processes
 
             try:
                 self._wanted = python_processes(Path(self.server.repo))

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from ...components import Artifact, Component, TritonModel
 from ...errors import UsageError
-from ... import in_triton as served
+from ... import in_triton
 from ... import tritonconfig as tc
 from ... import profiles
 
@@ -30,8 +30,8 @@ def runtime_files() -> dict[str, bytes]:
     Contents, not paths: the driver hard-links paths, and editing a repository's model.py must not
     edit forge's own source.
     """
-    files = {"1/model.py": served.DECODER_MODEL.read_bytes(), **served.glue_files()}
-    for path in sorted(served.DECODER_RUNTIME.glob("*.py")):
+    files = {"1/model.py": in_triton.DECODER_MODEL.read_bytes(), **in_triton.glue_files()}
+    for path in sorted(in_triton.DECODER_RUNTIME.glob("*.py")):
         files[f"1/{RUNTIME_PACKAGE}/{path.name}"] = path.read_bytes()
     return files
 
@@ -158,7 +158,7 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
 def _text_parameters(component: Component, ctx) -> dict[str, Any]:
     """What the LLM-API interface's text front needs: the tokenizer (beside the weights) and end ids."""
     from ..interface import truthy
-    from ..decoder_models import tokenizer_defaults
+    from ..tokenizer_ids import tokenizer_defaults
 
     defaults = tokenizer_defaults(component.source, ctx.spec)
     return {"forge_layout": "llmapi", "tokenizer_dir": WEIGHTS_DIR,
@@ -175,8 +175,8 @@ def _text_files(source: Path) -> dict[str, Path | bytes]:
     from ..llmapi import checkpoint_files  # its CHECKPOINT_DIR is this WEIGHTS_DIR: one layout of 1/hf
 
     files: dict[str, Path | bytes] = dict(checkpoint_files(source, []))
-    files["1/forge_llmapi.py"] = served.LLMAPI.read_bytes()
-    files["1/forge_text.py"] = served.TEXT.read_bytes()
+    files["1/forge_llmapi.py"] = in_triton.LLMAPI.read_bytes()
+    files["1/forge_text.py"] = in_triton.TEXT.read_bytes()
     return files
 
 
