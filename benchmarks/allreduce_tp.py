@@ -140,8 +140,37 @@ def main() -> int:
                                                   if "error" not in r else r["error"]) for r in rows_out]
         print(f"{method:>18}: " + " | ".join(cells))
     if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2))
+        save(report, args.json_out)
     return 0
+
+
+def results_table(report: dict) -> dict:
+    """The report as the docs' table: µs per all-reduce by shape, a column per way and dtype."""
+    methods = {m: cells for m, cells in report["methods"].items() if isinstance(cells, list)}
+    shapes = sorted({(c["rows"], c["hidden"]) for cells in methods.values() for c in cells}, key=lambda s: (s[1], s[0]))
+
+    def cell(method: str, shape: tuple[int, int]) -> str:
+        found = next((c for c in methods[method] if (c["rows"], c["hidden"]) == shape), None)
+        if found is None or "error" in found:
+            return "—"
+        return f"{found['us_per_all_reduce']:.1f}" + ("" if found.get("right_sum") else " (wrong sum)")
+
+    failed = [m for m, cells in report["methods"].items() if isinstance(cells, dict)]
+    return {"title": "All-reduce between the GPUs of one host", "columns": ["rows × hidden", *methods],
+            "rows": [[f"{r} × {h}", *[cell(m, (r, h)) for m in methods]] for r, h in shapes],
+            "notes": f"Not measured: {', '.join(failed)} (the error is in the file)." if failed else "",
+            "machine_line": f"{report['gpus']} × {report['gpu']}, torch {report['torch']}",
+            "description": f"µs per all-reduce of [rows, hidden] inside a CUDA graph ({report['chain']} chained, "
+                           f"replayed), tp {report['tp']}, NVLink multicast off; every way's sum checked first."}
+
+
+def save(report: dict, out: Path) -> None:
+    """The report as a results file: the table the docs show, the raw report beside it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gen_docs
+
+    raw = {k: v for k, v in report.items() if k not in ("command", "date")}
+    gen_docs.write_results("allreduce_tp", out=out, command=report["command"], **results_table(report), **raw)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ RSS (``ru_maxrss``), and the median and worst of each run's ratio to the ``cp`` 
 (seconds apart: the pair shares the machine's mood). The synthetic checkpoint is written by
 streaming random blocks into a pre-sized safetensors file (it is never built in torch memory) and
 deleted at the end unless ``--keep``. The full model's table is written to
-benchmarks/results/convert_decoder-<date>.json (``--json-out``), the table the docs show.
+benchmarks/experiments/convert_decoder-<date>.json (``--json-out``); the docs show the one in results/.
 
     python benchmarks/convert_decoder.py [--dir DIR] [--layers 22] [--repeat 7] [--keep] [--against CORE]
 """

@@ -10,8 +10,8 @@ in this process: batched (``batch_size=32``, its default) with each ``--threads`
 is the reference: on a loaded machine two torch threads can be far slower than one), and one
 sentence per call. Served and in-process rounds alternate so load from other processes hits both.
 Reported: sentences/s (median of rounds), latency p50/p99, and served / best in-process
-throughput (target ≥ 0.8); written to benchmarks/results/encoder_minilm-<date>.json (``--json-out``),
-the table the docs show.
+throughput (target ≥ 0.8); written to benchmarks/experiments/encoder_minilm-<date>.json (``--json-out``);
+the docs show the one in results/.
 """
 
 from __future__ import annotations

@@ -174,8 +174,46 @@ def main() -> int:
                 print(f"{shape} {key}: {json.dumps(entry[key])}; mpirun exited {done.returncode}", flush=True)
             report["shapes"][shape] = entry
         if args.json_out:
-            args.json_out.write_text(json.dumps(report, indent=2, default=str))
+            save(report, args.json_out)
     return 0
+
+
+def _form(key: str) -> str:
+    """A report key (``tp1_compile_false``, ``tp2``, ``tp2_nccl``) as a column heading."""
+    tp, _, form = key.partition("_")
+    form = {"compile_false": "layers eager", "compile_auto": "layers compiled"}.get(form, form.replace("_", " "))
+    return f"tp {tp[2:]}" + (f", {form}" if form else "") + " ms"
+
+
+def results_table(report: dict) -> dict:
+    """The report as the docs' table: ms per decoding step by shape and rows, a column per form measured."""
+    forms = list(dict.fromkeys(k for entry in report["shapes"].values() for k, v in entry.items()
+                               if isinstance(v, list)))
+    rows, notes = [], []
+    for shape, entry in report["shapes"].items():
+        by = {k: {r["rows"]: r["ms_per_step"] for r in entry[k]} for k in forms if isinstance(entry.get(k), list)}
+        for n in sorted({n for cells in by.values() for n in cells}):
+            rows.append([shape, n, *["—" if by.get(k, {}).get(n) is None else f"{by[k][n]:.2f}" for k in forms]])
+        notes += [f"{shape} {k}: not measured (its error is in the file)" for k, v in entry.items()
+                  if isinstance(v, dict) and "error" in v]
+        notes += [f"{shape} {k.removesuffix('_mpirun_exit')}: the ranks measured, then mpirun exited {v}"
+                  for k, v in entry.items() if k.endswith("mpirun_exit") and v]
+    compile = next((e["tp_compile"] for e in report["shapes"].values() if "tp_compile" in e), "auto")
+    return {"title": "Tensor parallel, the engine alone", "columns": ["shape", "rows", *map(_form, forms)],
+            "rows": rows, "notes": "; ".join(notes) + ("." if notes else ""),
+            "machine_line": f"{report['gpus']} × {report['gpu']}, torch {report['torch']}",
+            "description": "Random-weight float16 models of each shape, no Triton: ms per decoding step of the "
+                           "CUDA-graph decoder at each number of rows (32-token prompts). tp 1 on one GPU; tp N "
+                           f"under mpirun, one GPU per rank, NCCL, `-o torch_compile={compile}`."}
+
+
+def save(report: dict, out: Path) -> None:
+    """The report as a results file: the table the docs show, the raw report beside it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gen_docs
+
+    raw = {k: v for k, v in report.items() if k not in ("command", "date")}
+    gen_docs.write_results("engine_tp", out=out, command=report["command"], **results_table(report), **raw)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from gen_docs import cpu_model  # noqa: E402
+import gen_docs  # noqa: E402 - the results file shape the docs read
 from serve_decoder import PROMPTS  # noqa: E402  (the same prompts as the serving benchmark)
 
 
@@ -234,7 +234,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=None, help="HF directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the builds go (default: a temp dir)")
     parser.add_argument("--json-out", type=Path, default=None,
-                        help="default: benchmarks/results/openai_front-<date>.json")
+                        help="default: benchmarks/experiments/openai_front-<date>.json")
     args = parser.parse_args()
     levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
 
@@ -284,20 +284,34 @@ def main() -> int:
     goal = all(r["ratio"] is not None and r["ratio"] >= 0.95 and r["ttft_diff_ms"] is not None
                and r["ttft_diff_ms"] <= 2.0 for r in rows)
     print(f"goal (openai ≥ 0.95× generate tok/s, ≤ +2 ms p50 TTFT at every level): {'met' if goal else 'missed'}")
-    out = args.json_out or ROOT / "benchmarks" / "results" / f"openai_front-{time.strftime('%Y-%m-%d')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runtime_s": round(time.time() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-        "config": {"model": str(args.model), "builds": {k: str(v) for k, v in repos.items()},
-                   "levels": levels, "duration_s": args.duration, "repeats": args.repeats,
-                   "max_tokens": args.max_tokens, "prompts": PROMPTS, "greedy": True,
-                   "order": "alternating a,b / b,a per level"},
-        "rows": rows, "goal_met": goal, "cells": results}, indent=2) + "\n")
-    print(f"wrote {out}")
+    machine = (f"{gen_docs.cpu_model()}, {os.cpu_count()} CPUs, {platform.platform()}, "
+               f"Python {platform.python_version()}")
+    gen_docs.write_results(
+        "openai_front", out=args.json_out, machine_line=machine,
+        command=" ".join(["python benchmarks/openai_front.py", *sys.argv[1:]]), **results_table(rows, goal),
+        runtime_s=round(time.time() - started, 1),
+        config={"model": str(args.model), "builds": {k: str(v) for k, v in repos.items()}, "levels": levels,
+                "duration_s": args.duration, "repeats": args.repeats, "max_tokens": args.max_tokens,
+                "prompts": PROMPTS, "greedy": True, "order": "alternating a,b / b,a per level"},
+        measured=rows, goal_met=goal, cells=results)
     return 0
+
+
+def results_table(rows: list[dict], goal: bool) -> dict:
+    """The rows as the docs' table: the OpenAI front against the generate endpoint at each level."""
+    fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
+    return {"title": "The OpenAI API front",
+            "description": "Triton's generate endpoint against the OpenAI front's /v1/completions on one "
+                           "`forge serve` of SmolLM2-135M-Instruct (greedy, the same prompts and max_tokens): "
+                           "generated tokens/s of the default build, not streamed; time to first token of the "
+                           "`--decoupled` build, streamed; closed loop, cells alternating between the two sides.",
+            "columns": ["concurrency", "generate tok/s", "OpenAI tok/s", "ratio", "TTFT p50 generate ms",
+                        "TTFT p50 OpenAI ms", "TTFT difference ms", "errors"],
+            "rows": [[r["concurrency"], fmt(r["generate_tok_s"], ".1f"), fmt(r["openai_tok_s"], ".1f"),
+                      fmt(r["ratio"], ".3f"), fmt(r["generate_ttft_p50_ms"], ".1f"),
+                      fmt(r["openai_ttft_p50_ms"], ".1f"), fmt(r["ttft_diff_ms"], ".1f"), r["errors"]] for r in rows],
+            "notes": "Goal (OpenAI ≥ 0.95× generate tokens/s and ≤ +2 ms p50 TTFT at every level): "
+                     f"{'met' if goal else 'missed'}."}
 
 
 if __name__ == "__main__":

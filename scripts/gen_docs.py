@@ -7,8 +7,9 @@ plugin registry's families and their declared options, ``forge.hookspecs``, and 
 benchmarks/results/. A hand-written page shows a results file's table where it has the line
 ``<!-- results: NAME -->`` (the newest ``benchmarks/results/NAME-*.json``, or ``NAME.json``).
 
-The benchmark scripts write those files through ``write_results`` (the generic table shape), so the
-shape is defined once, next to the code that reads it.
+Every results file has one shape, a table with its title, command, machine and date (``read_results``
+checks it, ``render_results`` shows it), and the benchmark scripts write it through ``write_results``, so
+the shape is defined once, next to the code that reads it.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import os
 import platform
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results"  # curated: cited by the docs, published on the site
+EXPERIMENTS = ROOT / "benchmarks" / "experiments"  # every other run, kept in the repository, not published
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,380 +207,82 @@ def hooks_page() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Performance tables, from benchmarks/results/*.json
+# Results files, from benchmarks/results/*.json: one shape, one renderer
 #
-# Each shape a file may have is one reader below: ``matches(data)`` says whether it is that shape,
-# ``render(name, data, meta)`` makes its section. A file no reader knows is listed, not guessed at.
+# A results file is one table with its provenance:
+#   {"title", "command", "machine", "date", "columns": [...], "rows": [[...], ...],
+#    optional "description", "notes", "sources" (the raw files a joined table was made from),
+#    and any raw keys the benchmark keeps beside the table (not shown)}
+# ``write_results`` writes it; curated files live in benchmarks/results/, everything else in
+# benchmarks/experiments/, which the site does not publish.
 
-
-def _git_date(path: Path) -> str | None:
-    """When the file entered the repository (results written before files recorded their date)."""
-    try:
-        out = subprocess.run(["git", "log", "--diff-filter=A", "--follow", "--format=%ad", "--date=short", "--",
-                              str(path)], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[-1] if out else None
-
-
-def _f(value: object, fmt: str = ".1f") -> str:
-    return "—" if value is None else format(value, fmt) if isinstance(value, (int, float)) else _cell(value)
-
-
-def _compiled(engine_row: dict) -> str:
-    """The engine row's ``-o torch_compile`` and what it chose (older results: not recorded)."""
-    if "torch_compile" not in engine_row:
-        return "—"
-    chosen = str(engine_row.get("chosen", ""))
-    return "yes" if "torch.compile on" in chosen else "no"
-
-
-def _overlapped(engine_row: dict) -> str:
-    """Whether the engine row's steps overlapped (``-o overlap_steps``; older results: not recorded)."""
-    if "overlap_steps" not in engine_row:
-        return "—"
-    return "yes" if "steps overlapped" in str(engine_row.get("chosen", "")) else "no"
-
-
-def _serve_gpu_matches(data: dict) -> bool:
-    return isinstance(data.get("shapes"), dict) and "gpu" in data
-
-
-def _serve_gpu_command(data: dict) -> str:
-    if "command" in data:
-        return data["command"]
-    shapes = ",".join(data["shapes"])
-    served = any("rows" in s for s in data["shapes"].values())
-    head = "python benchmarks/serve_gpu.py " + ("--tokenizer SMOLLM2_DIR " if served else "--engine-only ")
-    return head + f"--shapes {shapes}"
-
-
-def _serve_gpu_render(name: str, data: dict, meta: dict) -> list[str]:
-    out = [_cell(data["note"]) + "\n"] if data.get("note") else []
-    for shape, entry in data["shapes"].items():
-        rows = entry.get("rows") or []
-        if rows:
-            table = [[_cell(r.get("server", "")), r.get("concurrency", "—"), r.get("requests", "—"),
-                      _f(r.get("req_per_s"), ".2f"), _f(r.get("tokens_per_s")),
-                      _f((r.get("latency_ms") or {}).get("p50"), ".0f"), _f((r.get("latency_ms") or {}).get("p99"), ".0f"),
-                      _f((r.get("first_token_ms") or {}).get("p50"), ".0f"),
-                      _f((r.get("inter_token_ms") or {}).get("p50"), ".1f"), _f(r.get("engine_mean_rows"), ".1f"),
-                      _f(r.get("engine_admitted_per_prefill"), ".1f"), r.get("errors", "—")] for r in rows]
-            out += [f"**{shape}, served** (closed loop through each ensemble; streamed rows through a `--decoupled` "
-                    "build; the `--target hf-pipeline` model as the baseline, all in one tritonserver):\n",
-                    _table(["model", "concurrency", "requests", "req/s", "generated tok/s", "p50 ms", "p99 ms",
-                            "TTFT p50 ms", "inter-token p50 ms", "engine's mean batch", "prompts a prefill", "errors"],
-                           table)]
-            if entry.get("ratio_c16") is not None:
-                out.append(f"Generated tokens/s of the forge build over the hf-pipeline model at concurrency 16: "
-                           f"**{entry['ratio_c16']:.0f}×**.\n")
-        shares = entry.get("served_share") or []
-        if shares:
-            out.append("Served tokens/s as a share of the engine alone's decoding at the same concurrency: " + ", ".join(
-                f"c={s['concurrency']}: **{s['share']:.0%}**" for s in shares) + ".\n")
-        engine = entry.get("engine") or []
-        if engine:
-            table = [[_code(e.get("cuda_graphs")), _code(e.get("attention") or "—"), _compiled(e),
-                      _code(e.get("paged_kv_cache") or "—"), _overlapped(e), e.get("rows", "—"),
-                      _f(e.get("ms_per_step"), ".2f"), _f(e.get("device_ms_per_step"), ".2f"), _f(e.get("tokens_per_s")),
-                      _f(e.get("bandwidth_floor_ms"), ".2f"), _f(e.get("x_above_floor"), ".1f")] for e in engine]
-            out += [f"**{shape}, the engine alone** (no Triton; decode ms per step, sampling included; GPU ms: the "
-                    "device's time per step, where recorded):\n",
-                    _table(["`-o cuda_graphs`", "attention", "layers compiled", "`-o paged_kv_cache`",
-                            "steps overlapped", "rows", "ms/step", "GPU ms", "tok/s", "bandwidth floor ms", "× floor"],
-                           table)]
-        cells = [r for r in rows if r.get("triton_ms")]
-        if cells:
-            models = sorted({m for r in cells for m in r["triton_ms"]}, key=lambda m: (not m.endswith("ensemble"), m))
-            table = [[_cell(r.get("run", "")), _f((r.get("latency_ms") or {}).get("p50"), ".0f"),
-                      _f(r.get("engine_queued_ms"), ".1f"),
-                      *[_f((r["triton_ms"].get(m) or {}).get("request"), ".1f") for m in models]] for r in cells]
-            out += [f"**{shape}, where a request's time goes** (mean ms per request that Triton counted in each model, "
-                    "beside the client's p50 and the mean wait in the engine's queue; a model that answers through its "
-                    "response sender counts until its `execute` returns):\n",
-                    _table(["cell", "client p50 ms", "engine queue ms", *[f"`{m}` ms" for m in models]], table)]
-        busy = [r for r in rows if r.get("cpu_cores")]
-        if busy:
-            def role(name: str) -> str:  # the streamed build's models carry the d_ prefix
-                return name[2:] if name.startswith("d_") else name
-            totals: dict[str, float] = {}
-            for r in busy:
-                for name, value in r["cpu_cores"].items():
-                    totals[role(name)] = max(totals.get(role(name), 0.0), value["cores"])
-            roles = [name for name, most in sorted(totals.items(), key=lambda kv: -kv[1]) if most >= 0.05]
-
-            def cores(r: dict, name: str) -> str:
-                value = next((v for n, v in r["cpu_cores"].items() if role(n) == name), None)
-                return "—" if value is None else f"{value['cores']:.2f} ({value['busiest_cores']:.2f})"
-            table = [[_cell(r.get("run", "")), _f(r.get("tokens_per_s")), *[cores(r, name) for name in roles],
-                      _f(r.get("sender_build_ms"), ".2f"), _f(r.get("sender_send_ms"), ".2f"),
-                      _f(r.get("sender_responses_per_s"), ".0f")] for r in busy]
-            out += [f"**{shape}, where the CPU goes** (cores each server process kept busy during the cell, its "
-                    "busiest thread in brackets: a process whose Python threads share one GIL cannot go much past one "
-                    "core; the `tensorrt_llm` model's sender threads: ms per response building its tensors and in "
-                    "the send call, a round trip to tritonserver):\n",
-                    _table(["cell", "generated tok/s", *[f"`{name}` cores" for name in roles],
-                            "build ms", "send ms", "responses/s"], table)]
-        kernels = entry.get("kernels_per_step")
-        if kernels:
-            out.append(f"CUDA kernels per decoding step at one row ({kernels['layers']} layers): " + ", ".join(
-                f"{form} attention {count}" for form, count in kernels["kernels"].items()) + ".\n")
-            if kernels.get("prefill_kernels"):
-                out.append("CUDA kernels per prefill of one 32-token prompt: " + ", ".join(
-                    f"{form} {count}" for form, count in kernels["prefill_kernels"].items()) + ".\n")
-        prefill = entry.get("prefill") or []
-        if prefill:
-            table = [[p.get("prompts"), p.get("tokens"), _f(p.get("graph_ms"), ".2f"), _f(p.get("compiled_graph_ms"), ".2f"),
-                      _f(p.get("compiled_graph_device_ms"), ".2f"), _f(p.get("static_ms"), ".2f"),
-                      _f(p.get("hf_forward_ms"), ".2f")] for p in prefill]
-            out += [f"**{shape}, prefill** (ms for the prompts at once, from the host: uploads, replay and read-back; "
-                    "GPU ms: the compiled graph's replay alone, CUDA events):\n",
-                    _table(["prompts", "tokens each", "captured", "captured, layers compiled", "GPU ms (compiled)",
-                            "eager", "Hugging Face forward"], table)]
-        loop = entry.get("closed_loop") or []
-        if loop:
-            table = [["joins the step in flight" if r.get("join_prefills") else "waits for it", r.get("concurrency"),
-                      f"within {r['jitter_ms']:g} ms" if r.get("jitter_ms") else "at once",
-                      _f(r.get("tokens_per_s")), _f(r.get("ms_per_step"), ".2f"), _f(r.get("device_ms_per_step"), ".2f"),
-                      _f(r.get("prefill_share"), ".3f"), _f(r.get("admitted_per_prefill"), ".1f"),
-                      _f(r.get("mean_rows"), ".1f")] for r in loop]
-            out += [f"**{shape}, the engine alone in a closed loop** (no Triton; each finished sequence replaced by a "
-                    "new 32-token prompt, at once or after a random delay, 64 new tokens each):\n",
-                    _table(["prefill", "sequences in flight", "replaced", "generated tok/s", "ms/step", "GPU ms/step",
-                            "prefill share", "prompts a prefill", "mean batch"], table)]
-        for p in entry.get("parity") or []:
-            out.append(f"Greedy ids, engine with CUDA graphs ({_cell(p.get('cuda_graphs'))}) vs transformers "
-                       f"`generate`, {p.get('dtype')}: {p.get('rows_all_equal')} of {p.get('rows')} rows equal "
-                       f"over {p.get('tokens')} tokens.\n")
-        long = entry.get("long_context") or []
-        if long:
-            table = [[_code(r.get("paged_kv_cache")), r.get("rows"), r.get("max_seq_len"), r.get("prompt"),
-                      _cell(r.get("chosen") or r.get("refused", "")), r.get("running", "—"), _f(r.get("ms_per_step"), ".2f"),
-                      _f(r.get("tokens_per_s")), _f(r.get("gpu_memory_gib"), ".1f")] for r in long]
-            out += [f"**{shape}, long context** (the engine alone; `-o paged_kv_cache=auto` chooses by the free GPU "
-                    "memory, the other two force a layout; rows admitted until the cache or the prefill budget is full):\n",
-                    _table(["`-o paged_kv_cache`", "rows", "max_seq_len", "prompt tokens", "chosen", "running",
-                            "ms/step", "tok/s", "peak GPU GiB"], table)]
-        if entry.get("startup_s") is not None:
-            out.append(f"tritonserver was ready {entry['startup_s']} s after its start (every model loaded, the "
-                       "decoders' warm-up and compiling included).\n")
-        greedy = entry.get("greedy")
-        if greedy:
-            out.append(f"Served greedy ids vs transformers ({greedy.get('dtype')}): equal for "
-                       f"{greedy.get('equal_prefix')} of {greedy.get('tokens')} tokens.\n")
-    soak = data.get("soak")
-    if soak:
-        table = [[shape, m.get("requests"), m.get("succeeded"), m.get("errors"), m.get("hung"), _f(m.get("tokens_per_s")),
-                  _f((m.get("latency_ms") or {}).get("p50"), ".0f"), _f((m.get("latency_ms") or {}).get("p99"), ".0f")]
-                 for shape, m in soak["models"].items()]
-        out += [f"**Soak**: every shape's default build in one tritonserver, closed loop at concurrency "
-                f"{soak['concurrency']} on each ensemble at once for {soak['seconds']:.0f} s (a request past "
-                f"{soak['timeout_s']:.0f} s counts as hung), then a stop:\n",
-                _table(["model", "requests", "succeeded", "errors", "hung", "generated tok/s", "p50 ms", "p99 ms"], table),
-                f"Stop: {soak['stop_s']} s, tritonserver exit status {soak['exit_status']}; crash lines in the server "
-                f"log: {len(soak['log_crash_lines'])}; new segfault or trap lines in the kernel log: "
-                f"{len(soak['kernel_log_new'])}.\n"]
-    return out
-
-
-def _serve_tp_matches(data: dict) -> bool:
-    return str(data.get("command", "")).startswith("python benchmarks/serve_tp.py") and isinstance(data.get("shapes"), dict)
-
-
-def _serve_tp_render(name: str, data: dict, meta: dict) -> list[str]:
-    out = []
-    for shape, entry in data["shapes"].items():
-        parity = entry.get("parity")
-        if parity:
-            out.append(f"**{shape}**: greedy ids of the tp {max(int(k[2:]) for k in parity if k.startswith('tp'))} "
-                       f"build vs tp 1 ({parity['dtype']}), equal prefix per prompt over {parity['tokens']} tokens: "
-                       f"{', '.join(str(n) for n in parity['equal_prefix'])}.\n")
-        table = [[r.get("tp"), _code(r.get("build")), r.get("concurrency"), r.get("requests"), _f(r.get("tokens_per_s")),
-                  _f((r.get("latency_ms") or {}).get("p50"), ".0f"), _f((r.get("latency_ms") or {}).get("p99"), ".0f"),
-                  _f(r.get("engine_ms_per_step"), ".2f"), _f(r.get("engine_mean_rows"), ".1f"), r.get("errors", "—")]
-                 for r in entry.get("rows") or []]
-        if table:
-            out += [f"**{shape}, served** (each build alone in its `forge serve`; closed loop through the ensemble):\n",
-                    _table(["tp", "build", "concurrency", "requests", "generated tok/s", "p50 ms", "p99 ms",
-                            "engine ms/step", "engine's mean batch", "errors"], table)]
-        if entry.get("ratio"):
-            out.append("tok/s of tp N over tp 1: " + ", ".join(f"c={c}: **{r}×**" for c, r in entry["ratio"].items())
-                       + ".\n")
-    return out
-
-
-def _engine_tp_matches(data: dict) -> bool:
-    return str(data.get("command", "")).startswith("python benchmarks/engine_tp.py") and isinstance(data.get("shapes"), dict)
-
-
-def _engine_tp_render(name: str, data: dict, meta: dict) -> list[str]:
-    out = [_cell(data["note"]) + "\n"] if data.get("note") else []
-    for shape, entry in data["shapes"].items():
-        forms = [k for k in entry if isinstance(entry[k], list)]
-        by = {k: {r["rows"]: r for r in entry[k]} for k in forms}
-        rows = sorted({n for k in forms for n in by[k]})
-        table = [[n, *[_f((by[k].get(n) or {}).get("ms_per_step"), ".2f") for k in forms]] for n in rows]
-        out += [f"**{shape}, the engine alone** (decode ms per step, CUDA graphs over a static cache):\n",
-                _table(["rows", *[_code(k.replace("_", " ")) for k in forms]], table)]
-        failed = [k for k in entry if isinstance(entry[k], dict) and "error" in entry[k]]
-        if failed:
-            out.append(f"Not measured: {', '.join(failed)} (the run failed; its error is in the file).\n")
-        for key in [k for k in entry if k.endswith("mpirun_exit") and entry[k]]:
-            form = key.removesuffix("mpirun_exit").rstrip("_") or "tp N"
-            out.append(f"{form}: the ranks failed at exit after measuring (mpirun exit status {entry[key]}; "
-                       "its error is in the file).\n")
-    return out
-
-
-def _allreduce_matches(data: dict) -> bool:
-    return str(data.get("command", "")).startswith("python benchmarks/allreduce_tp.py") and isinstance(
-        data.get("methods"), dict)
-
-
-def _allreduce_render(name: str, data: dict, meta: dict) -> list[str]:
-    out = [_cell(data["note"]) + "\n"] if data.get("note") else []
-    methods = {m: cells for m, cells in data["methods"].items() if isinstance(cells, list)}
-    shapes = sorted({(c["rows"], c["hidden"]) for cells in methods.values() for c in cells}, key=lambda s: (s[1], s[0]))
-
-    def cell(method: str, shape: tuple[int, int]) -> str:
-        found = next((c for c in methods[method] if (c["rows"], c["hidden"]) == shape), None)
-        if found is None or "error" in found:
-            return "—"
-        return _f(found["us_per_all_reduce"], ".1f") + ("" if found.get("right_sum") else " (wrong sum)")
-
-    out += [f"µs per all-reduce of [rows, hidden] inside a CUDA graph ({data.get('chain', '?')} chained, tp "
-            f"{data.get('tp', '?')}):\n",
-            _table(["rows × hidden", *[_code(m) for m in methods]],
-                   [[f"{r} × {h}", *[cell(m, (r, h)) for m in methods]] for r, h in shapes])]
-    failed = [m for m, cells in data["methods"].items() if isinstance(cells, dict)]
-    if failed:
-        out.append(f"Not measured: {', '.join(failed)} (the error is in the file).\n")
-    return out
-
-
-def _openai_front_matches(data: dict) -> bool:
-    rows = data.get("rows")
-    return "command" in data and isinstance(rows, list) and all(
-        isinstance(r, dict) and "openai_tok_s" in r for r in rows)
-
-
-def _openai_front_render(name: str, data: dict, meta: dict) -> list[str]:
-    table = [[r.get("concurrency", "—"), _f(r.get("generate_tok_s")), _f(r.get("openai_tok_s")),
-              _f(r.get("ratio"), ".3f"), _f(r.get("generate_ttft_p50_ms")), _f(r.get("openai_ttft_p50_ms")),
-              _f(r.get("ttft_diff_ms")), r.get("errors", "—")] for r in data["rows"]]
-    out = ["The OpenAI API's streamed chat completions against Triton's generate endpoint, one server:\n",
-           _table(["concurrency", "generate tok/s", "OpenAI tok/s", "ratio", "TTFT p50 generate ms",
-                   "TTFT p50 OpenAI ms", "TTFT difference ms", "errors"], table)]
-    if "goal_met" in data:
-        out.append(f"Goal (OpenAI ≥ 0.95× generate tokens/s and ≤ +2 ms p50 TTFT at every level): "
-                   f"**{'met' if data['goal_met'] else 'missed'}**.\n")
-    return out
-
-
-def _table_matches(data: dict) -> bool:
-    return isinstance(data.get("columns"), list) and isinstance(data.get("rows"), list) and "command" in data
-
-
-def _table_render(name: str, data: dict, meta: dict) -> list[str]:
-    out = [_cell(data["description"]) + "\n"] if data.get("description") else []
-    out.append(_table([_cell(c) for c in data["columns"]], [[_cell(c) for c in row] for row in data["rows"]]))
-    if data.get("notes"):
-        out.append(_cell(data["notes"]) + "\n")
-    return out
-
-
-#: (name, title, matches, render): the shapes a results file may have, tried in this order
-READERS: list[tuple[str, str, Callable[[dict], bool], Callable[[str, dict, dict], list[str]]]] = [
-    ("serve_tp", "Tensor parallel, served (`benchmarks/serve_tp.py`)", _serve_tp_matches, _serve_tp_render),
-    ("engine_tp", "Tensor parallel, the engine alone (`benchmarks/engine_tp.py`)", _engine_tp_matches, _engine_tp_render),
-    ("allreduce_tp", "All-reduce between the GPUs of one host (`benchmarks/allreduce_tp.py`)", _allreduce_matches,
-     _allreduce_render),
-    ("serve_gpu", "Decoder serving on a GPU (`benchmarks/serve_gpu.py`)", _serve_gpu_matches, _serve_gpu_render),
-    ("openai_front", "The OpenAI API front (`benchmarks/openai_front.py`)", _openai_front_matches, _openai_front_render),
-    ("table", "Measurements", _table_matches, _table_render),
-]
-
-
-def _script_command(command: str) -> str:
-    """A command recorded as a bare script name (``openai_front.py …``) as one runs it from the repository."""
-    head, _, rest = command.partition(" ")
-    if head.endswith(".py") and "/" not in head and (ROOT / "benchmarks" / head).is_file():
-        return f"python benchmarks/{head} {rest}".strip()
-    return command
-
-
-def _machine(data: dict) -> str:
-    if isinstance(data.get("machine"), str):
-        return data["machine"]
-    if isinstance(data.get("machine"), dict):
-        m = data["machine"]
-        parts = [m.get("gpu"), m.get("cpu_model"), f"{m['cpus']} CPUs" if m.get("cpus") else None,
-                 f"Python {m['python']}" if m.get("python") else None, m.get("platform")]
-        return ", ".join(str(p) for p in parts if p)
-    parts = [data.get("gpu"), f"torch {data['torch']}" if data.get("torch") else None]
-    return ", ".join(p for p in parts if p) or "not recorded"
+#: the keys every results file has, and their types
+REQUIRED: dict[str, type] = {"title": str, "command": str, "machine": str, "date": str, "columns": list, "rows": list}
 
 
 class ResultsError(ValueError):
-    """A results file that cannot be shown: unreadable, of no known shape, or incomplete."""
+    """A results file that cannot be shown: unreadable, not the results shape, or incomplete."""
 
 
-def _read_results(path: Path) -> tuple[str, str, dict, list[str]]:
-    """One results file → (reader key, title, the facts of its caption, its body); ResultsError if none fits."""
+def read_results(path: Path) -> dict:
+    """One results file, checked against the shape; ResultsError says what is missing."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ResultsError(f"not readable as JSON ({exc.__class__.__name__})") from None
-    reader = next((r for r in READERS if isinstance(data, dict) and r[2](data)), None)
-    if reader is None:
-        raise ResultsError("a shape no reader of scripts/gen_docs.py knows")
-    key, title, _, render = reader
-    date = str(data.get("date") or _git_date(path) or "")[:10] or "not recorded"
-    facts = {"command": _serve_gpu_command(data) if key == "serve_gpu" else _script_command(data["command"]),
-             "machine": _machine(data), "date": date,
-             "file": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)}
-    try:
-        body = render(path.name, data, {"date": date})
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ResultsError(f"its {key} shape is incomplete ({exc.__class__.__name__}: {exc})") from None
-    return key, data.get("title", title) if key == "table" else title, facts, body
+        raise ResultsError(f"{path.name}: not readable as JSON ({exc.__class__.__name__})") from None
+    if not isinstance(data, dict):
+        raise ResultsError(f"{path.name}: not a JSON object")
+    wrong = [f"{key} ({kind.__name__})" for key, kind in REQUIRED.items() if not isinstance(data.get(key), kind)]
+    if wrong:
+        raise ResultsError(f"{path.name}: missing or of the wrong type: {', '.join(wrong)}; the shape is "
+                           "what write_results in scripts/gen_docs.py writes")
+    if not re.match(r"\d{4}-\d\d-\d\d", data["date"]):
+        raise ResultsError(f"{path.name}: date {data['date']!r} is not YYYY-MM-DD")
+    width = len(data["columns"])
+    ragged = [i for i, row in enumerate(data["rows"]) if not isinstance(row, list) or len(row) != width]
+    if ragged:
+        raise ResultsError(f"{path.name}: row {ragged[0]} does not have the {width} cells of the columns")
+    return data
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def render_results(path: Path) -> str:
+    """A results file as markdown: its caption (command, machine, date), description, table and notes."""
+    data = read_results(path)
+    caption = (f"*Generated from `{_relative(path)}`: {_code(data['command'])} on {_cell(data['machine'])}, "
+               f"{data['date'][:10]}.*\n")
+    out = [caption]
+    if data.get("description"):
+        out.append(_cell(data["description"]) + "\n")
+    out.append(_table([_cell(c) for c in data["columns"]], [[_cell(c) for c in row] for row in data["rows"]]))
+    if data.get("notes"):
+        out.append(_cell(data["notes"]) + "\n")
+    return "\n".join(out)
 
 
 def performance_page(results: Path = RESULTS) -> str:
-    """Every results file as a section: its command, machine and date, then its tables."""
+    """Every curated results file as a section, under its title."""
     files = sorted(results.glob("*.json")) if results.is_dir() else []
-    sections: dict[str, list[str]] = {}
-    unknown: list[tuple[str, str]] = []
-    summary = []
-    for path in files:
-        try:
-            _, title, facts, body = _read_results(path)
-        except ResultsError as exc:
-            unknown.append((path.name, str(exc)))
-            continue
-        head = [f"### `{path.name}`\n",
-                _table(["", ""], [["command", _code(facts["command"])], ["machine", _cell(facts["machine"])],
-                                  ["date", facts["date"]], ["file", f"`{facts['file']}`"]])]
-        sections.setdefault(title, []).extend(head + body)
-        summary.append([f"`{path.name}`", _cell(title), facts["date"], _cell(facts["machine"])])
     out = ["# Measured results\n", GENERATED.format(source="the JSON files in `benchmarks/results/`"),
-           "Every table on this page is made from a results file that a benchmark script wrote; each names "
-           "the command, the machine and the date that produced it. Run the script to measure your own "
-           "machine, add its JSON to `benchmarks/results/` and rebuild the docs.\n"]
-    out.append(_table(["file", "benchmark", "date", "machine"], summary) if summary else "No results files.\n")
-    for title, body in sections.items():
-        out += [f"## {title}\n", *body]
-    if unknown:
-        out += ["## Files not shown\n",
-                _table(["file", "why"], [[f"`{n}`", _cell(why)] for n, why in unknown]),
-                "A new shape needs a reader in `scripts/gen_docs.py` (`READERS`), or the generic table shape: "
-                "`{\"command\", \"date\", \"machine\", \"title\", \"columns\": [...], \"rows\": [[...]]}`.\n"]
-    return "\n".join(out)
+           "Every table on this page is made from a results file that a benchmark script wrote, and names "
+           "the command, the machine and the date that produced it. Run the command to measure your own "
+           "machine: the script writes `benchmarks/experiments/NAME-<date>.json`.\n"]
+    summary, sections = [], []
+    for path in files:
+        data = read_results(path)  # a broken curated file fails the build
+        summary.append([f"[`{path.stem}`](#{path.stem})", _cell(data["title"]), data["date"][:10],
+                        _cell(data["machine"])])
+        sections += [f"## {_cell(data['title'])} {{#{path.stem}}}\n", render_results(path)]
+    out.append(_table(["results", "what", "date", "machine"], summary) if summary else "No results files.\n")
+    return "\n".join(out + sections)
 
 
 # ---------------------------------------------------------------------------------------------
 # Results tables inside hand-written pages: the line <!-- results: NAME --> becomes the newest
-# benchmarks/results/NAME-YYYY-MM-DD.json (or NAME.json) with a caption naming command, machine, date.
+# benchmarks/results/NAME-YYYY-MM-DD.json (or NAME.json), captioned with command, machine and date.
 
 MARKER = re.compile(r"^<!-- results: ([\w.-]+) -->[ \t]*$", re.M)
 
@@ -590,23 +293,19 @@ def results_file(name: str, results: Path = RESULTS) -> Path:
     if exact.is_file():
         return exact
     dated = sorted(p for p in results.glob(f"{name}-*.json")
-                   if re.fullmatch(rf"{re.escape(name)}-\d{{4}}-\d\d-\d\d.*", p.stem))
+                   if re.fullmatch(rf"{re.escape(name)}-\d{{4}}-\d\d-\d\d", p.stem))
     if not dated:
         raise ResultsError(f"no benchmarks/results/{name}.json or {name}-<date>.json")
     return dated[-1]
 
 
 def results_block(name: str, results: Path = RESULTS) -> str:
-    """A marker's replacement: the caption (command, machine, date, file), then the file's tables."""
-    path = results_file(name, results)
-    _, _, facts, body = _read_results(path)
-    caption = (f"*Generated from `{facts['file']}`: {_code(facts['command'])} on {_cell(facts['machine'])}, "
-               f"{facts['date']}.*\n")
-    return "\n".join([caption, *body])
+    """A marker's replacement: the newest file of that name, rendered."""
+    return render_results(results_file(name, results))
 
 
 def fill_results(markdown: str, results: Path = RESULTS, where: str = "a page") -> str:
-    """Every ``<!-- results: NAME -->`` line of ``markdown`` replaced by that results file's tables."""
+    """Every ``<!-- results: NAME -->`` line of ``markdown`` replaced by that results file's table."""
     def block(match: re.Match) -> str:
         try:
             return results_block(match.group(1), results)
@@ -623,7 +322,7 @@ def fill_results(markdown: str, results: Path = RESULTS, where: str = "a page") 
 def add_results_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     """``--json-out`` and ``--machine-note``, the options every benchmark that writes results has."""
     parser.add_argument("--json-out", type=Path, default=None, metavar="FILE",
-                        help=f"where to write the results (default: benchmarks/results/{name}-<date>.json)")
+                        help=f"where to write the results (default: benchmarks/experiments/{name}-<date>.json)")
     parser.add_argument("--machine-note", default="", metavar="TEXT",
                         help="added to the recorded machine, e.g. 'shared with other work' or 'otherwise idle'")
 
@@ -659,14 +358,16 @@ def command_line(argv: list[str] | None = None) -> str:
 def write_results(name: str, *, title: str, columns: list[str], rows: list[list[object]], machine_line: str,
                   command: str | None = None, description: str = "", notes: str = "", out: Path | None = None,
                   **extra: object) -> Path:
-    """Write one generic table (``READERS``' "table" shape) to ``out`` or benchmarks/results/NAME-<date>.json."""
+    """Write one results table (the shape ``read_results`` checks) to ``out`` or
+    benchmarks/experiments/NAME-<date>.json; a run becomes a curated result when it is moved to
+    benchmarks/results/ and a page cites it."""
     date = time.strftime("%Y-%m-%d")
-    out = out or RESULTS / f"{name}-{date}.json"
+    out = out or EXPERIMENTS / f"{name}-{date}.json"
     data = {"command": command or command_line(), "date": date, "machine": machine_line, "title": title,
             "columns": columns, "rows": rows, **({"description": description} if description else {}),
             **({"notes": notes} if notes else {}), **extra}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    out.write_text(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
     print(f"results: {out}", flush=True)
     return out
 
