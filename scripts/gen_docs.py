@@ -263,8 +263,9 @@ def render_results(path: Path) -> str:
     return "\n".join(out)
 
 
-def performance_page(results: Path = RESULTS) -> str:
-    """Every curated results file as a section, under its title."""
+def performance_page(results: Path | None = None) -> str:
+    """Every curated results file (``results``, default benchmarks/results/) as a section, under its title."""
+    results = results or RESULTS
     files = sorted(results.glob("*.json")) if results.is_dir() else []
     out = ["# Measured results\n", GENERATED.format(source="the JSON files in `benchmarks/results/`"),
            "Every table on this page is made from a results file that a benchmark script wrote, and names "
@@ -316,7 +317,7 @@ def fill_results(markdown: str, results: Path = RESULTS, where: str = "a page") 
 
 
 # ---------------------------------------------------------------------------------------------
-# Writing results: what the benchmark scripts call, so every file has the generic table shape
+# Writing results: what the benchmark scripts call, so every file has the one shape
 
 
 def add_results_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -396,10 +397,15 @@ def on_page_markdown(markdown, page, config, files):  # mkdocs hook: results tab
 
 
 def on_files(files, config):  # mkdocs hook: the generated pages join the build without touching docs/
-    """Add the generated pages to the site's files."""
+    """Add the generated pages to the site's files; a curated results file of another shape fails the build."""
+    from mkdocs.exceptions import PluginError
     from mkdocs.structure.files import File
 
-    for path, text in pages().items():
+    try:
+        generated = pages()
+    except ResultsError as exc:  # one line, not a traceback
+        raise PluginError(f"benchmarks/results/: {exc}") from None
+    for path, text in generated.items():
         files.append(File.generated(config, path, content=text))
     return files
 

@@ -126,3 +126,11 @@ def test_the_newest_dated_file_is_shown(tmp_path: Path) -> None:
     (tmp_path / "demo_other-2040-01-01.json").write_text("{}")
     (tmp_path / "demo-process-2041-01-01.json").write_text("{}")
     assert gen_docs.results_file("demo", tmp_path).name == "demo-2031-05-06.json"
+
+
+def test_a_curated_file_of_another_shape_fails_the_site_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exceptions = pytest.importorskip("mkdocs.exceptions")
+    (tmp_path / "old-2030-01-02.json").write_text(json.dumps({"gpu": "H100", "shapes": {}}))
+    monkeypatch.setattr(gen_docs, "RESULTS", tmp_path)
+    with pytest.raises(exceptions.PluginError, match="old-2030-01-02.json: missing"):
+        gen_docs.on_files([], None)
