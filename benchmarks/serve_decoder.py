@@ -92,7 +92,7 @@ def chat(tokenizer, question: str) -> str:
 
 
 def measure(url: str, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int) -> dict:
-    from forge.loadgen import workload as bench
+    from forge.loadgen import runner as bench
     from forge.clients.inference import GrpcSession
 
     with GrpcSession(url) as session:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from forge.loadgen.workload import format_table
+    from forge.loadgen.runner import format_table
     from forge.server.triton_server import TritonServer
 
     if args.model == "smollm2":

@@ -121,23 +121,23 @@ class Serve:
 
     def stubs(self) -> dict[str, int]:
         """Its python model processes: model → pid."""
-        from forge.server.triton_server import python_stubs, repository_processes
+        from forge.server.processes import python_stubs, repository_processes
 
         return python_stubs(repository_processes(self.repo))
 
     def follower(self) -> int | None:
         """The follower rank of a tensor-parallel python model (``python -m forge_decoder.follower``)."""
-        from forge.server.triton_server import _cmdline, repository_processes
+        from forge.server.processes import cmdline, repository_processes
 
         for pid in repository_processes(self.repo):
-            args = _cmdline(pid)
+            args = cmdline(pid)
             if args[1:3] == ["-m", "forge_decoder.follower"]:
                 return pid
         return None
 
     def left(self) -> list[str]:
         """What is left of it once it exited: every live process still serving from its repository."""
-        from forge.server.triton_server import describe_process, repository_processes
+        from forge.server.processes import describe_process, repository_processes
 
         return [describe_process(pid) for pid in repository_processes(self.repo)]
 

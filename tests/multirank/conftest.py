@@ -111,6 +111,6 @@ def reference(single_rank_repo) -> dict[str, dict[str, str]]:
 
 def leftovers(repo: Path) -> list[str]:
     """``PID: command`` of each live process serving from ``repo`` (ranks, stubs, followers, mpirun)."""
-    from forge.server.triton_server import describe_process, repository_processes
+    from forge.server.processes import describe_process, repository_processes
 
     return [describe_process(pid) for pid in repository_processes(repo)]

@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from forge.server.triton_server import free_ports
+from forge.server.processes import free_ports
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 

@@ -168,7 +168,7 @@ def test_llama_tp2_with_the_engine_in_its_own_process_answers_like_tp1_and_its_d
     SIGTERM then leaves nothing."""
     from conftest import build
 
-    from forge.server.triton_server import engine_processes
+    from forge.server.processes import engine_processes
 
     need_mpirun()
     repo = build("llama", models["llama"], tmp_path / "llama-tp2-hosted", "--tp", "2", "--max-input-len", "32",
@@ -197,7 +197,7 @@ def test_llama_tp2_with_the_engine_in_its_own_process_answers_like_tp1_and_its_d
 def test_deploy_shell_script_runs_the_ranks_and_sigterm_stops_them(repos, reference, tmp_path):
     """``forge deploy shell --container-image none``: the script itself serves, as written."""
     from forge.cli import main
-    from forge.server.triton_server import free_ports
+    from forge.server.processes import free_ports
 
     need_mpirun()
     repo = repos["gpt-tp2"]
@@ -241,7 +241,7 @@ def test_engine_at_tp4_generates_the_tp1_ids(models, family, ranks, decoder):
     paged, its layers eager or through torch.compile's tracing (the all-reduces between the compiled pieces), or
     with overlapped steps (the followers gather their tokens from their own picks)."""
     import forge.in_triton as served
-    from forge.server.triton_server import free_port
+    from forge.server.processes import free_port
 
     need_mpirun()
     result = subprocess.run(

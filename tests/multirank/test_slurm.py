@@ -41,10 +41,10 @@ def _log(output) -> str:
 
 def _stub(repo, model: str) -> int | None:
     """The pid of ``model``'s python process (rank 0's) serving ``repo``."""
-    from forge.server.triton_server import _cmdline
+    from forge.server.processes import cmdline
 
     for entry in os.listdir("/proc"):
-        args = _cmdline(int(entry)) if entry.isdigit() else []
+        args = cmdline(int(entry)) if entry.isdigit() else []
         if len(args) > 1 and args[0].endswith("triton_python_backend_stub") and \
                 args[1].startswith(f"{repo.resolve()}/{model}/"):
             return int(entry)
@@ -53,7 +53,7 @@ def _stub(repo, model: str) -> int | None:
 
 def _submit(slurm, repo, tmp_path):
     """``forge deploy slurm --container-image none`` of ``repo`` on free ports, submitted: (job, log, HTTP)."""
-    from forge.server.triton_server import free_ports
+    from forge.server.processes import free_ports
 
     http_port, grpc_port, metrics_port, rendezvous = free_ports(4)
     script = tmp_path / "serve.sbatch"

@@ -92,7 +92,7 @@ def test_dimension_mismatch_is_refused_at_build_and_index(minilm_model, tmp_path
 
 @pytest.mark.heavy
 def test_unreachable_store_fails_index_in_one_line(minilm_model, tmp_path, capsys):
-    from forge.server.triton_server import free_port
+    from forge.server.processes import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"
     repo = built(tmp_path / "r", "--family", "minilm", "--model", str(minilm_model), "--target", "python",

@@ -62,7 +62,7 @@ def test_unreachable_store_is_a_per_request_error(minilm_model, tmp_path):
     """The search fails with the store's URI; the embedding ensemble of the same server keeps answering."""
     from tritonclient.utils import InferenceServerException
 
-    from forge.server.triton_server import free_port
+    from forge.server.processes import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"
     repo = built(tmp_path / "repo", "--family", "minilm", "--model", str(minilm_model), "--target", "python",
@@ -77,7 +77,7 @@ def test_unreachable_store_is_a_per_request_error(minilm_model, tmp_path):
 @pytest.fixture
 def milvus_server(tmp_path):
     """milvus-lite's own gRPC server (the Milvus protocol, from the milvus-lite package) on a free port."""
-    from forge.server.triton_server import free_port
+    from forge.server.processes import free_port
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(tmp_path / "srv"),

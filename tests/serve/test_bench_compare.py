@@ -204,7 +204,7 @@ def test_other_bad_arguments_are_one_line(float32_repo, tmp_path, capsys):
 # -- the pieces ------------------------------------------------------------------------------------
 
 def test_seed_dataset_is_read_like_benchmark_core_model(tmp_path):
-    from forge.loadgen.workload import read_dataset
+    from forge.loadgen.runner import read_dataset
 
     items = read_dataset(_dataset(tmp_path / "seed.json", SEED_DATASET))
     assert [item.text for item in items] == ["Machine learning is a field of study. Summarize:",
@@ -214,7 +214,7 @@ def test_seed_dataset_is_read_like_benchmark_core_model(tmp_path):
 
 
 def test_echoed_prompts_are_not_counted_as_generated():
-    from forge.loadgen.workload import Item, Target
+    from forge.loadgen.runner import Item, Target
     from forge.clients.inference import ModelInputs
 
     inputs = ModelInputs("ensemble", {"text_input": ("STRING", [1]), "max_tokens": ("INT32", [1])}, True)

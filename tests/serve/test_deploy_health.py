@@ -86,7 +86,7 @@ def test_compose_healthcheck_fails_when_a_model_process_dies_though_triton_says_
 def test_shell_script_stops_the_server_when_a_model_process_dies_though_triton_says_ready(repo, tmp_path):
     """``forge deploy shell --container-image none``: ready after the probe; ``kill -9`` of a model process ends
     the script with status 1 and a line naming the model, and nothing of the server is left."""
-    from forge.server.triton_server import describe_process, free_ports, python_stubs, repository_processes
+    from forge.server.processes import describe_process, free_ports, python_stubs, repository_processes
 
     ports = free_ports(3)
     script = tmp_path / "serve.sh"

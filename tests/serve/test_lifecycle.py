@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from forge.server.triton_server import (describe_process, engine_processes, python_stubs, repository_processes,
-    session_processes)
+from forge.server.processes import (describe_process, engine_processes, python_stubs, repository_processes,
+                                    session_processes)
 
 GONE_WITHIN = 15.0
 PROMPT = "hello world"

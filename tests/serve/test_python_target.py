@@ -590,7 +590,7 @@ def test_zz_a_killed_engine_process_fails_its_requests_in_bounded_time(server, t
 
     import tritonclient.grpc as grpc
 
-    from forge.server.triton_server import engine_processes, repository_processes
+    from forge.server.processes import engine_processes, repository_processes
 
     (pid,) = engine_processes(repository_processes(server.repo))
     ids = tokenizer.encode("hello")

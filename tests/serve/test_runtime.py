@@ -171,11 +171,11 @@ def test_a_rank_whose_teardown_did_not_finish_leaves_at_once_with_status_0(tmp_p
     script.write_text(
         "import atexit, sys, threading, time\n"
         f"sys.path.insert(0, {str(Path(runtime.__file__).parent)!r})\n"
-        "from forge_decoder import distributed\n"
+        "from forge_decoder import ranks\n"
         "atexit.register(lambda: print('interpreter teardown ran', flush=True))\n"
         "threading.Thread(target=time.sleep, args=(60,)).start()\n"
         "print('stopped after 3 steps', end='')\n"
-        "distributed.leave_now()\n"
+        "ranks.leave_now()\n"
         "print('not reached')\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stdout) == (0, "stopped after 3 steps"), done.stderr
@@ -186,41 +186,40 @@ def test_the_commands_of_every_step_and_admission_travel_as_tensors_and_come_bac
     unpack to the same command; anything else (adapters, context logits, prompt tables, shared prefixes, setup)
     is sent pickled."""
     torch = pytest.importorskip("torch")
-    from forge.in_triton.python_target.forge_decoder import distributed as d
+    from forge.in_triton.python_target.forge_decoder import ranks
 
     ids = torch.tensor([[5, 6, 7], [8, 9, 0]], dtype=torch.int32)
     plain = {"lengths": [3, 2], "needs": [40, 41], "banned": [2, -1], "all_logits": False, "modules": False,
              "prompts": None}
 
     def round_trip(cmd):
-        header, table = d._pack(cmd)
-        assert header[0] != 0 and len(header) == d.HEADER
+        header, table = ranks._pack(cmd)
+        assert header[0] != 0 and len(header) == ranks.HEADER
         rows = table if table is not None else torch.zeros((0, 1), dtype=torch.long)
         assert rows.dtype == torch.long and list(rows.shape[:1]) == [header[1]] and rows.shape[1] == header[2]
-        return d._unpack(header[0], rows, header[3])
+        return ranks._unpack(header[0], rows)
 
-    for after in (None, 0, 3):
-        back = round_trip(d.Command("gprefill", ids=ids, settings={**plain, "after": after}))
-        assert back.op == "gprefill" and back.ids.tolist() == ids.tolist()
-        assert back.settings == {"lengths": [3, 2], "needs": [40, 41], "banned": [2, -1], "after": after}
+    back = round_trip(ranks.Command("gprefill", ids=ids, settings=plain))
+    assert back.op == "gprefill" and back.ids.tolist() == ids.tolist()
+    assert back.settings == {"lengths": [3, 2], "needs": [40, 41], "banned": [2, -1]}
     for rows in ([], [0, 2, 1]):
-        assert round_trip(d.Command("gkeep", rows=rows)).rows == rows
+        assert round_trip(ranks.Command("gkeep", rows=rows)).rows == rows
     for op in ("gstep", "gafter"):
-        back = round_trip(d.Command(op, ids=torch.tensor([[4], [1]]), positions=torch.tensor([[9], [3]])))
+        back = round_trip(ranks.Command(op, ids=torch.tensor([[4], [1]]), positions=torch.tensor([[9], [3]])))
         assert (back.op, back.ids[:, 0].tolist(), back.positions[:, 0].tolist()) == (op, [4, 1], [9, 3])
-    back = round_trip(d.Command("decode", ids=torch.tensor([[4]]), positions=torch.tensor([[2]]),
+    back = round_trip(ranks.Command("decode", ids=torch.tensor([[4]]), positions=torch.tensor([[2]]),
                                 mask=torch.tensor([[1, 1, 0]])))
     assert (back.ids.tolist(), back.positions.tolist(), back.mask.tolist()) == ([[4]], [[2]], [[1, 1, 0]])
 
-    pickled = [d.Command("gprefill", ids=ids, settings={**plain, "all_logits": True}),
-               d.Command("gprefill", ids=ids, settings={**plain, "modules": True}),
-               d.Command("gprefill", ids=ids, settings={**plain, "prompts": [[5, 6, 7], [8, 9]]}),
-               d.Command("gprefill", ids=ids, embeds=torch.zeros(2, 3, 4), settings=plain),
-               d.Command("gprefill", ids=ids, settings={"lengths": [3, 2]}),
-               d.Command("gprefill", ids=ids, settings={**plain, "unknown": 1}),
-               d.Command("graphs", settings={"rows": 2}), d.Command("greset"), d.Command("stop")]
+    pickled = [ranks.Command("gprefill", ids=ids, settings={**plain, "all_logits": True}),
+               ranks.Command("gprefill", ids=ids, settings={**plain, "modules": True}),
+               ranks.Command("gprefill", ids=ids, settings={**plain, "prompts": [[5, 6, 7], [8, 9]]}),
+               ranks.Command("gprefill", ids=ids, embeds=torch.zeros(2, 3, 4), settings=plain),
+               ranks.Command("gprefill", ids=ids, settings={"lengths": [3, 2]}),
+               ranks.Command("gprefill", ids=ids, settings={**plain, "unknown": 1}),
+               ranks.Command("graphs", settings={"rows": 2}), ranks.Command("greset"), ranks.Command("stop")]
     for cmd in pickled:
-        assert d._pack(cmd) == ([0, 0, 0, 0], None), cmd
+        assert ranks._pack(cmd) == ([0, 0, 0], None), cmd
 
 
 def test_commands_sent_by_rank_0_arrive_equal_at_a_follower_over_gloo(tmp_path):
@@ -239,20 +238,19 @@ def test_commands_sent_by_rank_0_arrive_equal_at_a_follower_over_gloo(tmp_path):
     script.write_text(
         "import os, sys, torch\n"
         f"sys.path.insert(0, {str(Path(runtime.__file__).parent)!r})\n"
-        "from forge_decoder import distributed as d\n"
+        "from forge_decoder import ranks\n"
         "torch.set_num_threads(1)\n"
-        "group = d.join(2)\n"
-        "big = d.MESSAGE // 8\n"
-        "def prefill(n, w, after):\n"
-        "    return d.Command('gprefill', ids=torch.arange(n * w).view(n, w), settings={'lengths': [w] * n,\n"
-        "        'needs': list(range(n)), 'banned': [-1] * n, 'after': after})\n"
-        "sent = [d.Command('gafter', ids=torch.tensor([[1], [0]]), positions=torch.tensor([[7], [5]])),\n"
-        "        d.Command('gkeep', rows=[1, 0]), d.Command('gkeep', rows=[]), prefill(2, 3, None),\n"
-        "        prefill(big, 8, 2), d.Command('graphs', settings={'rows': 4}), d.Command('stop')]\n"
+        "group = ranks.join(2)\n"
+        "big = ranks.MESSAGE // 8\n"
+        "def prefill(n, w):\n"
+        "    return ranks.Command('gprefill', ids=torch.arange(n * w).view(n, w), settings={'lengths': [w] * n,\n"
+        "        'needs': list(range(n)), 'banned': [-1] * n})\n"
+        "sent = [ranks.Command('gafter', ids=torch.tensor([[1], [0]]), positions=torch.tensor([[7], [5]])),\n"
+        "        ranks.Command('gkeep', rows=[1, 0]), ranks.Command('gkeep', rows=[]), prefill(2, 3),\n"
+        "        prefill(big, 8), ranks.Command('graphs', settings={'rows': 4}), ranks.Command('stop')]\n"
         "def show(c):\n"
-        "    s = {k: v for k, v in c.settings.items() if k != 'after'} if c.op == 'gprefill' else c.settings\n"
         "    return (c.op, None if c.ids is None else c.ids.tolist(), None if c.positions is None else\n"
-        "            c.positions.tolist(), c.rows, sorted(s.items()), c.settings.get('after'))\n"
+        "            c.positions.tolist(), c.rows, sorted(c.settings.items()))\n"
         "if group.rank == 0:\n"
         "    for c in sent: group.send(c, defer=c.op == 'gkeep')\n"
         "    print(group.pickled, group.broadcasts)\n"
@@ -283,7 +281,7 @@ def test_a_process_in_a_sibling_repository_whose_name_starts_alike_is_not_counte
     import subprocess
     import sys
 
-    from forge.server.triton_server import repository_processes
+    from forge.server.processes import repository_processes
 
     repo, sibling = tmp_path / "p", tmp_path / "plain"
     (repo / "m").mkdir(parents=True)

@@ -97,7 +97,7 @@ def _forge(*args: str, **kw) -> subprocess.Popen:
 
 
 def test_serve_runs_in_the_foreground_and_stops_everything_on_sigterm(repos, tmp_path):
-    from forge.server.triton_server import free_ports
+    from forge.server.processes import free_ports
 
     ports = [str(port) for port in free_ports(3)]
     log = tmp_path / "server.log"

@@ -191,7 +191,7 @@ def _baseline(sources: list[Source], wanted: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loadgen import workload
+    from ..loadgen import runner
     from ..ui import Progress, emit_json
 
     workload = args.workload or "token-norm-dist"
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         sources[0].notes.append(f"{offered - len(items)} of {offered} {workload} requests are longer than a "
                                 "target's max input and were left out (--skip-long)")
     if images:
-        workload.attach_images(items, images)
+        runner.attach_images(items, images)
     plot_path = args.plot
     if plot_path is None and sweeping:
         plot_path = Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
@@ -281,19 +281,19 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             emit_json(summary)
         else:
-            print(workload.format_table([summary], label="mode"))
+            print(runner.format_table([summary], label="mode"))
             print(f"{summary['succeeded']}/{summary['requests']} requests in {summary['wall_s']:.2f}s, "
                   f"{summary['output_tokens']} output tokens ({sources[0].model}, {workload})")
             if summary["first_error"]:
                 print(f"first error: {summary['first_error']}")
         return 0 if failed == 0 else 1
 
-    workload.add_ratios(rows, baseline)
+    runner.add_ratios(rows, baseline)
     streaming = any(streams.values())
     title = (f"forge bench: {workload}, {len(items)} requests per load, {protocol}"
              f"{', streaming' if streaming else ''}; ratios vs {baseline}")
     if plot_path is not None:
-        plot_path = workload.plot(rows, plot_path, title=title, targets=[s.label for s in sources])
+        plot_path = runner.plot(rows, plot_path, title=title, targets=[s.label for s in sources])
     notes = [note for source in sources for note in source.notes]
     if args.json:
         emit_json({
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             "runs": rows, "notes": notes, "plot": str(plot_path) if plot_path else None})
     else:
         print(title)
-        print(workload.compare_table(rows, streaming=streaming))
+        print(runner.compare_table(rows, streaming=streaming))
         for note in notes:
             print(f"note: {note}")
         for row in rows:
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_openai(args: argparse.Namespace, workload: str) -> int:
     """``--api openai``: the same workloads, loads and summary against an OpenAI-compatible server."""
-    from ..loadgen import workload, openai_load
+    from ..loadgen import runner, openai_load
     from ..ui import Progress, emit_json
 
     if args.target or args.compare:
@@ -370,7 +370,7 @@ def _run_openai(args: argparse.Namespace, workload: str) -> int:
         if args.json:
             emit_json(summary)
             return 0 if failed == 0 else 1
-        print(workload.format_table([summary], label="mode"))
+        print(runner.format_table([summary], label="mode"))
         counted = "uncounted" if summary["output_tokens"] is None else summary["output_tokens"]
         print(f"{summary['succeeded']}/{summary['requests']} requests in {summary['wall_s']:.2f}s, {counted} output "
               f"tokens ({target.model} at {target.url}{path}, {workload})")
@@ -378,13 +378,13 @@ def _run_openai(args: argparse.Namespace, workload: str) -> int:
         title = (f"forge bench: {workload}, {len(items)} requests per load, OpenAI {target.url}{path}"
                  f"{', streaming' if args.stream else ''}")
         plot_path = args.plot or Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
-        plot_path = workload.plot(rows, plot_path.absolute(), title=title, targets=[target.label])
+        plot_path = runner.plot(rows, plot_path.absolute(), title=title, targets=[target.label])
         if args.json:
             emit_json({**facts, "workload": _workload_facts(args, workload, len(items)),
                        "arrivals": load_points[0].arrivals, "runs": rows, "notes": notes, "plot": str(plot_path)})
             return 0 if failed == 0 else 1
         print(title)
-        print(workload.compare_table(rows, streaming=args.stream))
+        print(runner.compare_table(rows, streaming=args.stream))
         print(f"plot: {plot_path}")
     for note in notes:
         print(f"note: {note}")

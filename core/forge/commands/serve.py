@@ -5,16 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import ForgeError, ToolMissingError, UsageError
+from ..errors import ToolMissingError, UsageError
+from ..server.session import RESTART_WINDOW_S, RESTARTS
 
-RESTARTS, RESTART_WINDOW_S = 5, 600
-START_ATTEMPTS = 3  # tries of each restart's start: one can fail under load (a model process slow to come up)
-RANK_GRACE_S = 3.0  # a multi-rank world whose model processes died ends within this when a rank died
 HELP = "serve a Triton model repository with a real tritonserver (local, or the NGC container with --docker)"
 
 
@@ -77,129 +74,10 @@ def _docker(args: argparse.Namespace, world) -> int:
     return subprocess.call(argv)
 
 
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame) -> None:
-    raise _Stop()
-
-
-class _Restarts:
-    """``--restart``: whether one more restart is allowed (at most RESTARTS in RESTART_WINDOW_S), and doing it.
-
-    Two things ask: the supervisor when a model process dies, and ``run`` when the server itself ended (a dead
-    rank of a multi-rank world: mpirun stops every rank). ``gave_up`` holds the reason once it stops trying.
-    """
-
-    def __init__(self, server, policy: str):
-        self.server, self.policy = server, policy
-        self.times: list[float] = []
-        self.gave_up: list[str] = []
-
-    def attempt(self, what: str) -> bool:
-        """Restart after ``what`` (one line: what died); False (and ``gave_up`` set, which ``run`` raises as
-        the one error line) when the policy says no."""
-        import time
-
-        now = time.monotonic()
-        self.times[:] = [t for t in self.times if now - t < RESTART_WINDOW_S]
-        if self.policy == "never" or len(self.times) >= RESTARTS:
-            why = "--restart never" if self.policy == "never" else (
-                f"{RESTARTS} restarts within {RESTART_WINDOW_S // 60} minutes already")
-            self.gave_up.append(f"{what}; not restarting ({why})")
-            return False
-        self.times.append(now)
-        print(f"forge: {what}; restarting tritonserver (requests in flight fail, new ones are served once its "
-              "models are READY)", file=sys.stderr, flush=True)
-
-        def again(attempt: int, exc: Exception) -> None:
-            print(f"forge: tritonserver did not start again ({exc}); trying again ({attempt + 1} of "
-                  f"{START_ATTEMPTS})", file=sys.stderr, flush=True)
-
-        try:
-            self.server.restart(1.0, attempts=START_ATTEMPTS, on_retry=again)
-        except Exception as exc:  # noqa: BLE001 - reported; server.wait() then returns the failure
-            self.gave_up.append(f"tritonserver did not start again after {what}: {exc}")
-            print(f"forge: {self.gave_up[-1]}", file=sys.stderr, flush=True)
-            return False
-        print(f"forge: tritonserver is back after {time.monotonic() - now:.1f} s", file=sys.stderr, flush=True)
-        return True
-
-
-def _supervise(server, restarts: _Restarts):
-    """A supervisor of ``server``'s model processes: restart it when one dies (while ``restarts`` allows).
-
-    In a multi-rank world a dead rank makes mpirun end every rank, rank 0's model processes with them: when
-    the server itself ends within RANK_GRACE_S of their deaths, ``run`` handles that end (naming the rank)."""
-    import subprocess
-
-    from ..server.supervisor import Supervisor
-
-    def on_dead(models: list[str]) -> None:
-        process = server.process
-        if server.world is not None and server.world.world_size > 1 and process is not None:
-            try:
-                process.wait(RANK_GRACE_S)
-                return  # the world ended: run's server.wait() returns and says which rank
-            except subprocess.TimeoutExpired:
-                pass
-        if not restarts.attempt(f"the process of model {', '.join(repr(m) for m in models)} died"):
-            server.stop(timeout=5)
-
-    return Supervisor(server, on_dead=on_dead)
-
-
-def _drain(server, front, supervisor, timeout: float) -> int:
-    """Stop gracefully: no new requests, those in flight finish (up to ``timeout`` s), then every process stops.
-
-    The OpenAI API answers new requests 503 (Retry-After) and /health/ready 503 at once; tritonserver
-    refuses new HTTP connections (see ``TritonServer.stop_accepting``). When the API's requests (streams
-    to their last event) are done and the server's queues empty, or at the deadline, the API stops and
-    tritonserver goes on to finish its HTTP requests and unload. 0 after a clean drain, 1 when requests
-    were cut.
-    """
-    import time
-
-    started = time.monotonic()
-    deadline = started + timeout
-    print(f"forge: draining: no new requests; those in flight have up to {timeout:g} s to finish "
-          "(a second signal stops at once)", file=sys.stderr, flush=True)
-    if supervisor is not None:
-        supervisor.stop()
-    if front is not None:
-        front.front.draining = True  # the API refuses at once, before tritonserver does
-    server.stop_accepting()
-    left = front.drain(deadline - time.monotonic()) if front is not None else 0
-    quiet = 0  # consecutive polls that found the queues empty
-    while not left and quiet < 2:
-        count = server.in_flight()
-        quiet = quiet + 1 if not count else 0
-        if time.monotonic() >= deadline:
-            left = count or 0
-            break
-        time.sleep(0.2)
-    if front is not None:
-        front.stop()
-    server.stop(timeout=max(deadline - time.monotonic(), 0.0) + 15)
-    status = server.process.returncode if server.process is not None else 0
-    if server.world is not None and server.world.world_size > 1:
-        status = 0  # mpirun reports the signal that stopped its ranks as status 1: only cut requests count
-    took = time.monotonic() - started
-    if left or status:
-        why = f"{left} request(s) still in flight after --drain-timeout {timeout:g} s" if left else (
-            f"tritonserver exited with status {status}")
-        print(f"forge: error: the drain was not clean: {why}; stopped after {took:.1f} s", file=sys.stderr,
-              flush=True)
-        return 1
-    print(f"forge: drained and stopped in {took:.1f} s", file=sys.stderr, flush=True)
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     from ..server import launch
+    from ..server.session import Session
     from ..server.triton_server import TritonServer
-    from ..ui import emit_json
 
     launch.check_servable(args.repo)
     world = launch.layout(args.repo, args.world_size)
@@ -218,70 +96,31 @@ def run(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, log_file=args.log_file,
                           startup_timeout=args.startup_timeout, world=world,
                           exit_timeout=int(args.drain_timeout) + 10)
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
-    front = supervisor = None
-    restarts = _Restarts(server, args.restart)
-    try:
-        server.start()
-        supervisor = _supervise(server, restarts).start()
-        models = [m for m in server.models() if m.get("state") == "READY"]
-        info = {"http": f"http://{server.http_url}", "grpc": server.grpc_url, "metrics": server.metrics_url,
-                "log": str(server.log_file), "world_size": world.world_size,
-                "models": [m["name"] for m in models]}
-        if not args.no_openai:
-            from ..openai_front import OpenAIServer
+    openai = None if args.no_openai else {"host": args.host, "port": args.openai_port,
+                                          "served_model_name": args.served_model_name, "api_key": api_key}
+    session = Session(server, args.repo, restart=args.restart, drain_timeout=args.drain_timeout, openai=openai)
+    return session.run(lambda info: _print_ready(args, info, api_key))
 
-            try:
-                front = OpenAIServer(args.repo, server.grpc_url, host=args.host, port=args.openai_port,
-                                     served_model_name=args.served_model_name, api_key=api_key).start()
-            except UsageError as exc:  # nothing it can serve here: Triton's endpoints still are
-                print(f"forge: the OpenAI API is off: {exc}", file=sys.stderr, flush=True)
+
+def _print_ready(args: argparse.Namespace, info: dict, api_key: str | None) -> None:
+    from ..ui import emit_json
+
+    if args.json:
+        emit_json(info)
+    else:
+        print(f"serving {args.repo} ({len(info['models'])} models READY: {', '.join(info['models'])})")
+        print(f"  HTTP     {info['http']}   (POST /v2/models/<model>/generate)")
+        print(f"  gRPC     {info['grpc']}")
+        print(f"  metrics  {info['metrics']}")
+        if "openai" in info:
+            print(f"  OpenAI   {info['openai']}   (models: {', '.join(info['openai_models'])})")
+            if api_key is None:
+                exposed = args.host in ("127.0.0.1", "localhost", "::1")
+                print("           no API key: " + ("only this machine can reach it" if exposed else
+                                                   f"anyone who reaches {args.host} can use it "
+                                                   "(--api-key or FORGE_API_KEY asks for one)"))
             else:
-                info["openai"] = front.url
-                info["openai_models"] = front.catalog.ids()
-        if args.json:
-            emit_json(info)
-        else:
-            print(f"serving {args.repo} ({len(models)} models READY: {', '.join(info['models'])})")
-            print(f"  HTTP     {info['http']}   (POST /v2/models/<model>/generate)")
-            print(f"  gRPC     {info['grpc']}")
-            print(f"  metrics  {info['metrics']}")
-            if front is not None:
-                ids = ", ".join(front.catalog.ids())
-                print(f"  OpenAI   {info['openai']}   (models: {ids})")
-                if api_key is None:
-                    exposed = args.host in ("127.0.0.1", "localhost", "::1")
-                    print("           no API key: " + ("only this machine can reach it" if exposed else
-                                                       f"anyone who reaches {args.host} can use it "
-                                                       "(--api-key or FORGE_API_KEY asks for one)"))
-                else:
-                    print("           API key required (Authorization: Bearer KEY)")
-            print(f"  log      {info['log']}")
-            print("press Ctrl-C to stop", flush=True)
-        sys.stdout.flush()
-        while True:
-            server.wait()
-            if restarts.gave_up:
-                raise ForgeError(restarts.gave_up[0], hint=f"full log: {server.log_file}")
-            # ended by itself, not by a model process the supervisor saw die: a rank of a multi-rank world
-            # (mpirun then stops every rank) or tritonserver itself
-            if server.stopping or not restarts.attempt(server.exit_message()):
-                raise ForgeError(restarts.gave_up[0] if restarts.gave_up else server.exit_message(),
-                                 hint=f"full log: {server.log_file}")
-    except (_Stop, KeyboardInterrupt):
-        if server.process is None or server.process.poll() is not None:
-            print("stopping tritonserver", file=sys.stderr)
-            return 0
-        try:
-            return _drain(server, front, supervisor, args.drain_timeout)
-        except (_Stop, KeyboardInterrupt):
-            print("forge: error: stopped at once (a second signal during the drain)", file=sys.stderr, flush=True)
-            server.stop(timeout=5)
-            return 1
-    finally:
-        if supervisor is not None:
-            supervisor.stop()
-        if front is not None:
-            front.stop()
-        server.stop()
-        signal.signal(signal.SIGTERM, previous)
+                print("           API key required (Authorization: Bearer KEY)")
+        print(f"  log      {info['log']}")
+        print("press Ctrl-C to stop", flush=True)
+    sys.stdout.flush()

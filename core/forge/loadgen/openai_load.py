@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import UsageError
-from .workload import Item, Sample, arrival_times, summarize
+from .runner import Item, Sample, arrival_times, summarize
 
 ENDPOINTS = ("chat", "completions")
 

@@ -348,26 +348,26 @@ def tokenizer_dirs(sources: list[Source], explicit: Path | None, compare: bool) 
 
 def workload_items(args: argparse.Namespace, workload: str, sources: list[Source], tokenizer) -> list:
     """The requests every target gets (the same list for all)."""
-    from . import workload
+    from . import runner
 
     if workload == "token-norm-dist":
         max_inputs = [s.max_input for s in sources if s.max_input]
         vocabs = [s.vocab for s in sources if s.vocab]
-        return workload.token_norm_dist(
+        return runner.token_norm_dist(
             args.num_requests, input_mean=args.input_mean, input_stdev=args.input_stdev,
             output_mean=args.output_mean, output_stdev=args.output_stdev,
             vocab=args.vocab_size or (min(vocabs) if vocabs else 1000), seed=args.seed,
             text=not sources[0].token_mode, max_input=min(max_inputs) if max_inputs else None,
             tokenizer=tokenizer)
     if workload == "dataset":
-        return workload.read_dataset(args.dataset, num_requests=args.num_requests,
+        return runner.read_dataset(args.dataset, num_requests=args.num_requests,
                                   op_tokens_per_word=args.op_tokens_per_word)
     texts = list(args.prompt)
     if args.prompts_file:
         if not args.prompts_file.is_file():
             raise UsageError(f"--prompts-file {args.prompts_file} does not exist")
         texts += [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
-    return workload.prompts(texts, args.num_requests, args.output_len)
+    return runner.prompts(texts, args.num_requests, args.output_len)
 
 
 def chat(items: list, tokenizer, where: Path | None) -> None:
@@ -451,7 +451,7 @@ def lora_mix(source: Source, args: argparse.Namespace, protocol: str) -> list:
 
 def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str, stream: bool, items: list,
              load_points: list[Load], tokenizer, progress=None) -> list[dict]:
-    from . import workload
+    from . import runner
     from ..clients.inference import session
 
     with contextlib.closing(session(url, protocol)) as client:
@@ -462,7 +462,7 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
         encode = lambda text: list(tokenizer.encode(text))  # noqa: E731
         echoes = lambda text: [tokenizer.decode(tokenizer.encode(text), skip_special_tokens=skip)  # noqa: E731
                                for skip in (True, False)]
-    target = workload.Target(inputs, stream=stream, count_text=count, encode=encode, echoes=echoes)
+    target = runner.Target(inputs, stream=stream, count_text=count, encode=encode, echoes=echoes)
     mix = lora_mix(source, args, protocol)
     if mix:
         target.use_lora(mix, items)
@@ -470,13 +470,13 @@ def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str
     if stream and protocol == "http" and target.token_mode:
         raise UsageError("--stream over HTTP needs a text model (generate_stream); use --protocol grpc for token ids")
     if args.warmup > 0:
-        workload.run(url, target, items[: args.warmup], concurrency=1, timeout_s=args.timeout, protocol=protocol)
+        runner.run(url, target, items[: args.warmup], concurrency=1, timeout_s=args.timeout, protocol=protocol)
     rows = []
     for load in load_points:
-        samples, wall = workload.run(url, target, items, concurrency=load.concurrency, request_rate=load.rate,
+        samples, wall = runner.run(url, target, items, concurrency=load.concurrency, request_rate=load.rate,
                                   arrivals=load.arrivals, timeout_s=args.timeout, protocol=protocol)
         row = {"target": source.label, "load": load.label, "concurrency": load.concurrency,
-               "request_rate": load.rate, "arrivals": load.arrivals, **workload.summarize(samples, wall)}
+               "request_rate": load.rate, "arrivals": load.arrivals, **runner.summarize(samples, wall)}
         if mix:
             row["lora"] = [a.name if a else "base" for a in mix]
             row["lora_weights_resent"] = target.lora.retries

@@ -19,7 +19,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from .triton_server import TritonServer, _cmdline, _stat, session_processes
+from .processes import cmdline, proc_stat, session_processes
+from .triton_server import TritonServer
 
 STUB = "triton_python_backend_stub"
 
@@ -31,8 +32,8 @@ def stub_processes(server: TritonServer) -> dict[int, str]:
         return {}
     stubs = {}
     for pid in session_processes(process.pid):
-        args = _cmdline(pid)
-        stat = _stat(pid)
+        args = cmdline(pid)
+        stat = proc_stat(pid)
         if len(args) > 1 and Path(args[0]).name == STUB and stat is not None:
             stubs[pid] = Path(args[1]).parent.parent.name  # <repo>/<model>/<version>/model.py
     return stubs

@@ -1,24 +1,18 @@
 """Start a real tritonserver on a model repository and wait until every model is READY.
 
-Locally the binary comes from the ``nvidia-pytriton`` wheel. Its python backend needs three things
-arranged (see DESIGN.md): a backend directory holding the python stub for this interpreter's
-version, this virtualenv's ``bin`` first on ``PATH`` (the stub finds its Python that way), and this
-interpreter's libpython first on ``LD_LIBRARY_PATH`` (the stub links it).
+Locally the binary comes from the ``nvidia-pytriton`` wheel (:mod:`.install`); the processes it starts are
+found and cleaned up through :mod:`.processes`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -28,80 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..cache import cache_dir
 from ..errors import ForgeError, ToolMissingError
 from . import launch
-
-
-def pytriton_root() -> Path:
-    """The ``pytriton`` package directory (found without importing pytriton)."""
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise ToolMissingError("tritonserver is not available: the nvidia-pytriton package is not installed",
-                               hint="pip install nvidia-pytriton (or forge[serve])")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def check_stub_numpy() -> None:
-    """tritonserver 2.51's python stub (nvidia-pytriton 0.7) misreads every array under numpy 2.
-
-    The stub runs this interpreter (this environment's ``bin`` is first on its PATH), so the numpy
-    here is the one it gets; forge's own install pins numpy < 2, an environment that overrode it is
-    refused instead of serving models that crash on their first request.
-    """
-    import numpy
-
-    if int(numpy.__version__.split(".")[0]) >= 2:
-        raise ToolMissingError(
-            f"this environment has numpy {numpy.__version__}; the python backend stub of the bundled tritonserver "
-            "misreads numpy-2 arrays", hint=f"pip install 'numpy<2' into {sys.prefix} (a virtualenv made with "
-            "--system-site-packages keeps a GPU image's torch)")
-
-
-def backend_directory() -> Path:
-    """A backend directory with the python stub for this interpreter (built once, then reused)."""
-    check_stub_numpy()
-    root = pytriton_root() / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise ToolMissingError(f"nvidia-pytriton has no python backend stub for Python {version}")
-    st = stub.stat()
-    target = cache_dir() / "tritonserver" / f"backends-py{version}-{st.st_size}-{st.st_mtime_ns}"
-    if not (target / "python" / "triton_python_backend_stub").is_file():
-        staging = Path(tempfile.mkdtemp(prefix=".backends-", dir=target.parent if target.parent.exists()
-                                        else _mkdir(target.parent)))
-        shutil.copytree(root / "backends", staging / "backends")
-        shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
-        try:
-            os.rename(staging / "backends", target)
-        except OSError:
-            pass  # another process won the race; its copy is identical
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def server_environment() -> dict[str, str]:
-    """Environment for tritonserver and the python stubs it starts."""
-    env = dict(os.environ)
-    bin_dir = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
-    site = pytriton_root().parent
-    libs = [sysconfig.get_config_var("LIBDIR") or "", str(site / "nvidia_pytriton.libs")]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")])
-    return env
-
-
-def tritonserver_binary() -> Path:
-    binary = os.environ.get("FORGE_TRITONSERVER")
-    if binary:
-        return Path(binary)
-    return pytriton_root() / "tritonserver" / "bin" / "tritonserver"
+from .install import backend_directory, server_environment, tritonserver_binary
+from .processes import free_port, free_ports, kill_session, leftover_processes, spawn
 
 
 # mpirun's account of the first rank that failed (Open MPI 4): killed by a signal, or a non-zero exit.
@@ -127,187 +51,6 @@ def _first_line(reason: str) -> str:
 
 def _sigterm_to_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt("SIGTERM")
-
-
-def session_processes(sid: int) -> list[int]:
-    """Processes of session ``sid`` (Linux /proc), other than this one."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session …
-        if len(fields) > 3 and fields[3] == str(sid) and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def kill_session(sid: int) -> None:
-    """SIGKILL whatever is left of session ``sid`` (the server was started as its leader)."""
-    for pid in session_processes(sid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-_PR_SET_PDEATHSIG = 1
-_spawner = None  # the one thread that starts servers for other threads (see _spawn)
-_spawner_lock = threading.Lock()
-
-
-def _die_with_parent(sig: int, parent: int):
-    """A ``preexec_fn``: the child gets ``sig`` when forge dies (Linux ``PR_SET_PDEATHSIG``).
-
-    The kernel sends it when the *thread* that forked the child exits, not the process; ``_spawn``
-    therefore forks only on the main thread or on a thread that lives as long as forge.
-    """
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
-    except (OSError, AttributeError):  # not Linux: no parent-death signal (stop() still ends the server)
-        return None
-
-    def arm() -> None:
-        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # forge died before the signal was armed
-            os._exit(1)
-
-    return arm
-
-
-def _spawn(argv: list[str], sig: int, **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen`` whose child dies with forge: forked on the main thread or on a lasting spawner thread."""
-    global _spawner
-    if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid()), **kwargs)
-    with _spawner_lock:
-        if _spawner is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _spawner = ThreadPoolExecutor(1, thread_name_prefix="forge-spawn")  # its thread stays until forge exits
-    return _spawner.submit(
-        lambda: subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid()), **kwargs)).result()
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(comm, ppid, session) of ``pid``."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2:].split()
-    return text[text.find("(") + 1:text.rfind(")")], int(fields[1]), int(fields[3])
-
-
-def _refers_to(pid: int, repo: str) -> bool:
-    """Whether process ``pid`` serves from ``repo``: its command line, working directory or PYTHONPATH name it."""
-    args = _cmdline(pid)
-    if any(arg == repo or arg.startswith(repo + os.sep) or arg.endswith("=" + repo) for arg in args):
-        return True
-    try:
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-        if cwd == repo or cwd.startswith(repo + os.sep):  # not a sibling whose name starts alike (repo-2)
-            return True
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    paths = next((e[len(b"PYTHONPATH="):].decode(errors="replace") for e in environ if e.startswith(b"PYTHONPATH=")), "")
-    return any(p == repo or p.startswith(repo + os.sep) for p in paths.split(os.pathsep))
-
-
-def repository_processes(repo: Path) -> list[int]:
-    """Live processes serving from ``repo`` (Linux /proc): tritonserver, mpirun, ranks, python stubs, followers.
-
-    What a stopped server must not leave behind; zombies (ended, not yet reaped) hold nothing and are not listed.
-    """
-    root = str(Path(repo).resolve())
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        pid = int(entry.name)
-        if _state(pid) not in (None, "Z") and _refers_to(pid, root):
-            found.append(pid)
-    return sorted(found)
-
-
-def describe_process(pid: int) -> str:
-    """``PID: command line`` (cut at 120 characters), for messages about processes left behind."""
-    return f"{pid}: {' '.join(_cmdline(pid))[:120]}"
-
-
-def python_stubs(pids: "list[int]") -> dict[str, int]:
-    """The python-backend model processes among ``pids``: model name → pid (``<repo>/<model>/<version>/model.py``)."""
-    found = {}
-    for pid in pids:
-        args = _cmdline(pid)
-        if len(args) > 1 and os.path.basename(args[0]) == "triton_python_backend_stub":
-            found[Path(args[1]).parent.parent.name] = pid
-    return found
-
-
-def engine_processes(pids: "list[int]") -> dict[int, int]:
-    """The python target's engine processes among ``pids`` (``-o engine_process``): engine pid → its stub's pid."""
-    found = {}
-    for pid in pids:
-        stat = _stat(pid)
-        if stat is not None and "forge_decoder.hosted" in _cmdline(pid):
-            found[pid] = stat[1]
-    return found
-
-
-def _state(pid: int) -> str | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rfind(")") + 2:][:1]
-
-
-def leftover_processes(repo: Path) -> list[int]:
-    """Processes left by an earlier server of ``repo`` whose owner is gone (Linux /proc).
-
-    A python stub whose tritonserver is gone (re-parented), or a tritonserver, mpirun or follower
-    re-parented to init (the forge that started it was killed). Servers whose parent still runs
-    (another ``forge serve`` of the same repository) are not leftovers.
-    """
-    found = []
-    for pid in repository_processes(repo):
-        stat = _stat(pid)
-        if stat is None:
-            continue
-        args = _cmdline(pid)
-        stub = bool(args) and os.path.basename(args[0]) == "triton_python_backend_stub"
-        parent = _stat(stat[1]) if stat[1] > 1 else None
-        if (stub and (parent is None or parent[0] != "tritonserver")) or (not stub and stat[1] == 1):
-            found.append(pid)
-    return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` different free ports (two picks in a row can return the same port once it is released)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = free_port(host)
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 @dataclass
@@ -430,7 +173,7 @@ class TritonServer:
         # gets SIGTERM, which it passes on to every rank before it exits.
         several = self.world is not None and self.world.world_size > 1
         self._stopping = False
-        self.process = _spawn(self.command(), signal.SIGTERM if several else signal.SIGKILL, stdout=log,
+        self.process = spawn(self.command(), signal.SIGTERM if several else signal.SIGKILL, stdout=log,
                               stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True)
         log.close()
         try:
