@@ -57,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser(_command(argv)).parse_args(argv)
     except SystemExit as exc:  # --help, --version, argument errors: keep main() returning codes
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except ForgeError as exc:  # a plugin failed to load while build's parser read the families' flags
+        if "--debug" in argv or os.environ.get("FORGE_DEBUG"):
+            raise
+        print(f"forge: error: {exc.one_line()}", file=sys.stderr)
+        return exc.exit_code
     if not getattr(args, "_run", None):
         parser().print_help()
         return EXIT_USAGE

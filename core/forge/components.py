@@ -19,6 +19,9 @@ OPTION_KINDS = ("bool", "int", "float", "str", "path", "choice")
 class Option:
     """One ``-o key=value`` build option a family reads: its contract, shown by ``forge options``.
 
+    This declaration is the only one: ``forge build`` makes its first-class flags from ``flag``
+    (``forge.commands.build``), and the driver checks every value against ``kind``, ``choices`` and the
+    bounds before any stage runs (:func:`forge.contract.check_value`), then hands it to ``parse``.
     ``targets`` names the targets that use it (empty: every target of the family); giving an
     option to a build whose target does not use it is an error, never a silent no-op.
     """
@@ -30,7 +33,12 @@ class Option:
     targets: tuple[str, ...] = ()
     choices: tuple[str, ...] = ()  # the allowed values of a "choice" option
     minimum: float | None = None  # the smallest allowed value of an "int" / "float" option
+    exclusive_minimum: float | None = None  # values must be greater than this (a tolerance of 0 never passes)
     flag: str | None = None  # the first-class CLI flag that sets it too (e.g. "--instances")
+    repeat: bool = False  # the flag may be given several times; its values arrive as a list
+    #: the family's reading of a value as given, once its kind is checked (``--lora NAME=DIR`` → {name: dir});
+    #: raises UsageError. None: the value is read as given
+    parse: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         # A declaration mistake, not a user's: choices on another kind would never be checked, and a
@@ -39,6 +47,12 @@ class Option:
             raise ValueError(f"option {self.name!r}: kind {self.kind!r} is not one of {', '.join(OPTION_KINDS)}")
         if self.choices and self.kind != "choice":
             raise ValueError(f"option {self.name!r}: choices are checked only for kind 'choice', not {self.kind!r}")
+        if (self.minimum is not None or self.exclusive_minimum is not None) and self.kind not in ("int", "float"):
+            raise ValueError(f"option {self.name!r}: bounds are checked only for kinds 'int' and 'float'")
+        if self.flag is not None and not self.flag.startswith("--"):
+            raise ValueError(f"option {self.name!r}: flag {self.flag!r} does not start with '--'")
+        if self.repeat and self.flag is None:
+            raise ValueError(f"option {self.name!r}: only a flag can be repeated")
 
     def used_by(self, target: str) -> bool:
         """True when a build for ``target`` reads this option."""

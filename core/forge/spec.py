@@ -9,11 +9,6 @@ from typing import Any
 
 from .errors import UsageError
 
-#: First-class flags that set a family option (``--instances 2`` is ``-o instances=2``); the
-#: families declare these like any ``-o`` key, errors name the flag the user typed.
-FLAG_OPTIONS = {"decoupled": "--decoupled", "calib_data": "--calib-data", "group_size": "--group-size",
-                "instances": "--instances", "parity_tolerance": "--parity-tolerance",
-                "store": "--store", "collection": "--collection", "lora": "--lora"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -52,7 +47,7 @@ class BuildSpec:
     target: str | None = None  # None: each family's default target
     backend_version: str | None = None  # None: the newest known profile
     limits: Limits = field(default_factory=Limits)
-    options: dict[str, Any] = field(default_factory=dict)  # family-specific ``-o key=value``
+    options: dict[str, Any] = field(default_factory=dict)  # family options: ``-o key=value`` and their flags
     name_prefix: str = ""
     dry_run: bool = False
     allow_pickle: bool = False
@@ -70,8 +65,8 @@ class BuildSpec:
     def validate(self) -> "BuildSpec":
         """Check values that do not depend on the family; raise UsageError on the first bad one.
 
-        Targets, dtypes, quantization, parallelism and ``-o`` keys are the families' contract,
-        checked by :mod:`forge.contract`.
+        Targets, dtypes, quantization, parallelism and options (``-o`` keys and the flags that set
+        them) are the families' contract, checked by :mod:`forge.contract` against their declarations.
         """
         for label, value in (("--tp", self.tp), ("--pp", self.pp)):
             if not isinstance(value, int) or value < 1:
@@ -82,13 +77,6 @@ class BuildSpec:
                 raise UsageError(f"--{label.replace('_', '-')} must be ≥ 1")
         if lim.max_input_len >= lim.max_seq_len:
             raise UsageError("--max-input-len must be smaller than --max-seq-len")
-        opts = self.options
-        for key, flag in (("instances", "--instances"), ("group_size", "--group-size")):
-            if key in opts and (not isinstance(opts[key], int) or opts[key] < 1):
-                raise UsageError(f"{flag} must be a positive integer, got {opts[key]!r}")
-        if "parity_tolerance" in opts and not (isinstance(opts["parity_tolerance"], (int, float))
-                                               and opts["parity_tolerance"] > 0):
-            raise UsageError(f"--parity-tolerance must be a positive number, got {opts['parity_tolerance']!r}")
         if self.name_prefix:
             check_name(self.name_prefix, "--name-prefix")
         if self.out.exists() and not self.out.is_dir():

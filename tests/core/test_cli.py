@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from forge.cli import main
+from forge.testing import use_plugins
 
 
 @pytest.mark.parametrize("args, message", [
@@ -21,14 +22,29 @@ from forge.cli import main
     (["--name-prefix", "a/b"], "invalid --name-prefix"),
     (["--max-input-len", "4096"], "--max-input-len must be smaller"),
     (["--quant", "int3"], "does not support --quant int3"),
-    (["--instances", "0"], "--instances must be a positive integer"),
-    (["--group-size", "-8"], "--group-size must be a positive integer"),
-    (["--parity-tolerance", "0"], "--parity-tolerance must be a positive number"),
 ])
 def test_bad_build_arguments(toy, toy_model, tmp_path, capsys, args, message):
     """Bad inputs tried: each argument listed above."""
     out = tmp_path / "out"
     code = main(["build", "--family", "toy", "--model", str(toy_model), "--out", str(out), *args])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("family, args, message", [
+    ("minilm", ["--instances", "0"], "--instances must be at least 1, got 0"),
+    ("gpt", ["--group-size", "-8"], "--group-size must be at least 1, got -8"),
+    ("minilm", ["--parity-tolerance", "0"], "--parity-tolerance must be a positive number"),
+    ("gpt", ["-o", "parity_tolerance=0"], "--parity-tolerance must be a positive number"),
+])
+def test_bad_option_flags(toy_model, tmp_path, capsys, family, args, message):
+    """The flags that set a family option are checked by the family's declaration of it, before anything runs."""
+    out = tmp_path / "out"
+    with use_plugins(entry_points=True):
+        code = main(["build", "--family", family, "--model", str(toy_model), "--out", str(out), *args])
     assert code == 2
     err = capsys.readouterr().err
     assert message in err

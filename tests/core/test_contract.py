@@ -6,7 +6,11 @@ import json
 
 import pytest
 
+import toyplugin
+from forge import hookimpl
 from forge.cli import main
+from forge.components import Family, Option
+from forge.testing import use_plugins
 
 
 def build(model, out, *args):
@@ -22,18 +26,67 @@ def build(model, out, *args):
     (["--target", "echo", "-o", "gain=true"], "-o gain takes a number, got True"),
     (["--tp", "2"], "family 'toy' cannot split across ranks for --target python (--tp 2 --pp 1)"),
     (["--pp", "2"], "cannot split across ranks"),
-    (["--decoupled"], "--decoupled does not apply to family toy"),
-    (["--calib-data", "x.txt"], "--calib-data does not apply to family toy"),
 ])
 def test_undeclared_input_is_refused(toy, toy_model, tmp_path, capsys, args, message):
     """Bad inputs tried: misspelled and foreign -o keys, an option of another target, wrong kinds,
-    --tp/--pp on a family without parallelism, flags the family does not read."""
+    --tp/--pp on a family without parallelism."""
     out = tmp_path / "out"
     assert build(toy_model, out, *args) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--decoupled"], "--decoupled does not apply to family toy"),
+    (["--calib-data", "x.txt"], "--calib-data does not apply to family toy"),
+    (["--collection", "docs"], "--collection needs --store"),
+])
+def test_flags_of_other_families_are_refused(toy_model, tmp_path, capsys, args, message):
+    """forge build has the flags of every installed family; one the built family does not read is refused."""
+    out = tmp_path / "out"
+    with use_plugins(("toy", toyplugin), entry_points=True):
+        assert build(toy_model, out, *args) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def _family_with(*options: Option, name: str = "flagged"):
+    class Plugin:
+        @hookimpl
+        def forge_register_families(self, register):
+            register(Family(name=name, kind="encoder", description="declares flags", architectures=("ToyModel",),
+                            targets=("python",), default_target="python", components=lambda spec: [],
+                            options=options))
+
+    return name, Plugin()
+
+
+def test_a_declared_flag_is_a_build_flag(toy_model, tmp_path, capsys):
+    """A plugin's Option(flag=…) is all it takes: forge build parses the flag and checks it by the declaration."""
+    gain = Option("gain", "float", "extra gain", 1.0, exclusive_minimum=0, flag="--gain")
+    with use_plugins(_family_with(gain)):
+        assert main(["build", "--help"]) == 0
+        assert "--gain X" in capsys.readouterr().out
+        assert main(["build", "--family", "flagged", "--model", str(toy_model), "--out", str(tmp_path / "o"),
+                     "--gain", "0"]) == 2
+    assert "--gain must be a positive number, got 0.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    ((Option("gain", "int", "gain", flag="--gain"),), "declare --gain differently"),
+    ((Option("model_dir", "path", "a second model", flag="--model"),),
+     "declares --model, which forge build already has"),
+])
+def test_a_flag_declared_twice_is_a_plugin_error(options, message, toy_model, tmp_path, capsys):
+    gain = Option("gain", "float", "extra gain", 1.0, flag="--gain")
+    with use_plugins(_family_with(gain), _family_with(*options, name="other")):
+        assert main(["build", "--family", "flagged", "--model", str(toy_model), "--out", str(tmp_path / "o")]) == 5
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_plugin_target_builds_with_its_own_option(toy, toy_model, tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..spec import FLAG_OPTIONS, BuildSpec, Limits
+from ..spec import BuildSpec, Limits
 
 HELP = "build a complete Triton model repository from a checkpoint"
 
@@ -50,27 +50,39 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help=f"default {Limits.max_seq_len} (as above)")
     p.add_argument("--max-num-tokens", type=int, default=None)
     p.add_argument("--max-beam-width", type=int, default=1)
-    p.add_argument("--decoupled", action="store_true", help="streaming (decoupled) tensorrt_llm / BLS models")
-    p.add_argument("--calib-data", type=Path, default=None, metavar="FILE",
-                   help="calibration text (one sample per line) for int4_awq / fp8 / int8")
-    p.add_argument("--group-size", type=int, default=None, help="quantization group size (AWQ / w4a16)")
-    p.add_argument("--instances", type=int, default=None, help="instance count of served models")
-    p.add_argument("--parity-tolerance", type=float, default=None,
-                   help="override the family's export parity tolerance (max abs diff)")
     p.add_argument("-o", "--option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                    help="family option; 'forge options --family NAME' lists them; repeatable")
-    p.add_argument("--lora", action="append", default=None, metavar="NAME=DIR",
-                   help="decoders: ship this PEFT LoRA adapter (repeatable); task ids follow the order, from 1")
-    p.add_argument("--store", default=None, metavar="URI",
-                   help="add retrieval: a Milvus Lite file (PATH.db) or a Milvus server (http://host:19530); "
-                   "the token comes from MILVUS_TOKEN, never from the command line")
-    p.add_argument("--collection", default=None, metavar="NAME",
-                   help="with --store: the collection searched (default: documents)")
     p.add_argument("--name-prefix", default="", help="prefix for every Triton model name")
     p.add_argument("--dry-run", action="store_true", help="print the plan and external commands; build nothing")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading pickle checkpoints (pytorch_model.bin)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints that need custom code")
     p.add_argument("--json", action="store_true", help="print the result as json")
+    _add_option_flags(p)
+
+
+# Values of the flags that set family options go under this prefix, apart from the command's own arguments.
+_FLAG_DEST = "option:"
+_FLAG_TYPES = {"int": int, "float": float, "path": Path}
+
+
+def _add_option_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per ``Option(flag=…)`` that an installed family declares (``--instances 2`` is ``-o instances=2``)."""
+    from ..contract import flags
+    from ..errors import PluginError
+    from ..registry import registry
+
+    group = p.add_argument_group("family options", "flags the families declare; each sets the option of that "
+                                 "name, as -o NAME=VALUE does ('forge options --family NAME')")
+    for flag, option in flags(registry().families.values()).items():
+        kind = ({"action": "store_const", "const": True} if option.kind == "bool" else
+                {"choices": option.choices} if option.kind == "choice" else
+                {"type": _FLAG_TYPES.get(option.kind, str), "action": "append" if option.repeat else "store",
+                 "metavar": {"int": "N", "float": "X", "path": "PATH"}.get(option.kind, option.name.upper())})
+        try:
+            group.add_argument(flag, dest=_FLAG_DEST + option.name, default=None, help=option.help, **kind)
+        except argparse.ArgumentError:
+            raise PluginError(f"family option {option.name!r} declares {flag}, which forge {p.prog.split()[-1]} "
+                              "already has", hint="declare another flag, or none (-o sets it too)") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,22 +111,9 @@ def spec_from_args(args: argparse.Namespace) -> BuildSpec:
             raise UsageError("--model is required")
         model = models[families[0]]
     options = dict(args.option)
-    if args.collection is not None and args.store is None:
-        raise UsageError("--collection needs --store (the vector store that holds the collection)")
-    for key in FLAG_OPTIONS:
-        value = getattr(args, key)
-        if value is not None and value is not False:
-            options.setdefault(key, value)
-    if "lora" in options and not isinstance(options["lora"], dict):  # --lora NAME=DIR (repeated) or -o lora=…
-        from ..llm.peft import parse_option
-
-        value = options["lora"]
-        value = ",".join(value) if isinstance(value, list) else str(value)
-        options["lora"] = {name: str(path.resolve()) for name, path in parse_option(value).items()}
-    if "store" in options:  # a relative Lite path means the same store from any working directory
-        from ..retrieval.store import normalize_uri
-
-        options["store"] = normalize_uri(str(options["store"]))
+    for dest, value in vars(args).items():
+        if dest.startswith(_FLAG_DEST) and value is not None:
+            options.setdefault(dest.removeprefix(_FLAG_DEST), value)  # -o KEY=VALUE wins over the flag
     return BuildSpec(
         families=families, model=model, models=models, out=args.out, tp=args.tp, pp=args.pp,
         dtype=args.dtype or BuildSpec.dtype, dtype_given=args.dtype is not None, quant=tuple(_split(args.quant)),

@@ -19,12 +19,12 @@ def run(args: argparse.Namespace) -> int:
     from ..registry import registry
     from ..ui import Progress, emit_json
 
-    if args.lora:
+    spec = spec_from_args(args)
+    if "lora" in spec.options:
         from ..errors import UsageError
 
         raise UsageError("--lora adapters ship with the repository that forge build writes; forge export writes "
                          "only the checkpoint", hint="drop --lora (trtllm-build --lora_dir takes the PEFT folders)")
-    spec = spec_from_args(args)
     plans = Driver(registry(), log=Progress(quiet=args.json)).export(spec)
     if spec.dry_run:
         print_plan(plans, spec.out)

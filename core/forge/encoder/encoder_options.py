@@ -1,12 +1,13 @@
-"""Build options of the encoder families (``-o key=value`` and first-class flags), checked once."""
+"""Build options of the encoder families (``-o key=value`` and first-class flags): declared once, read from here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..components import Option
+from ..contract import check_value
 from ..errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,36 +45,26 @@ OPTIONS = (
     Option("calib_data", "path", "calibration data: a text file (one sample a line) or a folder of images",
            None, flag="--calib-data"),
     Option("parity_tolerance", "float", "max |Δ| of the float32 export against torch (default: the family's)",
-           None, minimum=0, flag="--parity-tolerance"),
+           None, exclusive_minimum=0, flag="--parity-tolerance"),
     Option("quant_parity_tolerance", "float", "max |Δ| allowed after --dtype float16 / --quant int8 "
-           "(default: the family's)", None, minimum=0),
+           "(default: the family's)", None, exclusive_minimum=0),
 )
-_HELP = {o.name: o.help for o in OPTIONS}
+_DECLARED = {o.name: o for o in OPTIONS}
 
 
-def _int(ctx: "BuildContext", key: str, default: int | None, minimum: int) -> int | None:
-    value = ctx.option(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"-o {key}={value!r}: expected an integer ≥ {minimum} ({_HELP.get(key, key)})")
+def _given(ctx: "BuildContext", key: str) -> Any:
+    """``-o key`` as given, else its declared default; checked against its declaration (the driver has done so
+    before any stage runs; a caller without a driver gets the same check)."""
+    option = _DECLARED[key]
+    value = ctx.option(key, option.default)
+    if value is not None:
+        check_value(option, value)
     return value
 
 
-def _choice(ctx: "BuildContext", key: str, default: str, choices: tuple[str, ...]) -> str:
-    value = ctx.option(key, default)
-    if value not in choices:
-        raise UsageError(f"-o {key}={value!r}: choose one of {', '.join(choices)}")
-    return value
-
-
-def _float(ctx: "BuildContext", key: str) -> float | None:
-    value = ctx.option(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise UsageError(f"-o {key}={value!r}: expected a positive number ({_HELP.get(key, key)})")
-    return float(value)
+def _number(ctx: "BuildContext", key: str) -> float | None:
+    value = _given(ctx, key)
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True)
@@ -106,32 +97,32 @@ class EncoderOptions:
         normalize = ctx.option("normalize", False)
         if not isinstance(normalize, bool):
             raise UsageError(f"-o normalize={normalize!r}: expected true or false")
-        opset = _int(ctx, "opset", 17, 13)
+        opset = _given(ctx, "opset")
         if opset > 21:
             raise UsageError(f"-o opset={opset}: the exporter supports opsets 13 to 21")
-        trt_version = str(ctx.option("trt_version", "10.3.0"))
+        trt_version = str(_given(ctx, "trt_version"))
         if not all(p.isdigit() for p in trt_version.split(".")) or len(trt_version.split(".")) != 3:
             raise UsageError(f"-o trt_version={trt_version!r}: expected MAJOR.MINOR.PATCH, e.g. 10.3.0")
         calib = ctx.option("calib_data")
         if calib is not None and not Path(calib).exists():
             raise UsageError(f"--calib-data {calib} does not exist")
         return cls(
-            instances=_int(ctx, "instances", 1, 1),
-            preprocessing_instances=_int(ctx, "preprocessing_instances", 1, 1),
-            padding=_choice(ctx, "padding", "max_length" if target == "tensorrt" else "longest", PADDINGS),
-            max_queue_delay_us=_int(ctx, "max_queue_delay_us", None, 0),
+            instances=_given(ctx, "instances"),
+            preprocessing_instances=_given(ctx, "preprocessing_instances"),
+            padding=_given(ctx, "padding") or ("max_length" if target == "tensorrt" else "longest"),
+            max_queue_delay_us=_given(ctx, "max_queue_delay_us"),
             opset=opset,
-            device=_choice(ctx, "device", "auto", DEVICES),
-            intra_op_threads=_int(ctx, "intra_op_threads", 0, 0),
-            workspace_mib=_int(ctx, "workspace_mib", 4096, 1),
-            timing_cache=Path(ctx.option("timing_cache", cache_dir() / "tensorrt" / "timing.cache")),
-            opt_batch_size=_int(ctx, "opt_batch_size", None, 1),
-            opt_seq_len=_int(ctx, "opt_seq_len", None, 1),
+            device=_given(ctx, "device"),
+            intra_op_threads=_given(ctx, "intra_op_threads"),
+            workspace_mib=_given(ctx, "workspace_mib"),
+            timing_cache=Path(_given(ctx, "timing_cache") or cache_dir() / "tensorrt" / "timing.cache"),
+            opt_batch_size=_given(ctx, "opt_batch_size"),
+            opt_seq_len=_given(ctx, "opt_seq_len"),
             trt_version=trt_version,
-            int8_mode=_choice(ctx, "int8_mode", "", ("",) + INT8_MODES) or None,
-            calib_size=_int(ctx, "calib_size", 64, 1),
-            parity_tolerance=_float(ctx, "parity_tolerance"),
-            quant_parity_tolerance=_float(ctx, "quant_parity_tolerance"),
+            int8_mode=_given(ctx, "int8_mode"),
+            calib_size=_given(ctx, "calib_size"),
+            parity_tolerance=_number(ctx, "parity_tolerance"),
+            quant_parity_tolerance=_number(ctx, "quant_parity_tolerance"),
             normalize=normalize,
         )
 

@@ -52,7 +52,7 @@ FORGE = (
     Option("encoder_input_features_data_type", "str", f"dtype of encoder_input_features: {DTYPES}"),
     Option("parity", "bool", "check the exported checkpoint's logits against transformers", False),
     Option("parity_tolerance", "float", "max relative |Δlogit| of -o parity (default: the family's)", None,
-           minimum=0, flag="--parity-tolerance"),
+           exclusive_minimum=0, flag="--parity-tolerance"),
     Option("calib_data", "path", "calibration text, one sample a line (int4_awq, fp8, int8_kv)", None,
            flag="--calib-data"),
     Option("calib_size", "int", "calibration samples", 64, minimum=1),
@@ -100,9 +100,21 @@ FORGE = (
 # An option that names no target is read by the targets with the text models, not by hf-pipeline.
 FORGE = tuple(o if o.targets else replace(o, targets=ALL) for o in FORGE)
 
+
+def _adapter_dirs(value: Any) -> dict[str, str]:
+    """``--lora NAME=DIR`` (repeated: a list) or ``-o lora=NAME=DIR,…`` → {name: absolute dir}: the same
+    adapters from any working directory."""
+    from .peft import parse_option
+
+    if isinstance(value, (list, tuple)):
+        value = ",".join(map(str, value))
+    return {name: str(path.resolve()) for name, path in parse_option(value).items()}
+
+
 #: ``--lora``: declared by the decoder families that convert and ship adapters (forge.llm.plugin), not by
 #: every family that reuses the decoder options.
-LORA = Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR,… (--lora NAME=DIR)", None, ALL, flag="--lora")
+LORA = Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR (repeat --lora, or -o lora=NAME=DIR,…); "
+              "task ids follow the order, from 1", None, ALL, flag="--lora", repeat=True, parse=_adapter_dirs)
 
 #: Template parameters of the multimodal path, which forge's text models do not have yet (issue 10):
 #: not declared, so the driver refuses them instead of writing values nothing reads.

@@ -17,9 +17,18 @@ SEARCH_TEXT = "search_text"
 SEARCH_IMAGE = "search_image"
 DEFAULT_COLLECTION = "documents"
 
+
+def _store_uri(value) -> str:
+    """``--store`` as every reader takes it: a relative Lite path means the same store from any working directory."""
+    from .store import normalize_uri
+
+    return normalize_uri(str(value))
+
+
 OPTIONS = (
-    Option("store", "str", "vector store: a Milvus Lite data directory (PATH.db) or a Milvus server URI",
-           None, flag="--store"),
+    Option("store", "str", "vector store: a Milvus Lite data directory (PATH.db) or a Milvus server URI "
+           "(http://host:19530); its token comes from MILVUS_TOKEN, never from the command line", None,
+           flag="--store", parse=_store_uri),
     Option("collection", "str", "the Milvus collection searched", DEFAULT_COLLECTION, flag="--collection"),
     Option("search_family", "str", "the encoder family whose embeddings the collection holds "
            "(needed when the build has several)", None),
