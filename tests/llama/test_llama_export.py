@@ -205,9 +205,9 @@ def _spy(monkeypatch, module, name: str) -> list:
 
 def _same_as_through_process(model: Path, tmp_path: Path, monkeypatch, got: Path, tp: int) -> None:
     """The rank files in ``got`` equal those of an export that sends every byte through the converting thread."""
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
-    monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
+    monkeypatch.setattr(transfer, "_IN_KERNEL", False)
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache-2"))  # not the first export's stage
     assert export(model, tmp_path / "process", "--dtype", "float32", "--tp", str(tp)) == 0
     for rank in range(tp):
@@ -224,12 +224,12 @@ def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, mo
     pieces smaller than a row block."""
     import threading
 
-    from forge.llm import checkpoint
+    from forge.llm import rankfile, transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", cores)
-    monkeypatch.setattr(checkpoint, "RELAY_BYTES", 1000)  # several pieces per block, rows not a divisor
-    copied = _spy(monkeypatch, checkpoint.RankWriter, "copy")
-    relayed, relay, threads, lock = [], checkpoint._relay, set(), threading.Lock()
+    monkeypatch.setattr(transfer, "_CORES", cores)
+    monkeypatch.setattr(transfer, "RELAY_BYTES", 1000)  # several pieces per block, rows not a divisor
+    copied = _spy(monkeypatch, rankfile.RankWriter, "copy")
+    relayed, relay, threads, lock = [], transfer._relay, set(), threading.Lock()
     lanes = min(tp, cores)
     together = threading.Event()  # the lanes share one queue: a free lane could take a tiny model's every job
 
@@ -242,7 +242,7 @@ def test_unchanged_bytes_write_the_same_bytes_every_way(tiny_llama, tmp_path, mo
         together.wait(5)  # each lane's first job waits until every lane has one (or 5 s)
         return relay(*args)
 
-    monkeypatch.setattr(checkpoint, "_relay", spied)
+    monkeypatch.setattr(transfer, "_relay", spied)
     assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", str(tp)) == 0
     assert bool(copied) == (lanes == 1)
     assert bool(relayed) == (tp > 1)  # row-parallel weights are split along columns only at tp > 1
@@ -257,18 +257,18 @@ def test_in_kernel_copies_move_whole_pages(tiny_llama, tmp_path, monkeypatch, tp
     """The rank file's header is padded so that most copied bytes keep their source's page offsets."""
     from safetensors import safe_open
 
-    from forge.llm import checkpoint
+    from forge.llm import rankfile, transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", 1)  # one lane: whole rows are copied in the kernel
+    monkeypatch.setattr(transfer, "_CORES", 1)  # one lane: whole rows are copied in the kernel
     copies: dict[str, list[tuple[int, int]]] = {}
-    real_copy = checkpoint.RankWriter.copy
+    real_copy = rankfile.RankWriter.copy
 
     def copy(self, name, byte_offset, src_fd, src_offset, length):
         dst = self.data_start + self.offsets[name] + byte_offset
         copies.setdefault(self.path.name, []).append(((src_offset - dst) % 4096, length))
         return real_copy(self, name, byte_offset, src_fd, src_offset, length)
 
-    monkeypatch.setattr(checkpoint.RankWriter, "copy", copy)
+    monkeypatch.setattr(rankfile.RankWriter, "copy", copy)
     out = tmp_path / "ckpt"
     assert export(tiny_llama, out, "--dtype", "float32", "--tp", str(tp)) == 0
     assert sorted(copies) == [f"rank{r}.safetensors" for r in range(tp)]
@@ -298,11 +298,11 @@ def _poison(tiny_llama: Path, tmp_path: Path, name: str, value: float, where=(5,
 def test_refuses_nan_in_a_relayed_column_slice(tiny_llama, tmp_path, capsys, monkeypatch, value, name, cores):
     """Bad input: a NaN/Inf in a row-parallel weight at --tp 2 (its column slices are relayed by the lanes,
     the whole rows checked by one of them) is refused, and no rank file is left."""
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
     model = _poison(tiny_llama, tmp_path, name, value)  # in the last rank's columns
-    monkeypatch.setattr(checkpoint, "_CORES", cores)
-    relayed = _spy(monkeypatch, checkpoint, "_relay")
+    monkeypatch.setattr(transfer, "_CORES", cores)
+    relayed = _spy(monkeypatch, transfer, "_relay")
     out = tmp_path / "out"
     refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", "2"), f"{name} contains NaN or Inf")
     assert relayed, "no column slice was relayed"
@@ -318,16 +318,16 @@ def test_refuses_nan_in_unchanged_whole_rows(tiny_llama, tmp_path, capsys, monke
     """Bad input: a NaN/Inf in a float32 weight exported as float32: copied in the kernel and checked beside
     (one lane: tp 1, or one core), or relayed by the lanes (tp 2 on two cores: q_proj's rows split, the
     embedding on every rank)."""
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
     model = _poison(tiny_llama, tmp_path, name, value, (3, 4))
-    monkeypatch.setattr(checkpoint, "_CORES", cores)
-    given, give = [], checkpoint.Transfers._give  # what the main thread hands out (the lanes stop at the NaN)
-    monkeypatch.setattr(checkpoint.Transfers, "_give",
+    monkeypatch.setattr(transfer, "_CORES", cores)
+    given, give = [], transfer.Transfers._give  # what the main thread hands out (the lanes stop at the NaN)
+    monkeypatch.setattr(transfer.Transfers, "_give",
                         lambda self, crew, fn, *a: given.append(fn) or give(self, crew, fn, *a))
     out = tmp_path / "out"
     refused(capsys, out, export(model, out, "--dtype", "float32", "--tp", str(tp)), f"{name} contains NaN or Inf")
-    assert (checkpoint._copy in given) == (min(cores, tp) == 1)
+    assert (transfer._copy in given) == (min(cores, tp) == 1)
 
 
 def test_a_lane_that_falls_behind_takes_fewer_jobs(tiny_llama, tmp_path, monkeypatch):
@@ -337,10 +337,10 @@ def test_a_lane_that_falls_behind_takes_fewer_jobs(tiny_llama, tmp_path, monkeyp
     import threading
     import time
 
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", 2)
-    relay, slow, lanes = checkpoint._relay, [], []
+    monkeypatch.setattr(transfer, "_CORES", 2)
+    relay, slow, lanes = transfer._relay, [], []
 
     def relay_spy(*args):
         lane = threading.get_ident()
@@ -354,9 +354,9 @@ def test_a_lane_that_falls_behind_takes_fewer_jobs(tiny_llama, tmp_path, monkeyp
         time.sleep(0.01)
         return submit(self, *args)
 
-    monkeypatch.setattr(checkpoint, "_relay", relay_spy)
-    submit = checkpoint.Transfers.relay
-    monkeypatch.setattr(checkpoint.Transfers, "relay", paced)
+    monkeypatch.setattr(transfer, "_relay", relay_spy)
+    submit = transfer.Transfers.relay
+    monkeypatch.setattr(transfer.Transfers, "relay", paced)
     assert export(tiny_llama, tmp_path / "lanes", "--dtype", "float32", "--tp", "4") == 0
     assert len(set(lanes)) == 2 and len(lanes) >= 20
     assert lanes.count(slow[0]) <= len(lanes) // 4, lanes
@@ -372,20 +372,20 @@ def test_tp1_times_both_ways_and_keeps_the_faster(tiny_llama, tmp_path, monkeypa
     goes the other way, and the log says which. The rank file is the through-process one."""
     import time
 
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", 2)
-    monkeypatch.setattr(checkpoint, "PROBE_BYTES", 32 << 10)  # the tiny model is 0.4 MiB
-    monkeypatch.setattr(checkpoint, "TIME_AFTER", 16 << 10)
-    monkeypatch.setattr(checkpoint, "RETIME_BYTES", 32 << 10)
+    monkeypatch.setattr(transfer, "_CORES", 2)
+    monkeypatch.setattr(transfer, "PROBE_BYTES", 32 << 10)  # the tiny model is 0.4 MiB
+    monkeypatch.setattr(transfer, "TIME_AFTER", 16 << 10)
+    monkeypatch.setattr(transfer, "RETIME_BYTES", 32 << 10)
 
     def slowed(real, size):
         return lambda *a: time.sleep(size(*a) * 5e-6) or real(*a)  # 5 s per MB
 
     sizes = {"kernel": ("_copy", lambda *a: a[-1][2]), "relay": ("_relay", lambda *a: a[3].count * a[3].stride)}
     name, size = sizes[slow]
-    monkeypatch.setattr(checkpoint, name, slowed(getattr(checkpoint, name), size))
-    went, timings, way, time_ways = [], [], checkpoint.Transfers._way, checkpoint.Transfers._time
+    monkeypatch.setattr(transfer, name, slowed(getattr(transfer, name), size))
+    went, timings, way, time_ways = [], [], transfer.Transfers._way, transfer.Transfers._time
 
     def timed(self, size):  # a timing ends where ``rates`` is replaced
         rates = self.rates
@@ -393,21 +393,21 @@ def test_tp1_times_both_ways_and_keeps_the_faster(tiny_llama, tmp_path, monkeypa
         if self.rates is not rates:
             timings.append(self.rates)
 
-    monkeypatch.setattr(checkpoint.Transfers, "_time", timed)
+    monkeypatch.setattr(transfer.Transfers, "_time", timed)
     def chosen(self, size):  # after the call, a timing under way means these bytes were timed
         went.append((way(self, size), bool(self._probe), size))
         return went[-1][0]
 
-    monkeypatch.setattr(checkpoint.Transfers, "_way", chosen)
+    monkeypatch.setattr(transfer.Transfers, "_way", chosen)
     assert export(tiny_llama, tmp_path / "timed", "--dtype", "float32", "--tp", "1") == 0
-    fast = checkpoint.RELAY if slow == "kernel" else checkpoint.KERNEL
+    fast = transfer.RELAY if slow == "kernel" else transfer.KERNEL
     assert len(timings) >= 2 and all(max(rates, key=rates.__getitem__) == fast for rates in timings), timings
     timing = [size for _, probing, size in went if probing]
     before = list(itertools.takewhile(lambda went: not went[1], went))  # until the first timing
     after = [(way, size) for way, probing, size in went[len(before):] if not probing]
-    assert sum(timing) >= len(timings) * 2 * checkpoint.PROBE_BYTES
-    assert before and all(way == checkpoint.KERNEL for way, *_ in before)
-    assert sum(size for *_, size in before) >= checkpoint.TIME_AFTER
+    assert sum(timing) >= len(timings) * 2 * transfer.PROBE_BYTES
+    assert before and all(way == transfer.KERNEL for way, *_ in before)
+    assert sum(size for *_, size in before) >= transfer.TIME_AFTER
     assert after and all(way == fast for way, _ in after), after
     assert f"unchanged rows went {fast} at the end" in capsys.readouterr().err
     _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "timed", 1)
@@ -415,7 +415,7 @@ def test_tp1_times_both_ways_and_keeps_the_faster(tiny_llama, tmp_path, monkeypa
 
 def test_tp1_keeps_the_kernel_way_where_relaying_is_barely_faster():
     """The kernel way does less work per byte: relaying is chosen only where it timed RELAY_MARGIN times faster."""
-    from forge.llm.checkpoint import KERNEL, RELAY, faster_way
+    from forge.llm.transfer import KERNEL, RELAY, faster_way
 
     for relayed, expected in ((1.1, KERNEL), (1.3, RELAY), (0.5, KERNEL)):
         assert faster_way({KERNEL: 1.0, RELAY: relayed}) == expected, relayed
@@ -424,11 +424,11 @@ def test_tp1_keeps_the_kernel_way_where_relaying_is_barely_faster():
 @pytest.mark.parametrize("most", [1, 6, 4096])
 def test_relay_survives_short_reads(tiny_llama, tmp_path, monkeypatch, most):
     """A read that returns fewer bytes than asked (allowed of preadv) is continued; the files are the same."""
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", 2)
+    monkeypatch.setattr(transfer, "_CORES", 2)
     real = os.preadv
-    monkeypatch.setattr(checkpoint.os, "preadv", lambda fd, buffers, pos: real(fd, [buffers[0][:most]], pos))
+    monkeypatch.setattr(transfer.os, "preadv", lambda fd, buffers, pos: real(fd, [buffers[0][:most]], pos))
     assert export(tiny_llama, tmp_path / "short", "--dtype", "float32", "--tp", "2") == 0
     _same_as_through_process(tiny_llama, tmp_path, monkeypatch, tmp_path / "short", 2)
 
@@ -437,14 +437,14 @@ def test_relay_survives_short_reads(tiny_llama, tmp_path, monkeypatch, most):
 def test_rank_files_are_written_in_bounded_pieces(tiny_llama, tmp_path, monkeypatch, cores):
     """No write to a rank file is longer than WRITE_BYTES (large page-cache writes were slow on this VM), also a
     converted block's (float32 → float16) and a relayed piece's; the files equal the default export's."""
-    from forge.llm import checkpoint
+    from forge.llm import rankfile, transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", cores)
+    monkeypatch.setattr(transfer, "_CORES", cores)
     for dtype in ("float32", "float16"):
         assert export(tiny_llama, tmp_path / f"default-{dtype}", "--dtype", dtype, "--tp", "2") == 0
-    monkeypatch.setattr(checkpoint, "WRITE_BYTES", 100)
+    monkeypatch.setattr(rankfile, "WRITE_BYTES", 100)
     real, sizes = os.pwrite, []
-    monkeypatch.setattr(checkpoint.os, "pwrite", lambda fd, data, pos: sizes.append(len(data)) or real(fd, data, pos))
+    monkeypatch.setattr(rankfile.os, "pwrite", lambda fd, data, pos: sizes.append(len(data)) or real(fd, data, pos))
     for dtype in ("float32", "float16"):
         monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / f"cache-{dtype}"))  # not the first export's stage
         assert export(tiny_llama, tmp_path / f"small-{dtype}", "--dtype", dtype, "--tp", "2") == 0
@@ -456,10 +456,10 @@ def test_rank_files_are_written_in_bounded_pieces(tiny_llama, tmp_path, monkeypa
 
 def test_refuses_a_weight_file_that_ends_early(tiny_llama, tmp_path, capsys, monkeypatch):
     """Bad input: the weight file is cut short while it is read (end of file inside a tensor): one line, no output."""
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", 2)
-    monkeypatch.setattr(checkpoint.os, "preadv", lambda fd, buffers, pos: 0)
+    monkeypatch.setattr(transfer, "_CORES", 2)
+    monkeypatch.setattr(transfer.os, "preadv", lambda fd, buffers, pos: 0)
     out = tmp_path / "out"
     refused(capsys, out, export(tiny_llama, out, "--dtype", "float32", "--tp", "2"),
             "model.safetensors ended inside tensor")
@@ -475,7 +475,7 @@ def test_refuses_a_weight_file_that_ends_early(tiny_llama, tmp_path, capsys, mon
     ({}, 1 << 20),  # no cache information (not Linux): the default
 ])
 def test_relay_pieces_fit_the_core_cache(tmp_path, files, expected):
-    from forge.llm.checkpoint import core_cache_bytes
+    from forge.llm.transfer import core_cache_bytes
 
     for index, (level, size) in files.items():
         (tmp_path / index).mkdir()
@@ -491,12 +491,12 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(tiny_llama, tmp_path, ca
     and no output."""
     import errno
 
-    from forge.llm import checkpoint
+    from forge.llm import transfer
 
-    monkeypatch.setattr(checkpoint, "_CORES", cores)
+    monkeypatch.setattr(transfer, "_CORES", cores)
     name = "pwrite" if way == "write" else "copy_file_range"
     if way == "write" and min(cores, tp) == 1:  # one lane: whole rows would be copied in the kernel, past pwrite
-        monkeypatch.setattr(checkpoint, "_IN_KERNEL", False)
+        monkeypatch.setattr(transfer, "_IN_KERNEL", False)
     real, calls = getattr(os, name), []
 
     def failing(*args):
@@ -507,7 +507,7 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(tiny_llama, tmp_path, ca
             args = (*args[:2], max(1, args[2] // 2), *args[3:])
         return real(*args)
 
-    monkeypatch.setattr(checkpoint.os, name, failing)
+    monkeypatch.setattr(transfer.os, name, failing)
     out = tmp_path / "out"
     code = export(tiny_llama, out, "--dtype", "float32", "--tp", tp)
     line = capsys.readouterr().err.strip().splitlines()[-1]
