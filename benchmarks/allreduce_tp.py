@@ -27,7 +27,7 @@ from engine_tp import runtime_path  # beside this script: the runtime directory 
 
 CHAIN = 64  # all-reduces captured in one graph
 REPLAYS = 50
-METHODS = ("nccl", "one-shot", "two-shot", "peer-sum", "fused")  # distributed.ALL_REDUCES (not imported here)
+METHODS = ("nccl", "one-shot", "two-shot", "peer-sum", "fused")  # ranks.ALL_REDUCES (not imported here)
 
 
 def _first(exc: BaseException) -> str:
@@ -76,19 +76,19 @@ def worker(hidden: list[int], rows: list[int], methods: list[str], dtypes: list[
     """One rank under mpirun: every rank measures; rank 0 prints one json line."""
     import torch
 
-    from forge_decoder import distributed
+    from forge_decoder import distributed, ranks
 
-    rank, size = distributed.world_from_env()
+    rank, size = ranks.world_from_env()
     device = distributed.rank_device("cuda")
-    group = distributed.join(size)
-    distributed.use_device(group, device)
+    group = ranks.join(size)
+    ranks.use_device(group, device)
     results: dict = {"methods": {}}
     for method in methods:
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
             key = f"{method} {dtype_name}"
             try:
-                distributed.use_all_reduce(group, method, device, dtype, max(hidden))
+                ranks.use_all_reduce(group, method, device, dtype, max(hidden))
             except Exception as exc:  # noqa: BLE001 - reported as this method's result
                 results["methods"][key] = {"error": f"{type(exc).__name__}: {_first(exc)}"}
                 continue

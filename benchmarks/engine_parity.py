@@ -27,7 +27,8 @@ def runtime():
     root = Path(tempfile.mkdtemp(prefix="forge-runtime-"))
     shutil.copytree(RUNTIME, root / "forge_decoder", ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, str(root))
-    return importlib.import_module("forge_decoder.engine"), importlib.import_module("forge_decoder.request")
+    return (importlib.import_module("forge_decoder.engine"), importlib.import_module("forge_decoder.request"),
+            importlib.import_module("forge_decoder.sequences"))
 
 
 def random_llama(path: Path) -> Path:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    engine_mod, request_mod = runtime()
+    engine_mod, request_mod, sequences_mod = runtime()
     model_dir = args.model or random_llama(Path(tempfile.mkdtemp(prefix="forge-llama-")))
     device = engine_mod.choose_device(args.device)
     dtype = engine_mod.choose_dtype(device, args.dtype)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             results[id(seq)] = list(seq.output)
 
     engine = engine_mod.Engine(model, limits, max_rows=4)
-    seqs = [engine_mod.Sequence(request_mod.GenerationRequest(p, n), collect) for p, n in zip(prompts, lengths)]
+    seqs = [sequences_mod.Sequence(request_mod.GenerationRequest(p, n), collect) for p, n in zip(prompts, lengths)]
     engine.submit(seqs[:5])
     with torch.inference_mode():
         for _ in range(3):
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_total = timed(lambda: [hf(p, n) for p in prompts])
     for rows in (1, 8):
         batch = engine_mod.Engine(model, limits, max_rows=rows)
-        batch.submit([engine_mod.Sequence(request_mod.GenerationRequest(p, n), lambda s, u: None) for p in prompts])
+        batch.submit([sequences_mod.Sequence(request_mod.GenerationRequest(p, n), lambda s, u: None) for p in prompts])
         with torch.inference_mode():
             took = timed(batch.run_until_idle)
         print(f"engine, {rows} in flight: {len(prompts) * n / took:8.1f} tokens/s "

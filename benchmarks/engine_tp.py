@@ -33,8 +33,8 @@ def measure(engine_factory, model, device, *, compile: str = "false") -> list[di
     """ms per decoding step at each row count, on one engine (graphs captured per row count)."""
     import torch
 
-    from forge_decoder.engine import Sequence
     from forge_decoder.request import GenerationRequest, Limits
+    from forge_decoder.sequences import Sequence
 
     engine = engine_factory(model, Limits(model.config.vocab_size, 512, 1024), max_rows=max(ROWS))
     capture = device.type == "cuda"
@@ -78,19 +78,19 @@ def worker(model_dir: str, compile: str = "auto", hang_s: float = 0, all_reduce:
 
         faulthandler.dump_traceback_later(hang_s, exit=True)
 
-    from forge_decoder import distributed
+    from forge_decoder import distributed, ranks
 
-    rank, size = distributed.world_from_env()
+    rank, size = ranks.world_from_env()
     device = distributed.rank_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if rank:
-        group = distributed.join(size)
+        group = ranks.join(size)
         settings = group.broadcast().settings
         model = distributed.load_shard(settings["weights"], device, torch.float16 if device.type == "cuda"
                                        else torch.float32, group, "nccl" if all_reduce == "none" else all_reduce)
         group.summed = _NoSum() if all_reduce == "none" else group.summed
         distributed.Follower(model, group).run()
         if not group.close():  # as a served follower does
-            distributed.leave_now()
+            ranks.leave_now()
         return
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     model, make_engine = distributed.lead(size, model_dir, device, dtype, 1, "nccl" if all_reduce == "none" else all_reduce)
@@ -100,10 +100,10 @@ def worker(model_dir: str, compile: str = "auto", hang_s: float = 0, all_reduce:
     for row in rows:
         row["all_reduce"] = "none (sums skipped)" if all_reduce == "none" else group.summing
     print("RESULT " + json.dumps(rows), flush=True)  # before the teardown: a hang there keeps the numbers
-    group.send(distributed.Command("stop"))
+    group.send(ranks.Command("stop"))
     if not group.close():
         print("teardown: the process groups' teardown did not finish", flush=True)
-        distributed.leave_now()
+        ranks.leave_now()
 
 
 def main() -> int:
@@ -130,7 +130,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from forge_decoder.engine import Engine, load_model
-    from serve_gpu import make_model
+    from gpu_shapes import make_model
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32

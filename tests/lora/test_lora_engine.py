@@ -13,6 +13,7 @@ from lora_models import greedy, peft_model
 from forge.in_triton.python_target.forge_decoder import engine as E
 from forge.in_triton.python_target.forge_decoder import lora as L
 from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits, RequestError
+from forge.in_triton.python_target.forge_decoder.sequences import Sequence
 
 
 def served_modules(repo, prefix):
@@ -41,7 +42,7 @@ def test_one_batch_mixes_base_and_adapter_rows(models, repos, fam, prefix):
             request = GenerationRequest(prompt=prompt, max_new_tokens=6)
             request.lora_task_id = task
             cache.resolve_rows([request])
-            rows.append((task, prompt, E.Sequence(request, lambda seq, update: None)))
+            rows.append((task, prompt, Sequence(request, lambda seq, update: None)))
     engine.submit([s for _, _, s in rows])
     engine.run_until_idle()
     assert engine.steps == 5  # 6 tokens: prefill + a decoding step, then four steps, all nine rows together

@@ -16,14 +16,14 @@ import sys
 import torch
 
 sys.path.insert(0, sys.argv[1])
-from forge_decoder import distributed, engine, graphs  # noqa: E402
+from forge_decoder import distributed, engine, graphs, ranks  # noqa: E402
 from forge_decoder.request import GenerationRequest, Limits  # noqa: E402
+from forge_decoder.sequences import Sequence  # noqa: E402
 
 PROMPTS = [[5, 9, 13, 40], [7, 3], [11, 12, 13, 14, 15, 16, 17], [20, 21]]
 DECODER = sys.argv[3] if len(sys.argv) > 3 else "hf"
 graphs.FIRST_COLUMNS, graphs.BLOCK_TOKENS = 8, 4  # every rank: the step's buckets must agree
 graphs.COMPILE_BACKEND = "eager"  # traced as on a GPU, without compiling code on a small CPU
-engine.JOIN_PREFILLS = True  # the overlapped decoder's prefills join the step in flight on every rank
 
 
 def generate(model, make_engine, decoder: str = "hf") -> dict:
@@ -43,13 +43,11 @@ def generate(model, make_engine, decoder: str = "hf") -> dict:
         if update.finished:
             outputs[tuple(seq.request.prompt)] = list(seq.output)
 
-    sequences = [engine.Sequence(GenerationRequest(p, 6 + 3 * i), done) for i, p in enumerate(PROMPTS)]
+    sequences = [Sequence(GenerationRequest(p, 6 + 3 * i), done) for i, p in enumerate(PROMPTS)]
     eng.submit(sequences[:2])
     eng.step()
     eng.submit(sequences[2:])
     eng.run_until_idle()
-    if decoder == "overlapped":  # the late prompts' prefills joined a step in flight on every rank
-        assert eng.joined == 4, eng.joined  # the first two started the steps, the late two joined them
     if decoder != "hf":  # every step, prefill and slot move travelled as plain tensors
         assert eng.group.pickled == pickled, (eng.group.pickled, pickled)
     return outputs
@@ -58,9 +56,9 @@ def generate(model, make_engine, decoder: str = "hf") -> dict:
 def main() -> None:
     weights = sys.argv[2]
     torch.set_num_threads(1)
-    rank, size = distributed.world_from_env()
+    rank, size = ranks.world_from_env()
     if rank:
-        group = distributed.join(size)
+        group = ranks.join(size)
         settings = group.broadcast().settings
         model = distributed.load_shard(settings["weights"], torch.device("cpu"), torch.float32, group)
         distributed.Follower(model, group).run()
@@ -70,7 +68,7 @@ def main() -> None:
     model, make_engine = distributed.lead(size, weights, torch.device("cpu"), torch.float32, 1)
     single = generate(whole, engine.Engine)
     parallel = generate(model, make_engine, DECODER)
-    make_engine.keywords["group"].send(distributed.Command("stop"))
+    make_engine.keywords["group"].send(ranks.Command("stop"))
     make_engine.keywords["group"].close()
     print("EQUAL" if single == parallel else f"DIFFERENT tp1 {single} tp{size} {parallel}", flush=True)
 

@@ -79,11 +79,11 @@ def test_the_fused_sum_of_every_rank_is_the_float32_sum_in_rank_order_and_leaves
 
 def test_the_ways_to_sum_are_checked_and_cpus_sum_over_gloo():
     sys.path.insert(0, str(RUNTIME))
-    from forge_decoder import distributed
+    from forge_decoder import ranks
 
-    group = distributed.Group(0, 2)
-    assert distributed.use_all_reduce(group, "auto", torch.device("cpu"), torch.float32, 64) == "gloo"
-    assert distributed.use_all_reduce(group, "fused", torch.device("cpu"), torch.float32, 64) == "gloo"
+    group = ranks.Group(0, 2)
+    assert ranks.use_all_reduce(group, "auto", torch.device("cpu"), torch.float32, 64) == "gloo"
+    assert ranks.use_all_reduce(group, "fused", torch.device("cpu"), torch.float32, 64) == "gloo"
     assert group.summed is None
-    with pytest.raises(distributed.DistributedError, match="all-reduce 'fastest': expected auto or one of nccl, "):
-        distributed.use_all_reduce(group, "fastest", torch.device("cpu"), torch.float32, 64)
+    with pytest.raises(ranks.DistributedError, match="all-reduce 'fastest': expected auto or one of nccl, "):
+        ranks.use_all_reduce(group, "fastest", torch.device("cpu"), torch.float32, 64)

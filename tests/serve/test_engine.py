@@ -7,8 +7,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from forge.in_triton.python_target.forge_decoder import graphs  # noqa: E402
-from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.engine import Engine, load_model  # noqa: E402
 from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits, SamplingParams  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.sequences import Sequence  # noqa: E402
 
 VOCAB = 200
 
@@ -310,7 +311,7 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     16 // ADMIT_SHARE are waiting or the oldest waited long enough: ADMIT_WAIT_STEPS decoding steps, or for a
     streamed one (its client watches for the first token) admit_wait_ns; with nothing running it is admitted at
     once. (On a CPU admit_wait_ns is 0: every arrival is admitted at the next step.)"""
-    from forge.in_triton.python_target.forge_decoder import engine as engine_mod
+    from forge.in_triton.python_target.forge_decoder import scheduler
 
     engine = engine_for(model, max_rows=32)
     assert engine.admit_wait_ns == 0
@@ -319,7 +320,7 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     engine.submit(running)
     engine.step()
     assert len(engine._active) == 16  # nothing ran: admitted at once
-    late = [Sequence(GenerationRequest([9, 3], 5), lambda s, u: None) for _ in range(16 // engine_mod.ADMIT_SHARE)]
+    late = [Sequence(GenerationRequest([9, 3], 5), lambda s, u: None) for _ in range(16 // scheduler.ADMIT_SHARE)]
     engine.submit(late[:-1])
     engine.step()
     assert len(engine._active) == 16 and len(engine._pending) == len(late) - 1
@@ -327,7 +328,7 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     engine.step()
     assert len(engine._active) == 16 + len(late) and not engine._pending
     engine.submit([Sequence(GenerationRequest([4], 5), lambda s, u: None)])  # alone: admitted after the steps
-    for _ in range(engine_mod.ADMIT_WAIT_STEPS):  # ... that many decoding steps ran without it
+    for _ in range(scheduler.ADMIT_WAIT_STEPS):  # ... that many decoding steps ran without it
         engine.step()
         assert len(engine._pending) == 1
     engine.step()

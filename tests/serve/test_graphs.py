@@ -13,9 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from forge.in_triton.python_target.forge_decoder import graphs  # noqa: E402
-from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence  # noqa: E402
+from forge.in_triton.python_target.forge_decoder import architectures, graphs  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.engine import Engine  # noqa: E402
 from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.sequences import Sequence  # noqa: E402
 
 VOCAB = 160
 PAGED = {"block": 4, "blocks": 40}  # blocks of 4 tokens; 40 blocks: fewer than 4 rows × 64 columns
@@ -159,7 +160,7 @@ def test_the_fused_kernel_refuses_what_it_cannot_run():
         "its head dim 80 is not a power of two of at least 16"
     assert decode_kernel.unsupported(4, 2, 8, torch.float16) == \
         "its head dim 8 is not a power of two of at least 16"
-    decoder = graphs.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
+    decoder = architectures.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
     assert decoder.attention == "sdpa" and decoder.describe().endswith("attention sdpa (not the fused kernel: not on a GPU)")
     with pytest.raises(ValueError, match="the fused decoding attention cannot run here: its KV-cache blocks of 4 "
                                          "tokens are not a power of two of at least 16"):
@@ -178,7 +179,7 @@ def test_prefill_equals_transformers_forward_of_each_prompt_alone(kind, compiled
     from forge.in_triton.python_target.forge_decoder import kvcache
 
     model, reference = _model(kind), _model(kind)
-    decoder = graphs.decoder_for(model, 4, 64, capture=False, paged=paged)
+    decoder = architectures.decoder_for(model, 4, 64, capture=False, paged=paged)
     if compiled:
         decoder.use_compile("true", backend=compiled)
     decoder.used = 1
@@ -209,22 +210,8 @@ class _Replayed:
         self.replay = run
 
 
-def _step_standin(self, rows, columns):
-    """GraphDecoder._capture on the CPU: the step into static outputs that each replay overwrites, as a graph's."""
-    self.inputs[0, :rows] = 0
-    self.inputs[1, :rows] = self.spare  # as the real capture's warm-up: every row writes the spare column
-    logits, picks = (t.clone() for t in self._forward(rows, columns))
-
-    def run():
-        for out, value in zip((logits, picks), self._forward(rows, columns)):
-            out.copy_(value)
-
-    self.graphs[(rows, columns)] = (_Replayed(run), logits, picks)
-
-
-def _prefill_standin(self, rows, columns, scribble: bool = False):
-    """GraphDecoder._capture_prefill on the CPU: the prefill run on its static inputs into static outputs;
-    ``scribble``: each replay then overwrites every step graph's picks, as a shared pool's scratch may."""
+def _prefill_standin(self, rows, columns):
+    """GraphDecoder._capture_prefill on the CPU: the prefill run on its static inputs into static outputs."""
     inputs = torch.zeros((rows, columns + 3), dtype=torch.long)
     ids, slots, last, banned = self.prefill_views(inputs)
     slots.fill_(self.spare_slot)
@@ -234,9 +221,6 @@ def _prefill_standin(self, rows, columns, scribble: bool = False):
     def run():
         for out, value in zip((logits, picks), self._prefill_logits(ids, slots, last, banned)):
             out.copy_(value)
-        if scribble:
-            for _graph, _logits, step_picks in self.graphs.values():
-                step_picks.fill_(-1.0)
 
     self.prefill_graphs[(rows, columns)] = (_Replayed(run), inputs, logits, picks)
 
@@ -248,8 +232,8 @@ def test_a_captured_prefill_pads_its_bucket_into_the_spare_slot(monkeypatch, pag
     logits, picks and slots equal the eager prefill's, and slots past the admitted ones stay untouched (paged:
     the padding goes to the spare block, the fourth slot holds no block)."""
     model = _model("llama")
-    eager = graphs.decoder_for(model, 4, 64, capture=False)
-    captured = graphs.decoder_for(model, 4, 64, capture=False, paged=paged)
+    eager = architectures.decoder_for(model, 4, 64, capture=False)
+    captured = architectures.decoder_for(model, 4, 64, capture=False, paged=paged)
     captured.prefill_capture = True
     monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill", _prefill_standin)
     prompts = [[5, 17, 30, 4, 8], list(range(40, 51))], [[9, 9, 2]]
@@ -300,7 +284,7 @@ def test_what_cannot_decode_through_graphs_says_why():
     from transformers import BloomConfig, BloomForCausalLM
 
     bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=VOCAB)).eval()
-    assert "BloomForCausalLM is neither a Llama-style nor a GPT-2 model" in graphs.unsupported(bloom, 128)
+    assert "BloomForCausalLM is neither a Llama-style nor a GPT-2 model" in architectures.unsupported(bloom, 128)
     engine = Engine(bloom, Limits(VOCAB, 64, 128))
     assert engine.use_graphs("auto", capture=False).startswith("off (BloomForCausalLM is neither")
     assert engine.graphs is None
@@ -317,7 +301,7 @@ def test_what_cannot_decode_through_graphs_says_why():
         llama.use_graphs("auto", compile="true")
     with pytest.raises(ValueError, match="-o torch_compile='yes': expected auto, true or false"):
         llama.use_graphs("auto", compile="yes")
-    gpt2 = graphs.decoder_for(_model("gpt2"), 2, 64, capture=False)
+    gpt2 = architectures.decoder_for(_model("gpt2"), 2, 64, capture=False)
     with pytest.raises(ValueError, match="-o torch_compile=true: cannot compile .*GPT2Decoder has no compiled"):
         gpt2.use_compile("true")
 
@@ -327,8 +311,8 @@ def test_compiled_pieces_fuse_kernels_and_keep_the_logits():
     3 rows and a prefill of 2 prompts give the eager pieces' logits in float32, and the compiled functions
     serve every layer without recompiling (one form per leading shape)."""
     model = _model("qwen3")
-    plain = graphs.decoder_for(model, 3, 64, capture=False)
-    fused = graphs.decoder_for(model, 3, 64, capture=False)
+    plain = architectures.decoder_for(model, 3, 64, capture=False)
+    fused = architectures.decoder_for(model, 3, 64, capture=False)
     from torch._dynamo.utils import counters
 
     assert fused.use_compile("true") == "on (inductor)"
@@ -608,108 +592,6 @@ def test_overlapped_steps_report_what_one_step_at_a_time_reports(monkeypatch):
     requests = [GenerationRequest(p, n, streaming=True) for p, n in zip(prompts[:2], lengths[:2])]
     seqs, updates, ahead = _overlap_run(model, requests, "true")
     assert ahead == 0 and [s.output for s in seqs] == plain[:2]
-
-
-def _joined_run(model, requests, overlap: str, *, cancel: int | None = None, late: list[int] = (),
-                replayed: bool = False):
-    """Run ``requests`` through a 3-slot static engine, those in ``late`` submitted after two steps; request
-    ``cancel`` is cancelled right after its first step() in the batch; ``replayed``: steps and prefills through
-    the decoder's graph paths (with whatever stands in for capturing). Returns (engine, sequences, updates)."""
-    engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3, cancel_check_ms=0)
-    engine.use_graphs("auto", capture=False, overlap=overlap)
-    if replayed:
-        engine.graphs.capture = engine.graphs.prefill_capture = True
-    updates: dict[int, list] = {}
-    seqs = [Sequence(r, lambda s, u: updates.setdefault(id(s), []).append(u)) for r in requests]
-    engine.submit([s for i, s in enumerate(seqs) if i not in late])
-    with torch.inference_mode():
-        for step in range(200):
-            if step == 2:
-                engine.submit([seqs[i] for i in late])
-            if cancel is not None and seqs[cancel] in engine._active:
-                seqs[cancel].cancel()
-            if not engine._pending and not engine._active:
-                break
-            engine.step()
-    assert engine._ahead is None and not engine._active
-    return engine, seqs, [updates.get(id(s), []) for s in seqs]
-
-
-def test_prompts_admitted_while_a_step_is_in_flight_join_it(monkeypatch):
-    """Where steps overlap, a prefill does not wait for the step in flight: its picks join that step's, both are
-    read together, and the next step gathers every row's token from them on the device. Six prompts through three
-    slots, rows joining as others leave: one with max_tokens 1 (padding in the step after its prefill), one whose
-    second token is its end_id (min_length 1 bans it as the first), one cancelled right after it joined. Every
-    update equals the engine's one step at a time, and the ids equal transformers. Prompts asking for context
-    logits, or holding prompt-table ids, wait for the step in flight instead (their prefill reads them back)."""
-    from forge.in_triton.python_target.forge_decoder import engine as engine_mod
-
-    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
-    monkeypatch.setattr(engine_mod, "JOIN_PREFILLS", True)
-    model, reference = _model("llama"), _model("llama")
-    prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13], [3, 3, 4]]
-    lengths = [3, 6, 1, 9, 4, 7]
-    plain = [_generate(reference, p, n) for p, n in zip(prompts, lengths)]
-
-    def requests():
-        made = [GenerationRequest(p, n) for p, n in zip(prompts, lengths)]
-        made[4].end_id = plain[4][1]
-        return made
-
-    engine, seqs, updates = _joined_run(model, requests(), "true", cancel=5)
-    base, _, base_updates = _joined_run(model, requests(), "false", cancel=5)
-    _same_updates(updates, base_updates)
-    assert [s.output for s in seqs[:4]] == plain[:4]
-    assert updates[4][-1].reason == "end_id" and seqs[4].output == plain[4][:1]
-    assert updates[5][-1].reason == "cancelled" and seqs[5].output == plain[5][:len(seqs[5].output)]
-    assert engine.joined == engine.admitted == base.admitted == 6 and base.joined == 0
-    assert engine.prefills == base.prefills
-
-    # a prompt whose first argmax is its end_id: min_length 1 bans it, so its first token is the runner-up (the
-    # prefill's picks leave the end_id out), with the log-probability of the logits without it
-    with torch.no_grad():
-        last = reference(torch.tensor([prompts[0]])).logits[0, -1].float()
-    banned = last.clone()
-    banned[int(last.argmax())] = float("-inf")
-    made = GenerationRequest(prompts[0], 2, end_id=int(last.argmax()))
-    engine, seqs, updates = _joined_run(model, [made], "true")
-    assert engine.joined == 1 and seqs[0].output[0] == int(banned.argmax()) != made.end_id
-    assert updates[0][0].logprobs[0] == pytest.approx(float(torch.log_softmax(banned, -1).max()), abs=1e-4)
-
-    # a prompt asking for context logits and one holding a prompt-table id, admitted while steps are in flight
-    made = requests()[:4]
-    made[3].return_context_logits = True
-    made.append(GenerationRequest([2, VOCAB + 1, 6], 4))
-    engine, seqs, updates = _joined_run(model, made, "true", late=[3, 4])
-    _, _, base_updates = _joined_run(model, [GenerationRequest(**vars(r)) for r in made], "false", late=[3, 4])
-    _same_updates(updates, base_updates)
-    assert seqs[3].output == plain[3] and seqs[3].context_logits.shape == (len(prompts[3]), VOCAB)
-    assert engine.joined == 3 and engine.prefills >= 3
-
-
-def test_a_joined_prefill_keeps_the_step_picks_from_the_shared_graph_pool(monkeypatch):
-    """Captured graphs share one memory pool: a step graph captured after a prefill graph may keep its picks where
-    the prefill graph keeps its scratch, so once the prefill's graph has run those picks are gone. Stood in for
-    on the CPU: steps and prefills through static outputs as replayed graphs have them, each prefill replay
-    scribbling over every step graph's picks. A joined prefill copies the step's picks before its graph runs: the
-    updates equal the engine's one step at a time."""
-    from forge.in_triton.python_target.forge_decoder import engine as engine_mod
-
-    monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
-    monkeypatch.setattr(engine_mod, "JOIN_PREFILLS", True)
-    monkeypatch.setattr(graphs.GraphDecoder, "_capture", _step_standin)
-    monkeypatch.setattr(graphs.GraphDecoder, "_capture_prefill",
-                        lambda self, rows, columns: _prefill_standin(self, rows, columns, scribble=True))
-    model = _model("llama")
-    prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13], [3, 3, 4]]
-
-    def requests():
-        return [GenerationRequest(p, n, end_id=7) for p, n in zip(prompts, [3, 6, 1, 9, 4, 7])]
-
-    engine, seqs, updates = _joined_run(model, requests(), "true", late=[4, 5], replayed=True)
-    _, _, base_updates = _joined_run(model, requests(), "false", late=[4, 5])
-    assert engine.joined == 6
-    _same_updates(updates, base_updates)
 
 
 def test_overlapped_steps_need_static_slots():

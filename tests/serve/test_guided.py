@@ -19,9 +19,10 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from forge.in_triton.python_target.forge_decoder import graphs, guided  # noqa: E402
-from forge.in_triton.python_target.forge_decoder.engine import Engine, Sequence, load_model  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.engine import Engine, load_model  # noqa: E402
 from forge.in_triton.python_target.forge_decoder.request import (GenerationRequest, Guide, Limits, RequestError,
     SamplingParams, parse)
+from forge.in_triton.python_target.forge_decoder.sequences import Sequence  # noqa: E402
 
 PROMPT = "What is machine learning?"
 # Short, bounded outputs. The JSON grammar allows any whitespace between tokens (as TensorRT-LLM compiles

@@ -27,16 +27,16 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 import forge_glue  # noqa: E402  (shipped next to this file)
-from forge_decoder import engine as engine_mod  # noqa: E402
 from forge_decoder import hosted, loading  # noqa: E402
 from forge_decoder.request import GenerationRequest, RequestError, is_stop, parse  # noqa: E402
 from forge_decoder.responses import OutputSpec, RowResult, assemble, carried  # noqa: E402
+from forge_decoder.sequences import Sequence, Update  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
 ENGINE_METRICS_S = 0.5  # metrics are published this often while the engine has work (each is an IPC call)
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds",
-                   "prefills", "joined")
+                   "prefills")
 DEVICE_COUNTERS = ("device_seconds", "wait_seconds")  # measured where the engine decodes through CUDA graphs
 RESPONSE_COUNTERS = ("responses", "build_seconds", "send_seconds")
 
@@ -56,7 +56,7 @@ class _Request:
         self.request_id = request_id
         self.rows = rows
         self.streaming = any(r.streaming for r in rows)
-        self.sequences: list[engine_mod.Sequence] = []
+        self.sequences: list[Sequence] = []
         self.results: dict[int, RowResult] = {}
         self.started: set = set()  # streaming rows that sent their first response
         self.ended: set = set()  # rows whose last update the sender delivered
@@ -112,7 +112,7 @@ class _Request:
             self.model.log_warn(f"could not send a response for request {self.request_id!r}: {exc}")
         self.model.sent(built - started, time.perf_counter_ns() - built)
 
-    def on_update(self, seq: engine_mod.Sequence, update: engine_mod.Update) -> None:
+    def on_update(self, seq: Sequence, update: Update) -> None:
         """Engine callback (engine thread): queue the update for the sender thread with what it reads of the
         sequence as of now (the engine goes on appending to it). A request that does not stream has nothing
         to send before its sequence ends: its tokens are counted then, and the sender thread (which shares
@@ -122,7 +122,7 @@ class _Request:
         self.outbox.put((self, seq, update, _Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns,
                                                             len(seq.output))))
 
-    def deliver(self, seq: engine_mod.Sequence, update: engine_mod.Update, progress: "_Progress") -> None:
+    def deliver(self, seq: Sequence, update: Update, progress: "_Progress") -> None:
         """Sender thread: send what the update completes."""
         self.model.count(update, len(update.tokens) if self.streaming else progress.output_tokens)
         with self.lock:
@@ -273,10 +273,9 @@ class TritonPythonModel:
             name="forge_decoder_engine_total", description="the engine thread: seconds inside steps "
             "(kind=step_seconds) and prefills (kind=prefill_seconds), decoding steps (kind=decode_steps) and rows "
             "summed over them (kind=decoded_rows), sequences admitted (kind=admitted) and their seconds waited in "
-            "the engine's queue (kind=queued_seconds), prefills run (kind=prefills) and sequences whose prefill joined the "
-            "decoding step in flight (kind=joined); with CUDA graphs on a GPU also the device's seconds in "
-            "decoding steps (kind=device_seconds) and the engine thread's seconds waiting for their tokens "
-            "(kind=wait_seconds)", kind=pb_utils.MetricFamily.COUNTER)
+            "the engine's queue (kind=queued_seconds) and prefills run (kind=prefills); with CUDA graphs on a GPU "
+            "also the device's seconds in decoding steps (kind=device_seconds) and the engine thread's seconds "
+            "waiting for their tokens (kind=wait_seconds)", kind=pb_utils.MetricFamily.COUNTER)
         labels = {"model": self.name}
         kinds = ENGINE_COUNTERS + (DEVICE_COUNTERS if self.engine.timed else ())
         self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind}) for kind in kinds}
@@ -304,7 +303,7 @@ class TritonPythonModel:
             waiting["build_seconds"] += build_ns / 1e9
             waiting["send_seconds"] += send_ns / 1e9
 
-    def count(self, update: engine_mod.Update, tokens: int) -> None:
+    def count(self, update: Update, tokens: int) -> None:
         """Metrics are IPC calls to the server, each holding this stub's GIL: count ``tokens`` generated and
         sequences finished locally; they are published when the engine falls idle and otherwise by the
         publisher thread, every ENGINE_METRICS_S."""
@@ -347,7 +346,7 @@ class TritonPythonModel:
         values = {"step_seconds": engine.step_ns / 1e9, "decode_steps": float(engine.decode_steps),
                   "decoded_rows": float(engine.decoded_rows), "prefill_seconds": engine.prefill_ns / 1e9,
                   "admitted": float(engine.admitted), "queued_seconds": engine.queued_ns / 1e9,
-                  "prefills": float(engine.prefills), "joined": float(engine.joined),
+                  "prefills": float(engine.prefills),
                   "device_seconds": engine.device_ns / 1e9, "wait_seconds": engine.wait_ns / 1e9}
         for kind, counter in self.engine_counters.items():
             value = values[kind]
@@ -400,7 +399,7 @@ class TritonPythonModel:
             wanted = forge_glue.requested(request)
             pending = _Request(self, sender, request_id, rows, wanted if text is not None else
                                carried(rows, self.output_specs, wanted, self.asked_only), text)
-            pending.sequences = [engine_mod.Sequence(row, pending.on_update, pending.is_cancelled, pending)
+            pending.sequences = [Sequence(row, pending.on_update, pending.is_cancelled, pending)
                                  for row in rows]
             with self.lock:
                 self.requests[id(pending)] = pending

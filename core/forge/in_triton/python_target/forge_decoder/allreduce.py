@@ -12,7 +12,7 @@ rank's buffer into every other rank's address space (over NVLink), with signal p
   buffer in float32 (rank 0 first: every rank adds in the same order, so every rank holds the same sum), writes
   the result, and signals again, so that no rank overwrites its buffer while another still reads it.
 
-``benchmarks/allreduce_tp.py`` times each way against NCCL; ``distributed.use_all_reduce`` picks one.
+``benchmarks/allreduce_tp.py`` times each way against NCCL; ``ranks.use_all_reduce`` picks one.
 """
 
 from __future__ import annotations

@@ -13,19 +13,19 @@ import sys
 
 import torch
 
-from . import distributed
+from . import distributed, ranks
 from . import engine as engine_mod
 
 
 def main() -> int:
-    rank, size = distributed.world_from_env()
+    rank, size = ranks.world_from_env()
     prefix = f"forge follower rank {rank}/{size}"
     distributed.watch_leader({})  # until rank 0 is known: exit with the launcher
     try:
         if size < 2 or rank == 0:
-            raise distributed.DistributedError(
+            raise ranks.DistributedError(
                 "started outside a multi-rank launch (rank 0 is tritonserver); use forge serve or forge deploy")
-        group = distributed.join(size)  # rank 0 knows the model's settings: device, dtype, weights
+        group = ranks.join(size)  # rank 0 knows the model's settings: device, dtype, weights
         settings = group.broadcast().settings
         distributed.watch_leader(settings)  # exit with rank 0 or the launcher, whatever this rank is doing
         device = distributed.rank_device(settings["device"])
@@ -36,7 +36,7 @@ def main() -> int:
               flush=True)
         follower = distributed.Follower(model, group)
         follower.run()
-    except distributed.DistributedError as exc:
+    except ranks.DistributedError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
         return 1
     except Exception as exc:  # the group broke (rank 0 died) or the shard failed to load
@@ -45,9 +45,9 @@ def main() -> int:
         return 1
     print(f"{prefix}: stopped after {follower.steps} steps", flush=True)
     if not group.close():
-        print(f"{prefix}: the process groups' teardown did not finish within {distributed.CLOSE_TIMEOUT_S:g} s",
+        print(f"{prefix}: the process groups' teardown did not finish within {ranks.CLOSE_TIMEOUT_S:g} s",
               file=sys.stderr, flush=True)
-        distributed.leave_now()
+        ranks.leave_now()
     return 0
 
 

@@ -34,13 +34,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
-from .engine import Sequence, Update
+from .sequences import Sequence, Update
 
 CANCEL_POLL_S = 0.005  # how often the host looks for sequences the stub cancelled (a stop request, an error)
 WINDOW = 2  # batches the engine process may send ahead of the stub's acks
 BACKLOG_POLL_S = 0.0005  # how often the stub looks whether its senders' backlog went down before an ack
-COUNTERS = ("step_ns", "prefill_ns", "decode_steps", "decoded_rows", "admitted", "queued_ns", "prefills", "joined",
-            "device_ns", "wait_ns")
+COUNTERS = ("step_ns", "prefill_ns", "decode_steps", "decoded_rows", "admitted", "queued_ns", "prefills", "device_ns",
+            "wait_ns")
 
 
 def python() -> str:

@@ -1,7 +1,7 @@
 """Where the CUDA-graph decoder keeps keys and values: one static slot per row, or blocks from a pool.
 
 Both layouts hold every layer's keys and values and answer the same questions, so the decoder's step and
-prefill are written once over them (graphs.py) and captured the same way:
+prefill are written once over them (graphs.py, architectures.py) and captured the same way:
 
 * ``step_index(pos)``: each (row, key/value head)'s flat row in the layer's cache for this step's token at
   its position ([rows, kv heads]) — computed on the device from tensors whose addresses never change, so a
