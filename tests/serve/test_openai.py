@@ -104,6 +104,19 @@ def test_models_list_the_repository(client, served):
     assert client.models.retrieve("smollm2").id == "smollm2"
 
 
+def test_openapi_schema_describes_every_route_with_its_typed_answer(served):
+    with urllib.request.urlopen(f"{served[2].url.removesuffix('/v1')}/openapi.json", timeout=30) as response:
+        schema = json.loads(response.read())
+    paths = schema["paths"]
+    assert {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"} <= set(paths)
+    answer = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert answer == {"$ref": "#/components/schemas/ChatCompletion"}
+    assert {"ModelList", "Completion", "EmbeddingList", "ErrorBody"} <= set(schema["components"]["schemas"])
+    for status in ("400", "401", "404", "503"):
+        assert paths["/v1/completions"]["post"]["responses"][status]["content"]["application/json"]["schema"] == \
+            {"$ref": "#/components/schemas/ErrorBody"}
+
+
 def test_chat_streamed_equals_non_streamed_with_usage_of_the_tokenizer(client, tokenizer):
     answer = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=12)
     text = answer.choices[0].message.content

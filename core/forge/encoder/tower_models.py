@@ -53,7 +53,7 @@ def _preprocessing(component: Component, iface: TowerInterface, artifact: Artifa
                              dynamic_batching=True)
     files: dict = {"1/model.py": in_triton.TOKENIZER if text else in_triton.IMAGE, **in_triton.glue_files()}
     if text:
-        files[f"1/{preprocessing.TOKENIZER_FILE}"] = artifact.path / layout.ASSETS / input_models.TOKENIZER_FILE
+        files[f"1/{input_models.TOKENIZER_FILE}"] = artifact.path / layout.ASSETS / input_models.TOKENIZER_FILE
     return TritonModel(config, files)
 
 

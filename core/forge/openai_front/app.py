@@ -11,17 +11,19 @@ import asyncio
 import json
 import secrets
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import chat, completions, embeddings
 from .catalog import model_card
 from .front import Front
 from .protocol import APIError, ChatRequest, CompletionRequest, EmbeddingRequest, unsupported
+from .schema import ChatCompletion, Completion, EmbeddingList, ErrorBody, ModelCard, ModelList
 from .upstream import Triton
 
 
@@ -48,19 +50,24 @@ async def until_disconnected(request: Request, work):
         watcher.cancel()
 
 
-def sse(events: AsyncIterator[dict[str, Any]]):
+def sse(events: AsyncIterator[BaseModel]):
     """``events`` as Server-Sent Events, ending with ``[DONE]`` (an error after the first event is the last)."""
     from sse_starlette.sse import EventSourceResponse
 
     async def lines():
         try:
             async for event in events:
-                yield {"data": json.dumps(event, separators=(",", ":"))}
+                yield {"data": event.model_dump_json()}
         except APIError as exc:  # after the headers went out: the error is the last event
             yield {"data": json.dumps(exc.body())}
         yield {"data": "[DONE]"}
 
     return EventSourceResponse(lines(), sep="\n", ping=15)
+
+
+def answered(answer: BaseModel) -> JSONResponse:
+    """``answer`` as its JSON (the route's ``response_model`` documents it; it is not validated twice)."""
+    return JSONResponse(answer.model_dump(mode="json"))
 
 
 # -- the application ---------------------------------------------------------------------------------
@@ -101,7 +108,10 @@ def create_app(front: Front) -> FastAPI:
         yield
         await front.triton.close()
 
-    app = FastAPI(title="forge OpenAI API", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json describes every route with its typed answers; no browsable docs (they load scripts from a CDN)
+    app = FastAPI(title="forge OpenAI API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", responses={400: {"model": ErrorBody}, 401: {"model": ErrorBody},
+                                                          404: {"model": ErrorBody}, 503: {"model": ErrorBody}})
     app.add_middleware(Draining, front=front)
     catalog = front.catalog
 
@@ -156,16 +166,17 @@ def create_app(front: Front) -> FastAPI:
         ok, reason = await front.triton.ready(front.models_behind())
         return JSONResponse({"status": "ready" if ok else reason}, 200 if ok else 503)
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models", dependencies=guarded, response_model=ModelList)
     async def models():
-        return {"object": "list", "data": [model_card(catalog, i) for i in catalog.ids()]}
+        return answered(ModelList(data=[model_card(catalog, i) for i in catalog.ids()]))
 
-    @app.get("/v1/models/{model_id:path}", dependencies=guarded)
+    @app.get("/v1/models/{model_id:path}", dependencies=guarded, response_model=ModelCard)
     async def model(model_id: str):
         front.resolve(model_id)
-        return model_card(catalog, model_id)
+        return answered(model_card(catalog, model_id))
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=guarded, response_model=ChatCompletion,
+              description="the whole answer, or with stream: true Server-Sent Events of chat.completion.chunk")
     async def chat_completions(body: ChatRequest, request: Request):
         unsupported(body)
         adapter = front.resolve(body.model)
@@ -173,9 +184,11 @@ def create_app(front: Front) -> FastAPI:
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if body.stream:
             return sse(chat.chunks(front, body, generation, adapter, ident, created))
-        return await until_disconnected(request, chat.answer(front, body, generation, adapter, ident, created))
+        return answered(await until_disconnected(request, chat.answer(front, body, generation, adapter, ident,
+                                                                      created)))
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=guarded, response_model=Completion,
+              description="the whole answer, or with stream: true Server-Sent Events of text_completion")
     async def text_completions(body: CompletionRequest, request: Request):
         unsupported(body)
         adapter = front.resolve(body.model)
@@ -183,11 +196,11 @@ def create_app(front: Front) -> FastAPI:
         ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         if body.stream:
             return sse(completions.chunks(front, body, generations, adapter, ident, created))
-        return await until_disconnected(request, completions.answer(front, body, generations, adapter, ident,
-                                                                    created))
+        return answered(await until_disconnected(request, completions.answer(front, body, generations, adapter,
+                                                                             ident, created)))
 
-    @app.post("/v1/embeddings", dependencies=guarded)
+    @app.post("/v1/embeddings", dependencies=guarded, response_model=EmbeddingList)
     async def embed(body: EmbeddingRequest, request: Request):
-        return await until_disconnected(request, embeddings.answer(front, body))
+        return answered(await until_disconnected(request, embeddings.answer(front, body)))
 
     return app

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import UsageError
 from ..clients.inference import ModelInputs, is_text_generator
 from ..clients.lora_requests import ServedAdapter, repository_adapters
+from .schema import ModelCard
 
 LLAVA_TURN = "USER: {user} ASSISTANT:"  # LLaVA-1.5's conversation format, for tokenizers without a template
 
@@ -178,11 +179,9 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
     return catalog
 
 
-def model_card(catalog: Catalog, model_id: str) -> dict[str, Any]:
+def model_card(catalog: Catalog, model_id: str) -> ModelCard:
     """One entry of ``GET /v1/models``."""
-    card = {"id": model_id, "object": "model", "created": catalog.created, "owned_by": "forge"}
-    if model_id != catalog.model_id:
-        card["parent"] = catalog.model_id
-        card["root"] = catalog.model_id
-    return card
+    if model_id != catalog.model_id:  # an adapter: its base model is its parent
+        return ModelCard(id=model_id, created=catalog.created, parent=catalog.model_id, root=catalog.model_id)
+    return ModelCard(id=model_id, created=catalog.created)
 

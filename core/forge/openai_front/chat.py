@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from . import translate as rq
 from .catalog import Catalog
 from .front import Front
 from .generation import Outcome, generate, usage
 from .protocol import ChatRequest
+from .schema import (AssistantMessage, CalledFunction, ChatChoice, ChatCompletion, ChatCompletionChunk,
+                     ChunkChoice, Delta, ToolCall)
 
 
 async def prepare(front: Front, body: ChatRequest) -> rq.Generation:
@@ -29,58 +31,54 @@ def _generation(catalog: Catalog, body: ChatRequest) -> rq.Generation:
                          rq.sampling(body), body.stops(), guide, image, tools)
 
 
-def _message(text: str, tools: str | None) -> tuple[dict[str, Any], str | None]:
+def _message(text: str, tools: str | None) -> tuple[AssistantMessage, str | None]:
     calls = rq.tool_calls(text, tools)
     if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls, "refusal": None}, "tool_calls"
-    return {"role": "assistant", "content": text, "refusal": None}, None
+        called = [ToolCall(id=c["id"], function=CalledFunction(**c["function"])) for c in calls]
+        return AssistantMessage(content=None, tool_calls=called), "tool_calls"
+    return AssistantMessage(content=text), None
 
 
 async def answer(front: Front, body: ChatRequest, generation: rq.Generation, adapter, ident: str,
-                 created: int) -> dict[str, Any]:
+                 created: int) -> ChatCompletion:
     """The ``chat.completion`` object."""
     outcome = Outcome()
     pieces = [p async for p in generate(front, generation, adapter, stream=False, outcome=outcome,
                                         request_id=ident)]
     message, reason = _message("".join(pieces), generation.tools)
-    return {"id": ident, "object": "chat.completion", "created": created, "model": body.model,
-            "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": reason or outcome.finish_reason}],
-            "usage": usage(outcome)}
+    return ChatCompletion(id=ident, created=created, model=body.model, usage=usage(outcome),
+                          choices=[ChatChoice(index=0, message=message, finish_reason=reason or outcome.finish_reason)])
 
 
 async def chunks(front: Front, body: ChatRequest, generation: rq.Generation, adapter, ident: str,
-                 created: int) -> AsyncIterator[dict[str, Any]]:
+                 created: int) -> AsyncIterator[ChatCompletionChunk]:
     """The ``chat.completion.chunk`` events: the role, the content as generated (a tool call whole), the
     finish reason, the usage when asked."""
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(delta: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
-        event = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                 "system_fingerprint": None,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+    def chunk(delta: Delta, reason: str | None = None) -> ChatCompletionChunk:
+        choices = [ChunkChoice(index=0, delta=delta, finish_reason=reason)]
         if with_usage:
-            event["usage"] = None
-        return event
+            return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices, usage=None)
+        return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices)
 
     outcome = Outcome()
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk(Delta(role="assistant", content=""))
     held: list[str] = []  # an answer that may be a tool call is sent whole, once it is known
     async for piece in generate(front, generation, adapter, stream=True, outcome=outcome, request_id=ident):
         if generation.tools:
             held.append(piece)
         else:
-            yield chunk({"content": piece})
+            yield chunk(Delta(content=piece))
     reason = outcome.finish_reason
     if generation.tools:
         message, called = _message("".join(held), generation.tools)
         if called:
             reason = called
-            yield chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]})
-        elif message["content"]:
-            yield chunk({"content": message["content"]})
-    yield chunk({}, reason)
+            calls = [call.model_copy(update={"index": i}) for i, call in enumerate(message.tool_calls)]
+            yield chunk(Delta(tool_calls=calls))
+        elif message.content:
+            yield chunk(Delta(content=message.content))
+    yield chunk(Delta(), reason)
     if with_usage:
-        yield {"id": ident, "object": "chat.completion.chunk", "created": created, "model": body.model,
-               "system_fingerprint": None, "choices": [], "usage": usage(outcome)}
+        yield ChatCompletionChunk(id=ident, created=created, model=body.model, choices=[], usage=usage(outcome))

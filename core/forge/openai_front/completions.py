@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from . import translate as rq
 from .catalog import Catalog
 from .front import Front
 from .generation import Outcome, generate, total_usage
 from .protocol import APIError, CompletionRequest
+from .schema import Completion, CompletionChoice
 
 
 async def prepare(front: Front, body: CompletionRequest) -> list[rq.Generation]:
@@ -32,35 +33,32 @@ def _generations(catalog: Catalog, body: CompletionRequest) -> list[rq.Generatio
 
 
 async def answer(front: Front, body: CompletionRequest, generations: list[rq.Generation], adapter, ident: str,
-                 created: int) -> dict[str, Any]:
+                 created: int) -> Completion:
     """The ``text_completion`` object, a choice per prompt."""
     async def one(index: int, generation: rq.Generation):
         outcome = Outcome()
         text = "".join([p async for p in generate(front, generation, adapter, stream=False, outcome=outcome,
                                                   request_id=f"{ident}-{index}")])
-        return {"index": index, "text": (generation.prompt + text) if body.echo else text, "logprobs": None,
-                "finish_reason": outcome.finish_reason}, outcome
+        return CompletionChoice(index=index, text=(generation.prompt + text) if body.echo else text,
+                                finish_reason=outcome.finish_reason), outcome
 
     answers = await asyncio.gather(*(one(i, g) for i, g in enumerate(generations)))
-    return {"id": ident, "object": "text_completion", "created": created, "model": body.model,
-            "system_fingerprint": None, "choices": [c for c, _ in answers],
-            "usage": total_usage([o for _, o in answers])}
+    return Completion(id=ident, created=created, model=body.model, choices=[c for c, _ in answers],
+                      usage=total_usage([o for _, o in answers]))
 
 
 async def chunks(front: Front, body: CompletionRequest, generations: list[rq.Generation], adapter, ident: str,
-                 created: int) -> AsyncIterator[dict[str, Any]]:
+                 created: int) -> AsyncIterator[Completion]:
     """The ``text_completion`` events of every prompt as they come, then the usage when asked."""
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
     queue: asyncio.Queue = asyncio.Queue()
     outcomes = [Outcome() for _ in generations]
 
-    def chunk(index: int, text: str, reason: str | None = None) -> dict[str, Any]:
-        event = {"id": ident, "object": "text_completion", "created": created, "model": body.model,
-                 "system_fingerprint": None,
-                 "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+    def chunk(index: int, text: str, reason: str | None = None) -> Completion:
+        choices = [CompletionChoice(index=index, text=text, finish_reason=reason)]
         if with_usage:
-            event["usage"] = None
-        return event
+            return Completion(id=ident, created=created, model=body.model, choices=choices, usage=None)
+        return Completion(id=ident, created=created, model=body.model, choices=choices)
 
     async def run(index: int, generation: rq.Generation):
         try:
@@ -90,5 +88,4 @@ async def chunks(front: Front, body: CompletionRequest, generations: list[rq.Gen
         for task in tasks:
             task.cancel()
     if with_usage:
-        yield {"id": ident, "object": "text_completion", "created": created, "model": body.model,
-               "system_fingerprint": None, "choices": [], "usage": total_usage(outcomes)}
+        yield Completion(id=ident, created=created, model=body.model, choices=[], usage=total_usage(outcomes))

@@ -10,9 +10,10 @@ import numpy as np
 
 from .front import Front
 from .protocol import APIError, EmbeddingRequest
+from .schema import Embedding, EmbeddingList, EmbeddingUsage
 
 
-async def answer(front: Front, body: EmbeddingRequest) -> dict[str, Any]:
+async def answer(front: Front, body: EmbeddingRequest) -> EmbeddingList:
     """The ``list`` of embeddings, one a text, with the tokens counted on a worker thread."""
     catalog = front.catalog
     front.resolve(body.model)
@@ -40,9 +41,9 @@ async def answer(front: Front, body: EmbeddingRequest) -> dict[str, Any]:
     for index, vector in enumerate(vectors):
         value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode() \
             if body.encoding_format == "base64" else vector.tolist()
-        data.append({"object": "embedding", "index": index, "embedding": value})
+        data.append(Embedding(index=index, embedding=value))
     tokens = None
     if model.tokenizer is not None:
         tokens = await asyncio.to_thread(lambda: sum(model.count(t) for t in texts))
-    return {"object": "list", "data": data, "model": body.model,
-            "usage": None if tokens is None else {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return EmbeddingList(data=data, model=body.model,
+                         usage=None if tokens is None else EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))

@@ -15,6 +15,7 @@ from . import translate as rq
 from .catalog import TextModel
 from .front import Front
 from .protocol import APIError
+from .schema import Usage
 from .upstream import first_int, strings
 
 
@@ -91,17 +92,11 @@ def _without_prompt(whole: str, prompt: str, model: TextModel) -> str:
     return whole
 
 
-def usage(outcome: Outcome) -> dict[str, int] | None:
+def usage(outcome: Outcome) -> Usage | None:
     """OpenAI's ``usage`` of one generation (``None`` where a count is unknown)."""
-    if outcome.prompt_tokens is None or outcome.completion_tokens is None:
-        return None  # not measured: not reported as zero
-    return {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": outcome.prompt_tokens + outcome.completion_tokens}
+    return Usage.of(outcome.prompt_tokens, outcome.completion_tokens)
 
 
-def total_usage(outcomes: list[Outcome]) -> dict[str, int] | None:
+def total_usage(outcomes: list[Outcome]) -> Usage | None:
     """The ``usage`` of several generations together (``None`` where one of them is unknown)."""
-    counted = [usage(o) for o in outcomes]
-    if any(u is None for u in counted):
-        return None
-    return {key: sum(u[key] for u in counted) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return Usage.total([usage(o) for o in outcomes])
