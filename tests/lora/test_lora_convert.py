@@ -23,7 +23,7 @@ import math
 import numpy as np
 import pytest
 
-from forge.llm import peft as lora
+from forge.llm import lora_format as lora
 from forge.publish import MANIFEST
 
 ENGINE = "v1.2.1"  # the newest release with engines; the LLM-API layout has tests of its own

@@ -55,7 +55,7 @@ def _as_dict(config) -> dict:
 
 
 def test_an_adapter_on_a_module_the_release_cannot_serve_is_refused(models, tmp_path, capsys, monkeypatch):
-    from forge.llm import peft as lora
+    from forge.llm import lora_format as lora
 
     monkeypatch.setattr(lora, "LLMAPI_MODULES", lora.LLMAPI_MODULES - {"mlp_gate"})
     assert build(models, tmp_path / "repo") == 2

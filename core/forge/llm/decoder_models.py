@@ -206,7 +206,7 @@ def tensorrt_llm_model(component: Component, profile: Profile, ctx, artifact: Ar
     params = tensorrt_llm_parameters(profile, spec, engine_dir=default_path, log=ctx.log)
     if component.options.get("lora") and profile.parameter(LLM, "lora_prefetch_dir") and \
             "lora_prefetch_dir" not in spec.options:  # the backend loads the shipped adapters at start
-        from .peft import FOLDER
+        from .lora_format import FOLDER
 
         params["lora_prefetch_dir"] = str((spec.out / name / FOLDER).resolve())
     decoupled = truthy(ctx.option("decoupled", False))
@@ -296,7 +296,7 @@ def _ship_loras(adapter, component: Component, ctx, llm: TritonModel) -> None:
     lora = component.options.get("lora")
     if not lora:
         return
-    from .peft import repository_files
+    from .lora_format import repository_files
 
     files, entries = repository_files(adapter, ctx.spec, component.source, lora)
     llm.files.update(files)

@@ -104,7 +104,7 @@ FORGE = tuple(o if o.targets else replace(o, targets=ALL) for o in FORGE)
 def _adapter_dirs(value: Any) -> dict[str, str]:
     """``--lora NAME=DIR`` (repeated: a list) or ``-o lora=NAME=DIR,…`` → {name: absolute dir}: the same
     adapters from any working directory."""
-    from .peft import parse_option
+    from .lora_format import parse_option
 
     if isinstance(value, (list, tuple)):
         value = ",".join(map(str, value))

@@ -194,7 +194,7 @@ def check_spec(spec, profile: Profile, target: str, adapter) -> None:
     if len([m for m in spec.quant if m in QUANTS]) > 1:
         raise UsageError(f"--quant {','.join(spec.quant)}: choose one weight format ({' or '.join(QUANTS)})")
     if spec.options.get("lora"):
-        from .peft import check_llmapi_modules
+        from .lora_format import check_llmapi_modules
 
         check_llmapi_modules(adapter, spec, profile)
 
@@ -275,7 +275,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx, profile: Profil
 def _lora_yaml(adapter, lora: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """model.yaml's ``lora_config`` for the shipped adapters (``--lora``: name → summary): their folders, the
     TensorRT-LLM modules they patch and the largest rank."""
-    from .peft import build_modules
+    from .lora_format import build_modules
 
     return {"adapters": list(lora), "modules": build_modules([e["modules"] for e in lora.values()]),
             "max_rank": max(int(e["rank"]) for e in lora.values())}

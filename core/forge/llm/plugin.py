@@ -54,7 +54,7 @@ class DecoderPlugin:
         family = self.adapter.family
         options = {}
         if "lora" in spec.options:  # bad adapters fail here, before any stage runs
-            from .peft import check_build, for_build, summary
+            from .lora_format import check_build, for_build, summary
 
             adapters = for_build(self.adapter, spec, spec.source_for(family))
             check_build(spec, profile, adapters)

@@ -96,7 +96,7 @@ def build_command(checkpoint_dir: Path, output_dir: Path, meta: Mapping[str, Any
     if version >= BUILD_FLAGS["multiple_profiles"]:
         argv += ["--multiple_profiles", _switch(bool(options.get("multiple_profiles", True)))]
     if lora:
-        from .peft import build_flags
+        from .lora_format import build_flags
 
         argv += build_flags(lora, dtype)
     workers = int(options.get("workers") or meta.get("world_size", 1))
@@ -112,7 +112,7 @@ def compile(artifact: Artifact, ctx, lora: Mapping[str, Any] | None = None,  # n
             prompt_table_rows: int = 0) -> Artifact | None:
     """The compile stage: build engines into ``ctx.workdir/engine`` (only record the command on --dry-run).
 
-    ``lora``: the build's adapters (:func:`forge.llm.peft.summary`), which add the LoRA plugin flags;
+    ``lora``: the build's adapters (:func:`forge.llm.lora_format.summary`), which add the LoRA plugin flags;
     ``prompt_table_rows``: a multimodal model's prompt-table rows per request."""
     meta = dict(artifact.meta)
     spec = ctx.spec

@@ -11,11 +11,7 @@ to the retriever. ``forge index`` fills the collection, ``forge search`` asks th
 from forge import hookimpl
 from forge.components import Component, Family, Option
 
-FAMILY = "retrieval"
-RETRIEVER = "retriever"
-SEARCH_TEXT = "search_text"
-SEARCH_IMAGE = "search_image"
-DEFAULT_COLLECTION = "documents"
+from .names import DEFAULT_COLLECTION, FAMILY, RETRIEVER, SEARCH_TEXT
 
 
 def _store_uri(value) -> str:

@@ -12,7 +12,8 @@ from ..encoder.adapter import EMBEDDING
 from ..encoder.tower_models import IMAGE_INPUT, TEXT_INPUT, encoder_name
 from ..errors import UsageError
 from ..in_triton.retriever import forge_store
-from . import RETRIEVER, SEARCH_IMAGE, SEARCH_TEXT, store
+from . import store
+from .names import RETRIEVER, SEARCH_IMAGE, SEARCH_TEXT
 
 #: encoder tower role → (search ensemble, its input tensor)
 SEARCHES = {"text": (SEARCH_TEXT, TEXT_INPUT), "vision": (SEARCH_IMAGE, IMAGE_INPUT)}

@@ -130,7 +130,7 @@ def _lora_parameters(adapter, component: Component, spec, profile) -> dict[str, 
     """The served model's LoRA settings: which modules take adapters, the adapter cache bounds (the backend's
     lora_cache_* parameters of the profile), and the shipped adapters to load at start (lora_prefetch_dir)."""
     from ..interface import parameter_value
-    from ..peft import FOLDER, served_modules
+    from ..lora_format import FOLDER, served_modules
 
     by_name = profile.llmapi  # the LLM-API interface names adapters per request (lora_id, lora_name, lora_path)
     if not adapter.lora_targets or (profile.interface("tensorrt_llm").input("lora_weights") is None and not by_name):
