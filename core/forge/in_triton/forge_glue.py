@@ -203,7 +203,7 @@ def exit_with_parent(also: Iterable[int] = (), interval: float = WATCH_INTERVAL,
 
     A daemon thread polls ``os.getppid()`` against the parent seen now: the stub's own check of its
     parent runs Python teardown (``finalize``, interpreter exit), which can wait forever on a thread
-    blocked in a send to the dead server, leaving a re-parented stub holding its memory (issue 35).
+    blocked in a send to the dead server, leaving a re-parented stub holding its memory.
     ``os._exit`` runs no teardown. The stub's shared-memory region, which the dead server can no longer
     remove, is unlinked first. A parent that is pid 1 (tritonserver as a container's init) is not watched.
     Returns the thread (None when there is nothing to watch).

@@ -1,4 +1,4 @@
-"""forge's ``hf-pipeline`` model: seed 000's baseline, the Hugging Face ``text-generation`` pipeline per request.
+"""forge's ``hf-pipeline`` model: the plain baseline, the Hugging Face ``text-generation`` pipeline per request.
 
 Runs in Triton's python backend (copied into a repository as ``<prefix>ensemble/1/model.py``, so the
 generate endpoint, ``forge infer`` and ``forge bench`` reach it where they reach a decoder's ensemble).
@@ -6,7 +6,7 @@ It is how a model is put behind Triton without an inference engine: no dynamic b
 (``max_batch_size`` 0), one instance, torch's default threads unless ``-o cpu_threads`` says otherwise;
 requests are generated one after another, greedy. Inputs: ``text_input`` and ``max_tokens``;
 ``exclude_input_in_output`` drops the prompt from ``text_output``; ``bad_words`` / ``stop_words`` are
-accepted only empty (the seeds' curl sends ``""``): a pipeline has no word lists, and a non-empty one
+accepted only empty (the tensorrtllm_backend README's curl sends ``""``): a pipeline has no word lists, and a non-empty one
 is a per-request error, never ignored.
 """
 

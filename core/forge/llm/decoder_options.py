@@ -116,7 +116,7 @@ def _adapter_dirs(value: Any) -> dict[str, str]:
 LORA = Option("lora", "str", "PEFT LoRA adapters to ship, NAME=DIR (repeat --lora, or -o lora=NAME=DIR,…); "
               "task ids follow the order, from 1", None, ALL, flag="--lora", repeat=True, parse=_adapter_dirs)
 
-#: Template parameters of the multimodal path, which forge's text models do not have yet (issue 10):
+#: Template parameters of the multimodal path, which forge's text models do not have:
 #: not declared, so the driver refuses them instead of writing values nothing reads.
 _MULTIMODAL = {"hf_model_path", "max_num_images", "multimodal_model_path", "visual_model_path",
                "multimodal_encoders_name"}

@@ -1,9 +1,9 @@
-"""``--target hf-pipeline``: seed 000's baseline as something forge builds.
+"""``--target hf-pipeline``: the plain Hugging Face model on Triton, as a baseline forge builds.
 
 One python-backend model named like the decoder's ensemble (``<prefix>ensemble``) that runs the
-Hugging Face ``text-generation`` pipeline per request (``forge.in_triton.hf_pipeline``), with the seed's
-deployment choices: no dynamic batching (``max_batch_size`` 0), one instance, ``--dtype`` (float16 by
-default, as the seed writes it), torch's default threads. ``forge bench --compare`` measures an
+Hugging Face ``text-generation`` pipeline per request (``forge.in_triton.hf_pipeline``), with the usual
+hand-written deployment choices: no dynamic batching (``max_batch_size`` 0), one instance, ``--dtype`` (float16 by
+default), torch's default threads. ``forge bench --compare`` measures an
 optimized build against it without anyone writing a model. Nothing is exported or compiled: the
 repository links the checkpoint's own files.
 """

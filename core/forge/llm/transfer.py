@@ -169,8 +169,7 @@ class Transfers:
     rows that several ranks hold (embeddings) make one job per lane. With one core only the kernel way is
     left; at tp > 1 the lanes relay (each rank file would otherwise be copied on one thread). At tp 1 neither
     way is faster in every phase of the host this was measured on (in its memory-bound phases relaying made
-    0.71× ``cp`` where the kernel way made 1.63×, session 12; in its fast phases relaying was erratic, sessions
-    8 and 10): an export times both ways as it goes (``_time``) and relays where that was much faster.
+    0.71× ``cp`` where the kernel way made 1.63×; in its fast phases relaying was erratic): an export times both ways as it goes (``_time``) and relays where that was much faster.
     Column slices (row-parallel weights at tp > 1) are always relayed, all ranks' slices in one job, so the
     rows are read once. The main thread meanwhile converts and writes the blocks whose bytes change.
     ``finish`` waits for all, or raises the first failure; ``close`` drops what has not started and waits for

@@ -58,7 +58,7 @@ V0_5_0 = (
           help="engine directory as the server sees it (default: the repository's tensorrt_llm/1)"),
     number("max_beam_width", help="default: --max-beam-width"),
     number("max_tokens_in_paged_kv_cache", help="KV-cache size in tokens (default: unlimited)"),
-    # 0.5.0 called the no-evict policy guaranteed_completion (seed 000 sets it); renamed in 0.6.1
+    # 0.5.0 called the no-evict policy guaranteed_completion (older recipes set it); renamed in 0.6.1
     param("batch_scheduler_policy", "guaranteed_completion", choices=("guaranteed_completion", "max_utilization")),
     number("kv_cache_free_gpu_mem_fraction", 0.85, kind="float",
            help="fraction of free GPU memory the KV cache may take"),

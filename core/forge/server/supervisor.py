@@ -1,4 +1,4 @@
-"""Watch a running tritonserver's python model processes and act when one dies (issue 36).
+"""Watch a running tritonserver's python model processes and act when one dies.
 
 tritonserver 2.51 (nvidia-pytriton 0.7) does not notice that a python backend stub died (a crash,
 ``kill -9``, the OOM killer): the model stays READY, requests in flight on it never get an answer, and

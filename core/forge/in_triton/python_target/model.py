@@ -441,7 +441,7 @@ class TritonPythonModel:
             self.metric_responses = None
         # Finished requests are cycles (request → sequence → its callback → request) that only the cyclic
         # collector frees; left to the interpreter's teardown, their senders' destructors use the stub's
-        # shared memory after it is gone (the segfault of issue 36, ResponseSender::~ResponseSender in
+        # shared memory after it is gone (a segfault in ResponseSender::~ResponseSender under
         # Py_FinalizeEx). Collect them now.
         import gc
 
