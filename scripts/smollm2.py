@@ -98,3 +98,7 @@ def hf_dir() -> Path:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+if __name__ == "__main__":  # python scripts/smollm2.py: the directory, made on first use
+    print(hf_dir())
