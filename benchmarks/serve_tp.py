@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_gpu import build, load, make_model, prompts  # noqa: E402
+from gpu_shapes import make_model  # noqa: E402
+from serve_gpu import build, load, prompts  # noqa: E402
 
 
 class Served:
