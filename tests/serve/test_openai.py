@@ -330,6 +330,15 @@ def _stub_of(repo: Path, model: str) -> int | None:
     return None
 
 
+def _triton_ready(http: str) -> int:
+    try:
+        return urllib.request.urlopen(f"{http}/v2/health/ready", timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
 def _ready(base: str) -> int:
     try:
         return urllib.request.urlopen(f"{base}/health/ready", timeout=10).status
@@ -341,7 +350,8 @@ def _ready(base: str) -> int:
 
 def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tmp_path):
     """The CLI: --json names the API and its model ids (--served-model-name renames the model); kill -9 of the
-    decoder's process → /health/ready answers 503, then 200 once tritonserver is back, and chat answers again."""
+    decoder's process → /health/ready answers 503, then 200 within a second or two of tritonserver's own
+    readiness, and chat answers again; --log-file keeps both servers' lines, each start under a header."""
     import shutil
     import signal
 
@@ -350,7 +360,7 @@ def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tm
     repo = shutil.copytree(served[0], tmp_path / "smol")
     serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo),
                               "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
-                              "--served-model-name", "smol", "--json"],
+                              "--served-model-name", "smol", "--json", "--log-file", str(tmp_path / "triton.log")],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lines = [serve.stdout.readline()]
@@ -370,12 +380,19 @@ def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tm
             time.sleep(0.1)
         assert _ready(base) == 503
         deadline = time.monotonic() + 300
+        while _triton_ready(info["http"]) != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        triton_back = time.monotonic()
         while _ready(base) != 200 and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert _ready(base) == 200
+        assert time.monotonic() - triton_back < 3.0, "the API's readiness lagged tritonserver's"
         again = api.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=6)
         assert again.choices[0].message.content == answer.choices[0].message.content
     finally:
         serve.terminate()
         assert serve.wait(60) == 0
-    assert "died; restarting tritonserver" in serve.stderr.read()
+    stderr = serve.stderr.read()
+    assert "died; restarting tritonserver" in stderr and f"of {tmp_path / 'triton.log'}" in stderr
+    log = (tmp_path / "triton.log").read_text()
+    assert log.count("==== forge: tritonserver start") == 2 and "start 2 at" in log

@@ -36,6 +36,28 @@ def api_error(exc: Exception, model: str) -> APIError:
                     headers={"Retry-After": "5"} if status == 503 else None)
 
 
+#: gRPC's reconnect back-off grows to minutes; bounded, the front sees a restarted tritonserver within a second
+RECONNECT_BACKOFF_MS = (100, 500)
+
+
+def channel_args() -> list[tuple[str, int]]:
+    """tritonclient's own channel options (message sizes, keepalive) plus a bounded reconnect back-off."""
+    from tritonclient.grpc import KeepAliveOptions
+
+    most = 2**31 - 1  # tritonclient's own message size limit (INT32_MAX)
+
+    keepalive = KeepAliveOptions()
+    initial, longest = RECONNECT_BACKOFF_MS
+    return [("grpc.max_send_message_length", most),
+            ("grpc.max_receive_message_length", most),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ("grpc.initial_reconnect_backoff_ms", initial), ("grpc.min_reconnect_backoff_ms", initial),
+            ("grpc.max_reconnect_backoff_ms", longest)]
+
+
 class Triton:
     """One asyncio gRPC client, shared by every request (create it inside the event loop)."""
 
@@ -47,7 +69,7 @@ class Triton:
         self._aio = aio
         self._stopping: set = set()
         self._grpc_error = grpc.RpcError
-        self.client = aio.InferenceServerClient(url)
+        self.client = aio.InferenceServerClient(url, channel_args=channel_args())
 
     async def close(self) -> None:
         await self.client.close()

@@ -79,6 +79,8 @@ def supervise(server, restarts: Restarts):
     from .supervisor import Supervisor
 
     def on_dead(models: list[str]) -> None:
+        line = server.log_line()  # what the dead process and the server said is above this line
+        pids = [str(pid) for pid, model in supervisor.deaths if model in models and pid]
         process = server.process
         if server.world is not None and server.world.world_size > 1 and process is not None:
             try:
@@ -86,10 +88,15 @@ def supervise(server, restarts: Restarts):
                 return  # the world ended: the session's server.wait() returns and says which rank
             except subprocess.TimeoutExpired:
                 pass
-        if not restarts.attempt(f"the process of model {', '.join(repr(m) for m in models)} died"):
+        died = (f"the process of model {', '.join(repr(m) for m in models)}"
+                + (f" (pid {', '.join(pids[-len(models):])})" if pids else "") + " died")
+        print(f"forge: what tritonserver logged before the death ends at line {line} of {server.log_file} "
+              "(the log keeps every start's lines)", file=sys.stderr, flush=True)
+        if not restarts.attempt(died):
             server.stop(timeout=5)
 
-    return Supervisor(server, on_dead=on_dead)
+    supervisor = Supervisor(server, on_dead=on_dead)
+    return supervisor
 
 
 def drain(server, front, supervisor, timeout: float) -> int:

@@ -80,6 +80,8 @@ class TritonServer:
     _restarter: int | None = field(default=None, init=False, repr=False)  # the thread inside ``restart``
     _closing: bool = field(default=False, init=False, repr=False)  # stopped from outside a restart: stay stopped
     _guard: socket.socket | None = field(default=None, init=False, repr=False, compare=False)
+    starts: int = field(default=0, init=False)  # how many times a tritonserver was started (restarts included)
+    _log_start: int = field(default=0, init=False, repr=False)  # where the running server's lines begin
 
     @property
     def http_url(self) -> str:
@@ -168,7 +170,13 @@ class TritonServer:
             self.log_file = Path(name)
         self.log_file = Path(self.log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_file, "w")
+        # Appended, each start under a header line: a restart keeps the lines that explain why it was needed.
+        log = open(self.log_file, "a")
+        self.starts += 1
+        self._log_start = log.tell()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+        log.write(f"==== forge: tritonserver start {self.starts} at {stamp} UTC, repository {self.repo} ====\n")
+        log.flush()
         # tritonserver dies with forge (SIGKILL: its stubs then exit on their own, see forge_glue); mpirun
         # gets SIGTERM, which it passes on to every rank before it exits.
         several = self.world is not None and self.world.world_size > 1
@@ -186,7 +194,7 @@ class TritonServer:
     def _took_a_chosen_port(self, chosen: list[str]) -> bool:
         """Whether the server's log says it stopped on a taken port that was picked here (not one asked for)."""
         try:
-            text = Path(self.log_file).read_text(errors="replace")
+            text = self.log_text()
         except OSError:
             return False
         matches = list(_PORT_TAKEN.finditer(text))
@@ -195,6 +203,23 @@ class TritonServer:
             return bool(named & {getattr(self, name) for name in chosen})
         # no port named: torch's rendezvous, which only the followers of a multi-rank server use
         return bool(matches) and "rendezvous_port" in chosen and self.world is not None and self.world.world_size > 1
+
+    def log_text(self) -> str:
+        """The running (or last) server's log lines: from its start header on."""
+        try:
+            with open(self.log_file, "rb") as log:
+                log.seek(self._log_start)
+                return log.read().decode(errors="replace")
+        except (OSError, TypeError):
+            return ""
+
+    def log_line(self) -> int:
+        """How many lines the log holds now (where the next line will be)."""
+        try:
+            with open(self.log_file, "rb") as log:
+                return sum(chunk.count(b"\n") for chunk in iter(lambda: log.read(1 << 20), b""))
+        except (OSError, TypeError):
+            return 0
 
     def _get(self, path: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
         request = urllib.request.Request(f"http://{self.http_url}{path}", data=body, method=method)
@@ -284,8 +309,7 @@ class TritonServer:
 
     def rank_failure(self) -> str | None:
         """Which rank ended a multi-rank server, as mpirun reported it (None: no rank failed)."""
-        log = Path(self.log_file) if self.log_file else None
-        text = log.read_text(errors="replace") if log and log.exists() else ""
+        text = self.log_text()
         match = _RANK_SIGNAL.search(text) or _RANK_STATUS.search(text)
         if match is None:
             return None
@@ -304,8 +328,7 @@ class TritonServer:
                     return f"model {model['name']!r}: {_first_line(model['reason'])}"
         except (OSError, ValueError):
             pass
-        log = Path(self.log_file) if self.log_file else None
-        text = log.read_text(errors="replace") if log and log.exists() else ""
+        text = self.log_text()
         service = _SERVICE_FAILURE.search(text)
         if service:
             return f"failed to start its {service['reason'].strip()}"
