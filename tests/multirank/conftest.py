@@ -93,7 +93,8 @@ PROMPTS = ("What is machine learning?", "hello world")
 
 def ask(http_url: str, model: str, prompt: str, max_tokens: int = 20) -> str:
     """The seed's curl: POST /v2/models/<model>/generate; the generated text."""
-    from forge.clients.inference import generate, text_of
+    from forge.clients.inference import text_of
+    from forge.clients.triton_http import generate
 
     body = {**CURL_BODY, "text_input": prompt, "max_tokens": max_tokens}
     return text_of(generate(http_url, model, body, timeout=120)["text_output"])

@@ -26,8 +26,8 @@ from ..loadgen.targets import (DEFAULT_SWEEP, Source, Tokenizers, check_lengths,
 HELP = ("benchmark repositories (served for the run) or running servers: req/s, tokens/s, latency "
         "percentiles; --compare several side by side, --sweep loads into a plot")
 
-WORKLOADS = ("token-norm-dist", "dataset", "prompts")  # = serving.bench.WORKLOADS (kept import-free here)
-ENDPOINTS = ("chat", "completions")  # = serving.openai_load.ENDPOINTS
+WORKLOADS = ("token-norm-dist", "dataset", "prompts")  # = loadgen.runner.WORKLOADS (kept import-free here)
+ENDPOINTS = ("chat", "completions")  # = loadgen.openai_load.ENDPOINTS
 _SWEEP_VALUE = re.compile(r"^(?:(?:concurrency|rate|request-rate)[=:])?[0-9.]+(?:,[0-9.]+)*$")
 _URL = re.compile(r"^(?:(?:grpc|http|https)://)?[A-Za-z0-9_.\-\[\]:]+:[0-9]+/?$")
 
@@ -191,7 +191,7 @@ def _baseline(sources: list[Source], wanted: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loadgen import runner
+    from ..loadgen import comparison, runner
     from ..ui import Progress, emit_json
 
     workload = args.workload or "token-norm-dist"
@@ -288,12 +288,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"first error: {summary['first_error']}")
         return 0 if failed == 0 else 1
 
-    runner.add_ratios(rows, baseline)
+    comparison.add_ratios(rows, baseline)
     streaming = any(streams.values())
     title = (f"forge bench: {workload}, {len(items)} requests per load, {protocol}"
              f"{', streaming' if streaming else ''}; ratios vs {baseline}")
     if plot_path is not None:
-        plot_path = runner.plot(rows, plot_path, title=title, targets=[s.label for s in sources])
+        plot_path = comparison.plot(rows, plot_path, title=title, targets=[s.label for s in sources])
     notes = [note for source in sources for note in source.notes]
     if args.json:
         emit_json({
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             "runs": rows, "notes": notes, "plot": str(plot_path) if plot_path else None})
     else:
         print(title)
-        print(runner.compare_table(rows, streaming=streaming))
+        print(comparison.compare_table(rows, streaming=streaming))
         for note in notes:
             print(f"note: {note}")
         for row in rows:
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_openai(args: argparse.Namespace, workload: str) -> int:
     """``--api openai``: the same workloads, loads and summary against an OpenAI-compatible server."""
-    from ..loadgen import runner, openai_load
+    from ..loadgen import comparison, openai_load, runner
     from ..ui import Progress, emit_json
 
     if args.target or args.compare:
@@ -378,13 +378,13 @@ def _run_openai(args: argparse.Namespace, workload: str) -> int:
         title = (f"forge bench: {workload}, {len(items)} requests per load, OpenAI {target.url}{path}"
                  f"{', streaming' if args.stream else ''}")
         plot_path = args.plot or Path(f"forge-bench-{time.strftime('%Y%m%d-%H%M%S')}.png")
-        plot_path = runner.plot(rows, plot_path.absolute(), title=title, targets=[target.label])
+        plot_path = comparison.plot(rows, plot_path.absolute(), title=title, targets=[target.label])
         if args.json:
             emit_json({**facts, "workload": _workload_facts(args, workload, len(items)),
                        "arrivals": load_points[0].arrivals, "runs": rows, "notes": notes, "plot": str(plot_path)})
             return 0 if failed == 0 else 1
         print(title)
-        print(runner.compare_table(rows, streaming=args.stream))
+        print(comparison.compare_table(rows, streaming=args.stream))
         print(f"plot: {plot_path}")
     for note in notes:
         print(f"note: {note}")

@@ -86,7 +86,7 @@ def read_image(path: Path | None) -> bytes | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..clients import inference
+    from ..clients import inference, triton_http
     from ..ui import emit_json
 
     if args.max_tokens < 1:
@@ -111,12 +111,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--repo only names the adapters of --lora; give --lora NAME too")
 
     if args.model is None:
-        args.model = inference.text_model(args.url)
+        args.model = triton_http.text_model(args.url)
     if not args.stream and args.stop_after_ms is None and adapter is None:
-        inputs = inference.ModelInputs.from_config(inference.model_config(args.url, args.model))
+        inputs = inference.ModelInputs.from_config(triton_http.model_config(args.url, args.model))
         payload = inference.generate_payload(inputs, prompt, args.max_tokens, stop_words=args.stop_words,
                                           bad_words=args.bad_words, image=image, **sampling)
-        response = inference.generate(args.url, args.model, payload)
+        response = triton_http.generate(args.url, args.model, payload)
         if args.json:
             emit_json(response)
         else:

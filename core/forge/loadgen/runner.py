@@ -1,4 +1,4 @@
-"""Load generation against served decoders: workloads, arrivals, statistics, comparison tables and plots.
+"""Load generation against served decoders: workloads, arrivals, the run, its statistics and its table.
 
 Modelled on tensorrtllm_backend's ``benchmark_core_model.py``. Workloads: ``token-norm-dist`` draws
 input and output lengths from normal distributions (random token ids for the tensorrt_llm model,
@@ -9,27 +9,26 @@ Arrivals are a closed loop (N requests in flight), Poisson or constant at a requ
 go over gRPC (bidirectional stream: decoupled and plain models alike) or HTTP (generate endpoints).
 
 Generated tokens of text models are counted with the model's tokenizer after the run, so the
-measuring threads only send and time.
+measuring threads only send and time. Several runs side by side (ratios, a table, a plot): :mod:`.comparison`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import queue
 import random
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import ForgeError, UsageError
-from ..clients.inference import ModelInputs, generate_payload, is_text_generator, session as open_session, text_of
+from ..clients.inference import GrpcSession, ModelInputs, generate_payload, is_text_generator, text_of
+from ..clients.triton_http import HttpSession
 
 WORKLOADS = ("token-norm-dist", "dataset", "prompts")
 ARRIVALS = ("closed", "poisson", "constant")
@@ -316,6 +315,11 @@ def arrival_times(n: int, start: float, *, request_rate: float, arrivals: str = 
     return times
 
 
+def open_session(url: str, protocol: str = "grpc") -> GrpcSession | HttpSession:
+    """A session to the server at ``url`` over ``protocol`` (grpc or http): both send a request the same way."""
+    return HttpSession(url) if protocol == "http" else GrpcSession(url)
+
+
 def run(url: str, target: Target, items: list[Item], *, concurrency: int | None = None,
         request_rate: float | None = None, arrivals: str = "poisson", protocol: str = "grpc",
         max_workers: int = 64, timeout_s: float = 600.0, seed: int = 0) -> tuple[list[Sample], float]:
@@ -414,19 +418,10 @@ def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
     }
 
 
-def add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
-    """Each row's req/s and tokens/s as a multiple of the baseline target's at the same load."""
-    base = {row["load"]: row for row in rows if row["target"] == baseline}
-    for row in rows:
-        ref = base.get(row["load"])
-        for key in ("req_per_s", "tokens_per_s"):
-            row[f"{key}_ratio"] = (round(row[key] / ref[key], 3) if ref and ref[key] and row[key] is not None
-                                   else None)
+# -- one run's table ---------------------------------------------------------------------------------
 
-
-# -- reports ---------------------------------------------------------------------------------------
-
-def _render(head: list[str], lines: list[list[str]]) -> str:
+def table_text(head: list[str], lines: list[list[str]]) -> str:
+    """Columns padded to their widest cell: the first left-aligned, the numbers right-aligned."""
     widths = [max(len(h), *(len(r[i]) for r in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" if i else f"{{:<{w}}}" for i, w in enumerate(widths))
     return "\n".join([fmt.format(*head), *(fmt.format(*r) for r in lines)])
@@ -438,92 +433,17 @@ def format_table(rows: list[dict[str, Any]], label: str = "run") -> str:
     lines = []
     for row in rows:
         lat, first = row.get("latency_ms") or {}, row.get("first_token_ms") or {}
-        lines.append([str(row.get(label, "")), f"{row['req_per_s']:.2f}", _rate(row["tokens_per_s"]),
-                      _ms(lat.get("p50")), _ms(lat.get("p90")), _ms(lat.get("p99")), _ms(first.get("p50")),
-                      _ms(first.get("p99")), str(row["errors"])])
-    return _render(head, lines)
+        lines.append([str(row.get(label, "")), f"{row['req_per_s']:.2f}", rate_text(row["tokens_per_s"]),
+                      ms_text(lat.get("p50")), ms_text(lat.get("p90")), ms_text(lat.get("p99")),
+                      ms_text(first.get("p50")), ms_text(first.get("p99")), str(row["errors"])])
+    return table_text(head, lines)
 
 
-def compare_table(rows: list[dict[str, Any]], *, streaming: bool) -> str:
-    """The comparison side by side: one row per target and load, ratios against the baseline."""
-    head = ["target", "load", "req/s", "tok/s", "lat p50", "p90", "p99"]
-    if streaming:
-        head += ["TTFT p50", "p90", "p99", "ITL p50", "p90", "p99"]
-    head += ["errors", "× req/s", "× tok/s"]
-    lines = []
-    for row in rows:
-        line = [row["target"], row["load"], f"{row['req_per_s']:.2f}", _rate(row["tokens_per_s"]),
-                *_triple(row.get("latency_ms"))]
-        if streaming:
-            line += [*_triple(row.get("first_token_ms")), *_triple(row.get("inter_token_ms"))]
-        line += [f"{row['errors']}/{row['requests']}" if row["errors"] else "0",
-                 _ratio(row.get("req_per_s_ratio")), _ratio(row.get("tokens_per_s_ratio"))]
-        lines.append(line)
-    return _render(head, lines)
-
-
-def _triple(stats: dict[str, float] | None) -> list[str]:
-    stats = stats or {}
-    return [_ms(stats.get("p50")), _ms(stats.get("p90")), _ms(stats.get("p99"))]
-
-
-def _rate(value: float | None) -> str:
+def rate_text(value: float | None) -> str:
+    """A rate as a table cell ("-": not measured)."""
     return "-" if value is None else f"{value:.1f}"
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}×"
-
-
-def _ms(value: float | None) -> str:
+def ms_text(value: float | None) -> str:
+    """Milliseconds as a table cell ("-": not measured)."""
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.1f}"
-
-
-def plot(rows: list[dict[str, Any]], path: Path, *, title: str, targets: Sequence[str]) -> Path:
-    """PNG of throughput (generated tokens/s) against latency, one line per target, points labelled by load.
-
-    With streaming a second panel shows time to first token. Written to a temporary file and renamed
-    into place, so an interrupted run leaves no half-written plot.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    streaming = any(row.get("first_token_ms") for row in rows)
-    panels = [("latency_ms", "request latency (ms)")] + ([("first_token_ms", "time to first token (ms)")]
-                                                         if streaming else [])
-    figure, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False)
-    for ax, (key, ylabel) in zip(axes[0], panels):
-        for index, name in enumerate(targets):
-            points = [r for r in rows if r["target"] == name and r.get(key) and r["tokens_per_s"] is not None]
-            if not points:
-                continue
-            color = f"C{index % 10}"
-            x = [r["tokens_per_s"] for r in points]
-            ax.plot(x, [r[key]["p50"] for r in points], "o-", color=color, label=f"{name} p50")
-            ax.plot(x, [r[key]["p99"] for r in points], "x--", color=color, alpha=0.5, label=f"{name} p99")
-            for r in points:
-                ax.annotate(r["load"], (r["tokens_per_s"], r[key]["p50"]), textcoords="offset points",
-                            xytext=(4, 4), fontsize=7, color=color)
-        ax.set_xlabel("throughput (generated tokens/s)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(handle)
-    try:
-        figure.savefig(scratch, format="png", dpi=120)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(scratch, 0o666 & ~umask)  # mkstemp's 0600 is for the scratch file, not the plot
-        os.replace(scratch, path)
-    finally:
-        plt.close(figure)
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return path

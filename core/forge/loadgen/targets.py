@@ -146,9 +146,10 @@ def _repository_models(repo: Path) -> tuple[dict[str, Any], dict[str, Path]]:
 
 def _connect(url: str, protocol: str):
     """A session to a running server; an unreachable one is bad input (exit 2), said in one line."""
-    from ..clients.inference import grpc_target, session
+    from ..clients.inference import grpc_target
+    from .runner import open_session
 
-    client = session(url, protocol)
+    client = open_session(url, protocol)
     if not client.live(timeout_s=5.0):
         client.close()
         shown = url if protocol == "http" else grpc_target(url)
@@ -452,9 +453,8 @@ def lora_mix(source: Source, args: argparse.Namespace, protocol: str) -> list:
 def measure(source: Source, url: str, *, args: argparse.Namespace, protocol: str, stream: bool, items: list,
              load_points: list[Load], tokenizer, progress=None) -> list[dict]:
     from . import runner
-    from ..clients.inference import session
 
-    with contextlib.closing(session(url, protocol)) as client:
+    with contextlib.closing(runner.open_session(url, protocol)) as client:
         inputs = client.config(source.model)  # the served config is the authority
     count = encode = echoes = None
     if tokenizer is not None:
