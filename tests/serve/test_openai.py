@@ -6,7 +6,11 @@ wrong types (messages as a string, max_tokens as a string), unknown fields (refu
 ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored, as OpenAI's bookkeeping),
 empty messages, a 1 MB prompt, negative max_tokens, temperature 5, n = 2, logprobs, an image sent to a text
 model, an http image URL, a schema that is not a schema, tool_choice naming an unknown function, an unknown
-model (404), a missing or wrong API key (401), and a server whose tritonserver is gone (503).
+model (404), a missing or wrong API key (401), and a server whose tritonserver is gone (503). vLLM's
+extensions the served model cannot carry (min_p, priority, skip_special_tokens false …) and out-of-range ones
+(top_k -2, min_tokens past max_tokens, a stop token id past the vocabulary …) are refused by name; the hostile
+bodies of ``test_hostile_bodies_get_a_400_never_a_500`` (integers past 64 bits, NaN and infinities, lone UTF-16
+surrogates, invalid UTF-8, JSON nested 100 000 deep, a body over the size limit) likewise.
 """
 
 from __future__ import annotations
@@ -98,9 +102,19 @@ def assert_openai_error(status: int, body: dict, expected: int, words: str = "")
     assert words.lower() in body["error"]["message"].lower(), body
 
 
+def get(url: str, *, headers=None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 def test_models_list_the_repository(client, served):
     (card,) = client.models.list().data
     assert card.id == "smollm2" and card.owned_by == "forge" and card.created > 0
+    assert card.to_dict()["max_model_len"] == 640  # --max-seq-len
     assert client.models.retrieve("smollm2").id == "smollm2"
 
 
@@ -108,10 +122,13 @@ def test_openapi_schema_describes_every_route_with_its_typed_answer(served):
     with urllib.request.urlopen(f"{served[2].url.removesuffix('/v1')}/openapi.json", timeout=30) as response:
         schema = json.loads(response.read())
     paths = schema["paths"]
-    assert {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings"} <= set(paths)
+    assert {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize",
+            "/tokenizer_info", "/version", "/health"} <= set(paths)
     answer = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert answer == {"$ref": "#/components/schemas/ChatCompletion"}
-    assert {"ModelList", "Completion", "EmbeddingList", "ErrorBody"} <= set(schema["components"]["schemas"])
+    assert {"ModelList", "Completion", "EmbeddingList", "ErrorBody", "Tokenized", "Detokenized", "TokenizerInfo",
+            "Version"} <= set(schema["components"]["schemas"])
+    assert "max_model_len" in schema["components"]["schemas"]["ModelCard"]["properties"]
     for status in ("400", "401", "404", "503"):
         assert paths["/v1/completions"]["post"]["responses"][status]["content"]["application/json"]["schema"] == \
             {"$ref": "#/components/schemas/ErrorBody"}
@@ -186,6 +203,91 @@ def test_a_required_tool_call_has_arguments_that_parse(client):
     assert calls and json.loads(calls[0].function.arguments)
 
 
+def test_vllm_sampling_extensions_are_honoured(client, tokenizer):
+    """ignore_eos, min_tokens, top_k, stop_token_ids, include_stop_str_in_output and repetition_penalty reach
+    the served model (its end_id, min_tokens, top_k, stop_words and repetition_penalty inputs) or the front."""
+    def chat(temperature=0, **extra):
+        return client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=temperature,
+                                              max_tokens=20, extra_body=extra)
+
+    plain = chat()
+    text, used = plain.choices[0].message.content, plain.usage.completion_tokens
+    assert "Paris" in text and plain.choices[0].finish_reason == "stop" and used < 17
+    endless = chat(ignore_eos=True)
+    assert endless.usage.completion_tokens == 20 and endless.choices[0].finish_reason == "length"
+    assert endless.choices[0].message.content.startswith(text)
+    longer = chat(min_tokens=used + 3)
+    assert longer.usage.completion_tokens >= used + 3 and longer.choices[0].message.content.startswith(text)
+    assert chat(temperature=1.0, top_k=1).choices[0].message.content == text  # top_k 1 is greedy
+
+    (france,) = tokenizer.encode(" France", add_special_tokens=False)
+    stopped = chat(stop_token_ids=[france])
+    assert stopped.choices[0].message.content == text[:text.index(" France")]
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < used
+    kept = chat(stop_token_ids=[france], include_stop_str_in_output=True)
+    assert kept.choices[0].message.content == text[:text.index(" France") + len(" France")]
+    assert chat(stop=["Paris"], include_stop_str_in_output=True).choices[0].message.content == \
+        text[:text.index("Paris") + len("Paris")]
+
+    counting = "1, 1, 1, 1, 1, 1, 1,"
+    def complete(**extra):
+        return client.completions.create(model="smollm2", prompt=counting, temperature=0, max_tokens=8,
+                                         extra_body=extra).choices[0].text
+
+    repeated = complete()
+    assert repeated.startswith(" 1, 1")
+    assert complete(repetition_penalty=2.0) != repeated
+    assert complete(length_penalty=2.0) == repeated  # beam search only, as in TensorRT-LLM and vLLM
+
+
+def test_chat_template_fields_continue_echo_and_template_kwargs(client, served, monkeypatch):
+    prefill = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    continued = client.chat.completions.create(model="smollm2", messages=prefill, temperature=0, max_tokens=6,
+                                               extra_body=fields)
+    rest = continued.choices[0].message.content
+    assert "Paris" in rest and not rest.startswith("The capital")
+    echoed = client.chat.completions.create(model="smollm2", messages=prefill, temperature=0, max_tokens=6,
+                                            extra_body={**fields, "echo": True})
+    assert echoed.choices[0].message.content == "The capital of France is" + rest
+    streamed = client.chat.completions.create(model="smollm2", messages=prefill, temperature=0, max_tokens=6,
+                                              stream=True, extra_body={**fields, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == echoed.choices[0].message.content
+
+    base = served[2].url.removesuffix("/v1")
+    monkeypatch.setattr(served[2].catalog.generator.tokenizer, "chat_template",
+                        "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    status, tokens = post(f"{base}/tokenize", {"messages": [{"role": "user", "content": " world"}],
+                                               "chat_template_kwargs": {"greeting": "Hello"}})
+    assert status == 200, tokens
+    assert post(f"{base}/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": "Hello world"})
+
+
+def test_tokenize_detokenize_and_the_info_routes(client, served, tokenizer):
+    import forge
+
+    base = served[2].url.removesuffix("/v1")
+    answer = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=2)
+    status, chat_tokens = post(f"{base}/tokenize", {"model": "smollm2", "messages": QUESTION})
+    assert status == 200 and chat_tokens["count"] == answer.usage.prompt_tokens == len(chat_tokens["tokens"])
+    assert chat_tokens["max_model_len"] == 640
+    prompt = "The capital of France is"
+    completion = client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=1)
+    status, tokens = post(f"{base}/tokenize", {"prompt": prompt, "return_token_strs": True})
+    assert status == 200 and tokens["count"] == completion.usage.prompt_tokens
+    assert tokens["token_strs"] == tokenizer.convert_ids_to_tokens(tokens["tokens"])
+    assert post(f"{base}/detokenize", {"model": "smollm2", "tokens": tokens["tokens"]}) == (200, {"prompt": prompt})
+    assert_openai_error(*post(f"{base}/tokenize", {"model": "gpt-4", "prompt": prompt}), 404, "does not exist")
+
+    status, body = get(f"{base}/tokenizer_info")
+    info = json.loads(body)
+    assert status == 200 and info["tokenizer_class"] == type(served[2].catalog.generator.tokenizer).__name__
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == 640
+    assert info["eos_token"] == "<|im_end|>" and not any(str(v).startswith("/") for v in info.values())
+    assert json.loads(get(f"{base}/version")[1]) == {"version": forge.__version__}
+    assert get(f"{base}/health") == (200, b"")
+
+
 def test_langchain_chat_openai_talks_to_it_unmodified(served, client):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
@@ -211,6 +313,22 @@ def test_langchain_chat_openai_talks_to_it_unmodified(served, client):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
      "messages", "takes no images"),
     ({"max_tokens": 620}, "max_tokens", "max_seq_len"),
+    # vLLM's extensions: what the served model cannot carry, and values out of range
+    ({"min_p": 0.05}, "min_p", "no min_p input"),
+    ({"priority": 1}, "priority", "arrival order"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "skip_special_tokens=true"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "settings it was built with"),
+    ({"min_tokens": 2, "stop": ["x"]}, "min_tokens", "holds back only its end token"),
+    ({"min_tokens": 5}, "min_tokens", "must not exceed max_tokens"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "not a template variable"),
+    ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+    ({"stop_token_ids": [49152]}, "stop_token_ids", "not a token id"),
+    ({"stop_token_ids": ["one"]}, "stop_token_ids.0", "valid integer"),
+    ({"top_k": -2}, "top_k", "greater than or equal to -1"),
+    ({"top_k": 50000}, "top_k", "larger than the vocabulary"),
+    ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", "unrecognized request argument"),
 ])
 def test_bad_requests_get_openai_errors(served, body, param, words):
     url = f"{served[2].url}/chat/completions"
@@ -228,6 +346,66 @@ def test_malformed_json_huge_prompt_unknown_model_and_ignored_fields(served):
     status, answer = post(url, {"model": "smollm2", "messages": QUESTION, "max_tokens": 2, "user": "u1",
                                 "metadata": {"k": "v"}, "store": False})
     assert status == 200 and answer["choices"][0]["message"]["content"]
+
+
+def _raw(**fields) -> bytes:
+    """A chat body with ``fields`` spliced in as raw JSON text (NaN, 1e400 and lone surrogates as sent)."""
+    body = json.dumps({"model": "smollm2", "messages": QUESTION, "max_tokens": 4})[:-1]
+    return (body + "".join(f', "{k}": {v}' for k, v in fields.items()) + "}").encode()
+
+
+@pytest.mark.parametrize("path, raw, status", [
+    ("/v1/chat/completions", _raw(seed=2**70), 400),
+    ("/v1/chat/completions", _raw(seed=-2**70), 400),
+    ("/v1/chat/completions", _raw(max_tokens=2**70), 400),
+    ("/v1/chat/completions", _raw(max_tokens="1e400"), 400),
+    ("/v1/chat/completions", _raw(n=2**70), 400),
+    ("/v1/chat/completions", _raw(top_logprobs=2**70), 400),
+    ("/v1/chat/completions", _raw(logit_bias='{"99999999999999999999": 1}'), 400),
+    ("/v1/chat/completions", _raw(logit_bias='{"5": 1e300}'), 400),
+    ("/v1/chat/completions", _raw(logit_bias='{"5": NaN}'), 400),
+    ("/v1/chat/completions", _raw(temperature="NaN"), 400),
+    ("/v1/chat/completions", _raw(top_p="Infinity"), 400),
+    ("/v1/chat/completions", _raw(frequency_penalty="-Infinity"), 400),
+    ("/v1/chat/completions", _raw(length_penalty="NaN"), 400),
+    ("/v1/chat/completions", _raw(top_k=2**70), 400),
+    ("/v1/chat/completions", _raw(min_tokens=2**70), 400),
+    ("/v1/chat/completions", _raw(priority=2**70), 400),
+    ("/v1/chat/completions", _raw(stop_token_ids=f"[{2**70}]"), 400),
+    ("/v1/chat/completions", _raw(stop_token_ids="[-1]"), 400),
+    ("/v1/chat/completions", _raw(messages='[{"role": "user", "content": "\\ud800"}]'), 400),
+    ("/v1/chat/completions", _raw(messages='[{"role": "user", "content": "a\\udfffb"}]'), 400),
+    ("/v1/chat/completions", _raw(stop='"\\ud800"'), 400),
+    ("/v1/chat/completions", _raw(**{"\\ud800": 1}), 400),
+    ("/v1/chat/completions", _raw(model='"\\ud800"'), 404),
+    ("/v1/chat/completions", b'{"model": "smollm2", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),
+    ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400),
+    ("/v1/chat/completions", b"[]", 400),
+    ("/v1/completions", b'{"model": "smollm2", "prompt": "\\ud800", "max_tokens": 2}', 400),
+    ("/v1/completions", b'{"model": "smollm2", "prompt": "hi", "seed": 18446744073709551616}', 400),
+    ("/tokenize", b'{"prompt": "\\ud800"}', 400),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),
+    ("/detokenize", f'{{"tokens": [{2**70}]}}'.encode(), 400),
+    ("/detokenize", b'{"tokens": [-1]}', 400),
+    ("/detokenize", json.dumps({"tokens": [1] * 1000}).encode(), 400),  # longer than max_model_len
+])
+def test_hostile_bodies_get_a_400_never_a_500(served, path, raw, status):
+    base = served[2].url.removesuffix("/v1")
+    assert_openai_error(*post(f"{base}{path}", None, raw=raw), status)
+    assert get(f"{base}/v1/models")[0] == 200  # still serving
+
+
+def test_a_body_over_the_size_limit_is_refused_before_it_is_read(served):
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", served[2].port, timeout=60)
+    connection.putrequest("POST", "/v1/chat/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(2**40))
+    connection.endheaders()  # the body never follows
+    response = connection.getresponse()
+    assert_openai_error(response.status, json.loads(response.read()), 400, "larger than this server reads")
+    connection.close()
 
 
 def test_a_chat_template_held_up_keeps_no_other_request_waiting(served, client, monkeypatch):
@@ -273,6 +451,12 @@ def test_api_key_and_an_unreachable_tritonserver(served):
         assert_openai_error(*post(url, body, headers={"Authorization": "Bearer wrong"}), 401, "api key")
         status, answer = post(url, body, headers={"Authorization": "Bearer s3cret"})
         assert status == 200, answer
+        base = guarded.url.removesuffix("/v1")  # vLLM guards /v1 only; the tokenizer's configuration is guarded too
+        assert post(f"{base}/tokenize", {"prompt": "hello"})[0] == 200
+        assert get(f"{base}/version")[0] == 200 and get(f"{base}/health")[0] == 200
+        status, refused = get(f"{base}/tokenizer_info")
+        assert_openai_error(status, json.loads(refused), 401, "api key")
+        assert get(f"{base}/tokenizer_info", headers={"Authorization": "Bearer s3cret"})[0] == 200
     finally:
         guarded.stop()
     orphan = OpenAIServer(repo, "127.0.0.1:1", port=0).start()  # nothing listens there

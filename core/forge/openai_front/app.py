@@ -1,8 +1,10 @@
-"""The OpenAI API routes (FastAPI): models, chat completions, completions, embeddings, health.
+"""The OpenAI API routes (FastAPI): models, chat completions, completions, embeddings, health, and vLLM's
+utility routes (``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/version``, ``/health``).
 
 Every route answers OpenAI's error shape; generation goes to the served ensemble through
 :class:`~forge.openai_front.upstream.Triton`, so the same front serves every target. The answers themselves
-are built in ``chat``, ``completions`` and ``embeddings``.
+are built in ``chat``, ``completions``, ``embeddings`` and ``tokenizer_api``. As vLLM's, the API key guards
+the ``/v1`` routes; ``/tokenizer_info`` (which vLLM serves only when asked to) is guarded too.
 """
 
 from __future__ import annotations
@@ -11,20 +13,26 @@ import asyncio
 import json
 import secrets
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import chat, completions, embeddings
+from .. import __version__
+from . import chat, completions, embeddings, tokenizer_api
 from .catalog import model_card
 from .front import Front
-from .protocol import APIError, ChatRequest, CompletionRequest, EmbeddingRequest, unsupported
-from .schema import ChatCompletion, Completion, EmbeddingList, ErrorBody, ModelCard, ModelList
+from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeChat,
+                       TokenizePrompt, unsupported)
+from .schema import (ChatCompletion, Completion, Detokenized, EmbeddingList, ErrorBody, ModelCard, ModelList,
+                     Tokenized, TokenizerInfo, Version)
 from .upstream import Triton
+
+#: the largest request body read (a long prompt, an inline image); larger ones get 400 before they are read
+MAX_BODY_BYTES = 32 * 2**20
 
 
 # -- how an answer leaves -----------------------------------------------------------------------------
@@ -70,7 +78,51 @@ def answered(answer: BaseModel) -> JSONResponse:
     return JSONResponse(answer.model_dump(mode="json"))
 
 
+class ErrorResponse(JSONResponse):
+    """An error in OpenAI's shape, as ASCII JSON: a message that quotes a client's invalid Unicode (a lone
+    surrogate) still goes out."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.body(), error.status if error.status != 499 else 400, headers=error.headers)
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 # -- the application ---------------------------------------------------------------------------------
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``MAX_BODY_BYTES`` gets 400 (by its Content-Length before it is
+    read; a chunked one once it has grown past the limit)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    @staticmethod
+    def error() -> APIError:
+        return APIError(400, f"the request body is larger than this server reads ({MAX_BODY_BYTES // 2**20} MiB)",
+                        code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+                return await ErrorResponse(self.error())(scope, receive, send)
+            return await self.app(scope, receive, send)
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > MAX_BODY_BYTES:
+                raise StarletteHTTPException(400, self.error().message)
+            return message
+
+        return await self.app(scope, counted, send)
+
 
 class Draining:
     """ASGI middleware: counts the API requests in flight on ``front`` until their response is sent whole
@@ -87,7 +139,7 @@ class Draining:
         if front.draining:
             error = APIError(503, "the server is shutting down: it finishes the requests in flight and takes no "
                                   "new ones", code="server_shutting_down", headers={"Retry-After": "5"})
-            return await JSONResponse(error.body(), 503, headers=error.headers)(scope, receive, send)
+            return await ErrorResponse(error)(scope, receive, send)
         front.in_flight += 1  # on the event loop's thread only; forge serve's thread reads ``idle``
         front.idle.clear()
         try:
@@ -113,11 +165,12 @@ def create_app(front: Front) -> FastAPI:
                   openapi_url="/openapi.json", responses={400: {"model": ErrorBody}, 401: {"model": ErrorBody},
                                                           404: {"model": ErrorBody}, 503: {"model": ErrorBody}})
     app.add_middleware(Draining, front=front)
+    app.add_middleware(BodyLimit)
     catalog = front.catalog
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status if exc.status != 499 else 400, headers=exc.headers)
+        return ErrorResponse(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -130,17 +183,20 @@ def create_app(front: Front) -> FastAPI:
             message = f"unrecognized request argument supplied: {where}"
         else:
             message = f"{where or 'body'}: {first.get('msg', 'invalid value')}"
-        return JSONResponse(APIError(400, message, param=where or None, code="invalid_request").body(), 400)
+        return ErrorResponse(APIError(400, message, param=where or None, code="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-        return JSONResponse(APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))).body(),
-                            exc.status_code)
+        cause = {UnicodeDecodeError: "it is not UTF-8", RecursionError: "it is nested too deeply"}.get(
+            type(exc.__cause__))
+        if cause:  # FastAPI's "There was an error parsing the body"
+            message[400] = f"the request body is not valid JSON: {cause}"
+        return ErrorResponse(APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}").body(), 500)
+        return ErrorResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     async def authorized(request: Request) -> None:
         if front.api_key is None:
@@ -165,6 +221,35 @@ def create_app(front: Front) -> FastAPI:
             return JSONResponse({"status": "draining: the server is shutting down"}, 503, headers={"Retry-After": "5"})
         ok, reason = await front.triton.ready(front.models_behind())
         return JSONResponse({"status": "ready" if ok else reason}, 200 if ok else 503)
+
+    @app.get("/health", response_class=Response, description="vLLM's health check: an empty 200 while tritonserver "
+                                                             "answers (as /health/live), else 503")
+    async def health():
+        ok = front.draining or (await front.triton.ready([]))[0]
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/version", response_model=Version)
+    async def version():
+        return answered(Version(version=__version__))
+
+    @app.post("/tokenize", response_model=Tokenized,
+              description="body: {model?, prompt, add_special_tokens?} or {model?, messages, add_generation_prompt?, "
+                          "continue_final_message?, chat_template_kwargs?, tools?}; return_token_strs adds token_strs")
+    async def tokenize(body: dict[str, Any] = Body(...)):
+        kind = TokenizeChat if "messages" in body else TokenizePrompt
+        try:
+            parsed = kind.model_validate(body)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        return answered(await tokenizer_api.tokenize(front, parsed))
+
+    @app.post("/detokenize", response_model=Detokenized)
+    async def detokenize(body: DetokenizeRequest):
+        return answered(await tokenizer_api.detokenize(front, body))
+
+    @app.get("/tokenizer_info", dependencies=guarded, response_model=TokenizerInfo)
+    async def tokenizer_info():
+        return answered(tokenizer_api.tokenizer_info(front))
 
     @app.get("/v1/models", dependencies=guarded, response_model=ModelList)
     async def models():

@@ -34,6 +34,13 @@ class TextModel:
     def name(self) -> str:
         return self.inputs.name
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids this model's tokenizer knows (its preprocessing's ``vocab_size`` without one)."""
+        if self.tokenizer is not None and not hasattr(self.tokenizer, "max_length"):
+            return len(self.tokenizer)
+        return _int(self.parameters, "vocab_size")
+
     def count(self, text: str, *, special: bool | None = None) -> int:
         """Tokens of ``text`` as the served preprocessing counts them."""
         from ..in_triton import forge_text
@@ -59,9 +66,15 @@ class Catalog:
     max_input_len: int | None = None
     max_seq_len: int | None = None
     image_placeholder: str | None = None
+    skip_special_tokens: bool = True  # how the served postprocessing decodes (set when it was built)
 
     def ids(self) -> list[str]:
         return [self.model_id, *sorted(self.adapters)]
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest sequence (prompt and answer) the served model takes, as vLLM's ``max_model_len``."""
+        return self.max_seq_len or self.max_input_len
 
 
 @dataclass
@@ -139,6 +152,12 @@ def _int(params: dict[str, str], key: str) -> int | None:
     return int(value) if value.strip().isdigit() else None
 
 
+def _bool(value: str) -> bool:
+    from ..in_triton import forge_text
+
+    return forge_text.parse_bool(value, True)
+
+
 def load(repo: Path, served_name: str | None = None) -> Catalog:
     """The catalog of ``repo`` (a model repository being served)."""
     repo = Path(repo).resolve()
@@ -159,6 +178,9 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
         limits = [_int(c.parameters, "max_seq_len") for n, c in configs.items()
                   if n == name or n in configs[name].inputs.steps]
         catalog.max_seq_len = next((v for v in limits if v), None)
+        decoding = [configs[n].parameters for n in [name, *configs[name].inputs.steps] if n in configs]
+        catalog.skip_special_tokens = next((_bool(p["skip_special_tokens"]) for p in decoding
+                                            if "skip_special_tokens" in p), True)
         if params.get("image_token_id"):
             catalog.image_placeholder = params.get("image_placeholder") or "<image>"
         try:
@@ -182,6 +204,7 @@ def load(repo: Path, served_name: str | None = None) -> Catalog:
 def model_card(catalog: Catalog, model_id: str) -> ModelCard:
     """One entry of ``GET /v1/models``."""
     if model_id != catalog.model_id:  # an adapter: its base model is its parent
-        return ModelCard(id=model_id, created=catalog.created, parent=catalog.model_id, root=catalog.model_id)
-    return ModelCard(id=model_id, created=catalog.created)
+        return ModelCard(id=model_id, created=catalog.created, parent=catalog.model_id, root=catalog.model_id,
+                         max_model_len=catalog.max_model_len)
+    return ModelCard(id=model_id, created=catalog.created, max_model_len=catalog.max_model_len)
 

@@ -7,6 +7,7 @@ from typing import AsyncIterator
 
 from . import translate as rq
 from .catalog import Catalog
+from .extensions import extend, served_inputs
 from .front import Front
 from .generation import Outcome, generate, usage
 from .protocol import ChatRequest
@@ -27,8 +28,11 @@ def _generation(catalog: Catalog, body: ChatRequest) -> rq.Generation:
     guide, tools = rq.chat_guide(body)
     prompt_tokens = model.count(prompt) if model.tokenizer is not None else None
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return rq.Generation(prompt, rq.max_tokens(catalog, asked, prompt_tokens, None), prompt_tokens,
-                         rq.sampling(body), body.stops(), guide, image, tools)
+    budget = rq.max_tokens(catalog, asked, prompt_tokens, None)
+    extended = extend(catalog, model, body, budget)
+    inputs = {**extended.inputs, **served_inputs(model, rq.sampling(body))}  # greedy's top_k 1 wins
+    return rq.Generation(prompt, budget, prompt_tokens, inputs, rq.stops(body) + extended.stops, guide, image, tools,
+                         extended.include_stop)
 
 
 def _message(text: str, tools: str | None) -> tuple[AssistantMessage, str | None]:
@@ -46,6 +50,9 @@ async def answer(front: Front, body: ChatRequest, generation: rq.Generation, ada
     pieces = [p async for p in generate(front, generation, adapter, stream=False, outcome=outcome,
                                         request_id=ident)]
     message, reason = _message("".join(pieces), generation.tools)
+    echo = rq.echoed(body)
+    if echo:
+        message.content = echo + (message.content or "")
     return ChatCompletion(id=ident, created=created, model=body.model, usage=usage(outcome),
                           choices=[ChatChoice(index=0, message=message, finish_reason=reason or outcome.finish_reason)])
 
@@ -64,6 +71,9 @@ async def chunks(front: Front, body: ChatRequest, generation: rq.Generation, ada
 
     outcome = Outcome()
     yield chunk(Delta(role="assistant", content=""))
+    echo = rq.echoed(body)
+    if echo:
+        yield chunk(Delta(content=echo))
     held: list[str] = []  # an answer that may be a tool call is sent whole, once it is known
     async for piece in generate(front, generation, adapter, stream=True, outcome=outcome, request_id=ident):
         if generation.tools:

@@ -7,9 +7,10 @@ from typing import AsyncIterator
 
 from . import translate as rq
 from .catalog import Catalog
+from .extensions import extend, served_inputs
 from .front import Front
 from .generation import Outcome, generate, total_usage
-from .protocol import APIError, CompletionRequest
+from .protocol import APIError, CompletionRequest, valid_text
 from .schema import Completion, CompletionChoice
 
 
@@ -23,12 +24,16 @@ async def prepare(front: Front, body: CompletionRequest) -> list[rq.Generation]:
 def _generations(catalog: Catalog, body: CompletionRequest) -> list[rq.Generation]:
     model = catalog.generator
     found = []
+    stops, sampling = rq.stops(body), served_inputs(model, rq.sampling(body))
     for prompt in [body.prompt] if isinstance(body.prompt, str) else list(body.prompt):
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        valid_text(prompt, "prompt")
         count = model.count(prompt) if model.tokenizer is not None else None
-        found.append(rq.Generation(prompt, rq.max_tokens(catalog, body.max_tokens, count, 16), count,
-                                   rq.sampling(body), body.stops()))
+        budget = rq.max_tokens(catalog, body.max_tokens, count, 16)
+        extended = extend(catalog, model, body, budget)
+        found.append(rq.Generation(prompt, budget, count, {**extended.inputs, **sampling}, stops + extended.stops,
+                                   include_stop=extended.include_stop))
     return found
 
 

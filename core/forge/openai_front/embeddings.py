@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .front import Front
-from .protocol import APIError, EmbeddingRequest
+from .protocol import APIError, EmbeddingRequest, valid_text
 from .schema import Embedding, EmbeddingList, EmbeddingUsage
 
 
@@ -27,6 +27,8 @@ async def answer(front: Front, body: EmbeddingRequest) -> EmbeddingList:
     if not all(isinstance(t, str) for t in texts):
         raise APIError(400, "input as token ids is not supported: send text", param="input",
                        code="unsupported_parameter")
+    for text in texts:
+        valid_text(text, "input")
     if body.dimensions is not None and body.dimensions != catalog.embedding_dim:
         raise APIError(400, f"dimensions: this model makes {catalog.embedding_dim}-dimensional embeddings and "
                             "cannot shorten them", param="dimensions", code="unsupported_parameter")

@@ -34,7 +34,7 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
     model = front.generator()
     tensors = rq.tensors(model, generation, stream=stream)
     echoes = first_input(model.inputs, EXCLUDE_INPUT) is None  # older profiles: the prompt comes back too
-    stop = rq.StopText(generation.stops)
+    stop = rq.StopText(generation.stops, generation.include_stop)
     texts: list[str] = []
     for attempt in (0, 1):
         first = adapter is not None and attempt == 1

@@ -1,19 +1,25 @@
-"""The OpenAI API's request bodies (pydantic) and its error shape.
+"""The OpenAI API's request bodies (pydantic), vLLM's extensions of them and its utility requests, and the
+error shape.
 
 Fields OpenAI documents but forge cannot honour are accepted only at their neutral value and refused
 with 400 otherwise (``unsupported``); fields OpenAI itself ignores or keeps for its own bookkeeping
-(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored. Anything else unknown is
-refused with 400, as OpenAI refuses an unrecognized request argument.
+(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored. vLLM's sampling extensions
+(``top_k``, ``min_tokens``, ``stop_token_ids`` …) are accepted by name; ``extensions`` maps each onto the
+served model or refuses it. Anything else unknown is refused with 400, as OpenAI refuses an unrecognized
+request argument. Numbers are bounded here (no integer reaches a tensor it does not fit, no float is NaN or
+infinite), so a hostile value is a 400, never a 500.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 #: accepted and ignored, as OpenAI's own API treats them (bookkeeping, not generation)
 IGNORED = ("user", "metadata", "store", "service_tier")
+INT32_MAX = 2**31 - 1  # token budgets and ids travel as INT32 tensors
+INT64 = (-2**63, 2**63 - 1)  # seed and priority, as vLLM bounds them (a C long)
 
 
 class APIError(Exception):
@@ -36,8 +42,25 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` can go out as UTF-8 (JSON's ``"\\ud800"`` parses to a string that cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def valid_text(text: str, param: str) -> str:
+    """``text`` when it is valid Unicode; a lone UTF-16 surrogate is a 400."""
+    if not is_unicode(text):
+        raise APIError(400, f"{param} is not valid Unicode: it holds a lone UTF-16 surrogate", param=param,
+                       code="invalid_unicode")
+    return text
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 class ImageURL(_Strict):
@@ -111,10 +134,10 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stop: Union[str, list[str], None] = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -127,6 +150,28 @@ class _Sampling(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # vLLM's sampling extensions, at vLLM's defaults (``extensions`` maps or refuses each)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    length_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = Field(default=None, max_length=1024)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    priority: int = Field(default=0, ge=INT64[0], le=INT64[1])
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, value):
+        for token, bias in (value or {}).items():
+            if not token.isdigit() or int(token) > INT32_MAX:
+                raise ValueError(f"keys must be token ids, got {token[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -146,12 +191,28 @@ class _Sampling(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatRequest(_Sampling):
+class _ChatTemplate(_Strict):
+    """What the chat template is applied to, and how (vLLM's names and defaults)."""
+
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, value, info: ValidationInfo):
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true with add_generation_prompt (set add_generation_prompt: false)")
+        return value
+
+
+class ChatRequest(_Sampling, _ChatTemplate):
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    echo: bool = False  # vLLM: the answer starts with the last message's content
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -184,8 +245,32 @@ class EmbeddingRequest(_Strict):
     model: str
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     user: str | None = None
+
+
+# -- vLLM's utility requests ----------------------------------------------------------------------
+
+class TokenizePrompt(_Strict):
+    """``POST /tokenize`` of a text (vLLM's TokenizeCompletionRequest)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = None  # None: as the served preprocessing tokenizes (what usage counts)
+    return_token_strs: bool = False
+
+
+class TokenizeChat(_ChatTemplate):
+    """``POST /tokenize`` of chat messages, templated as a chat request is (vLLM's TokenizeChatRequest)."""
+
+    model: str | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 
 
 def unsupported(request: BaseModel) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, model_serializer
+from pydantic import BaseModel, ConfigDict, model_serializer
 
 
 class _Answer(BaseModel):
@@ -55,6 +55,7 @@ class ModelCard(_Answer):
     owned_by: str = "forge"
     parent: str | None = None  # an adapter's base model
     root: str | None = None
+    max_model_len: int | None = None  # the longest prompt and answer together (vLLM's key)
 
 
 class ModelList(_Answer):
@@ -167,6 +168,38 @@ class EmbeddingList(_Answer):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage | None
+
+
+# -- vLLM's utility endpoints ----------------------------------------------------------------------
+
+class Tokenized(_Answer):
+    """``POST /tokenize``: the token ids of a prompt, or of chat messages templated as a chat request is."""
+
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"token_strs"})
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class Detokenized(_Answer):
+    """``POST /detokenize``: the text of token ids."""
+
+    prompt: str
+
+
+class TokenizerInfo(_Answer):
+    """``GET /tokenizer_info``: the served tokenizer's configuration, as its tokenizer_config.json holds it
+    (file paths left out), its class, and its chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    model_max_length: int | None = None
+    chat_template: str | dict[str, str] | None = None  # one template, or several by name
+
+
+class Version(_Answer):
+    version: str
 
 
 # -- the error shape --------------------------------------------------------------------------------

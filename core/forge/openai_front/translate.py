@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import inspect
 import io
 import json
 import re
@@ -15,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..clients.inference import EXCLUDE_INPUT, MAX_TOKENS, SAMPLING_INPUTS, STREAM, first_input
+from ..clients.inference import EXCLUDE_INPUT, MAX_TOKENS, STREAM, TRITON_TO_NUMPY, first_input
 from .catalog import LLAVA_TURN, Catalog, TextModel
-from .protocol import APIError, ChatRequest, Message, _Sampling
+from .protocol import APIError, ChatRequest, Message, _ChatTemplate, _Sampling, is_unicode, valid_text
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 GUIDE_TYPE, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
@@ -30,11 +32,12 @@ class Generation:
     prompt: str
     max_tokens: int
     prompt_tokens: int | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)  # served input → value
     stops: list[str] = field(default_factory=list)
     guide: tuple[str, str] | None = None
     image: bytes | None = None
     tools: str | None = None  # "required" / "auto": the answer may be a tool call
+    include_stop: bool = False  # the stop string that ended the answer stays in it
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -100,8 +103,26 @@ def _template_message(message: Message, content: str) -> dict[str, Any]:
     return turn
 
 
-def chat_prompt(catalog: Catalog, request: ChatRequest) -> tuple[str, bytes | None]:
-    """The templated prompt of a chat request (generation prompt added) and its image, if any."""
+@functools.lru_cache(maxsize=8)
+def _template_arguments(kind: type) -> frozenset[str]:
+    """The arguments of ``apply_chat_template`` itself: not template variables, so not chat_template_kwargs."""
+    parameters = inspect.signature(kind.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD and p.name != "self")
+
+
+def _template_kwargs(tokenizer, request: _ChatTemplate) -> dict[str, Any]:
+    kwargs = dict(request.chat_template_kwargs or {})
+    taken = sorted(set(kwargs) & _template_arguments(type(tokenizer)))
+    if taken:
+        hint = {"add_generation_prompt": " (set it as the request's own field)",
+                "continue_final_message": " (set it as the request's own field)", "tools": " (send tools)"}
+        raise APIError(400, f"chat_template_kwargs: {taken[0]!r} is an argument of the chat template call, not a "
+                            f"template variable{hint.get(taken[0], '')}", param="chat_template_kwargs")
+    return kwargs
+
+
+def chat_prompt(catalog: Catalog, request: _ChatTemplate) -> tuple[str, bytes | None]:
+    """The templated prompt of chat messages (a chat request, or /tokenize's) and its image, if any."""
     images: list[bytes] = []
     turns = [_template_message(m, _content(m, catalog.image_placeholder, images)) for m in request.messages]
     if len(images) > 1:
@@ -110,20 +131,39 @@ def chat_prompt(catalog: Catalog, request: ChatRequest) -> tuple[str, bytes | No
     tokenizer = catalog.generator.tokenizer
     if getattr(tokenizer, "chat_template", None):
         tools = None
-        if request.tools and request.tool_choice != "none":
+        if request.tools and getattr(request, "tool_choice", None) != "none":
             tools = [t.model_dump(exclude_none=True) for t in request.tools]
+        kwargs = _template_kwargs(tokenizer, request)
         try:
-            prompt = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False,
+                                                   add_generation_prompt=request.add_generation_prompt,
+                                                   continue_final_message=request.continue_final_message, **kwargs)
         except Exception as exc:  # noqa: BLE001 - jinja raises whatever the template's author raised
             raise APIError(400, f"the model's chat template refused these messages: {exc}", param="messages",
                            code="chat_template_error") from None
     elif catalog.image_placeholder is not None:
+        for name, neutral in (("add_generation_prompt", True), ("continue_final_message", False),
+                              ("chat_template_kwargs", None)):
+            if getattr(request, name) != neutral:
+                raise APIError(400, f"{name} is not supported by this model: it has no chat template, only "
+                                    "LLaVA-1.5's fixed turn", param=name, code="unsupported_parameter")
         text = "\n".join(t["content"] for t in turns if t["role"] in ("system", "user") and t["content"])
         prompt = LLAVA_TURN.format(user=text)
     else:
         raise APIError(400, f"model {catalog.model_id!r} has no chat template (its tokenizer defines none); "
                             "send the prompt to /v1/completions", param="messages", code="no_chat_template")
-    return prompt, (images[0] if images else None)
+    return valid_text(prompt, "messages"), (images[0] if images else None)
+
+
+def echoed(request: ChatRequest) -> str:
+    """What vLLM's ``echo`` puts before a chat answer: the last message's text when it is in the answer's role
+    (the assistant's, or any role without a generation prompt)."""
+    last = request.messages[-1]
+    if not request.echo or (request.add_generation_prompt and last.role != "assistant"):
+        return ""
+    if last.content is None or isinstance(last.content, str):
+        return last.content or ""
+    return "\n".join(part.text or "" for part in last.content if part.type in ("text", "input_text"))
 
 
 # -- structured output and tools -------------------------------------------------------------------
@@ -206,7 +246,7 @@ def tool_calls(text: str, mode: str | None) -> list[dict[str, Any]] | None:
         except ValueError:
             continue
         for item in value if isinstance(value, list) else [value]:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not is_unicode(item["name"]):
                 continue
             arguments = item.get("arguments", item.get("parameters", {}))
             calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
@@ -217,23 +257,30 @@ def tool_calls(text: str, mode: str | None) -> list[dict[str, Any]] | None:
 # -- the ensemble's tensors ------------------------------------------------------------------------
 
 def sampling(request: _Sampling) -> dict[str, Any]:
-    """OpenAI sampling → the ensemble's inputs (TensorRT-LLM semantics: top_k 1 is greedy)."""
+    """OpenAI sampling → the ensemble's flags (TensorRT-LLM semantics: top_k 1 is greedy)."""
     values: dict[str, Any] = {}
     temperature = 1.0 if request.temperature is None else request.temperature
+    # TensorRT-LLM's seeds are UINT64: a negative seed is sent as the same 64 bits
+    seed = None if request.seed is None else request.seed & (2**64 - 1)
     if temperature == 0.0:
         values["top_k"] = 1
     else:
         values["temperature"] = temperature
         values["top_p"] = 1.0 if request.top_p is None else request.top_p
         # without a seed, OpenAI samples afresh each time; the backend's default seed (0) would repeat itself
-        values["seed"] = request.seed if request.seed is not None else secrets.randbits(63)
-    if request.seed is not None:
-        values["seed"] = request.seed
+        values["seed"] = seed if seed is not None else secrets.randbits(63)
+    if seed is not None:
+        values["seed"] = seed
     if request.presence_penalty:
         values["presence_penalty"] = request.presence_penalty
     if request.frequency_penalty:
         values["frequency_penalty"] = request.frequency_penalty
     return values
+
+
+def stops(request: _Sampling) -> list[str]:
+    """The request's stop strings, checked to be valid Unicode."""
+    return [valid_text(s, "stop") for s in request.stops()]
 
 
 def max_tokens(catalog: Catalog, asked: int | None, prompt_tokens: int | None, default: int | None) -> int:
@@ -282,21 +329,33 @@ def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[s
                                 "the LLM-API model does not)", param="response_format",
                            code="guided_decoding_unavailable")
         payload[GUIDE_TYPE], payload[GUIDE] = generation.guide
-    for flag, value in generation.sampling.items():
-        name = next((n for n in SAMPLING_INPUTS.get(flag, (flag,)) if n in inputs.inputs), None)
-        if name is None:
-            raise APIError(400, f"this model has no input for {flag}", param=flag, code="unsupported_parameter")
-        payload[name] = value
+    payload.update(generation.sampling)
+    for name, value in payload.items():
+        _fits(inputs.inputs[name][0], name, value)
     return {name: inputs.array(name, value) for name, value in payload.items()}
+
+
+def _fits(dtype: str, name: str, value: Any) -> None:
+    """A 400, not an overflow, for an integer the served input's type cannot hold."""
+    kind = TRITON_TO_NUMPY.get(dtype)
+    if kind is None or not np.issubdtype(kind, np.integer):
+        return
+    bounds = np.iinfo(kind)
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, (int, np.integer)) and not bounds.min <= int(item) <= bounds.max:
+            raise APIError(400, f"{name}: {item} does not fit the served model's input ({dtype})", param=name,
+                           code="invalid_value")
 
 
 # -- stop strings ----------------------------------------------------------------------------------
 
 class StopText:
-    """Cuts generated text at the first stop string, holding back a tail that may begin one."""
+    """Cuts generated text at the first stop string (after it, with ``include``), holding back a tail that may
+    begin one."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = stops
+        self.include = include
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.sent = 0
@@ -307,10 +366,12 @@ class StopText:
         if self.stopped:
             return ""
         self.text += piece
-        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, max(0, self.sent - len(s) + 1)), s) for s in self.stops)
+                if i >= 0]
         if hits:
             self.stopped = True
-            cut = min(hits)
+            at, length = min(hits)
+            cut = at + length if self.include else at
             out, self.sent = self.text[self.sent:cut], cut
             self.text = self.text[:cut]
             return out
