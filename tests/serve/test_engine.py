@@ -303,7 +303,7 @@ def test_automatic_runtime_choices_follow_the_device(monkeypatch):
     assert eng.choose_threads(cpu, 0, torch.bfloat16) == 4  # native bf16 matmuls: every core
     monkeypatch.setattr(eng, "cpu_has_bf16", lambda: False)
     assert eng.choose_threads(cpu, 0, torch.bfloat16) == 3  # emulated bf16 is memory-bound like float32
-    assert eng.choose_rows(cpu, 0, 8) == 8 and eng.choose_rows(gpu, 0, 8) == 64 and eng.choose_rows(gpu, 5, 8) == 5
+    assert eng.choose_rows(cpu, 0, 8) == eng.CPU_ROWS == 32 and eng.choose_rows(cpu, 0, 48) == 48 and eng.choose_rows(gpu, 0, 8) == 64 and eng.choose_rows(gpu, 5, 8) == 5
 
 
 def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(model):

@@ -71,7 +71,7 @@ FORGE = (
            choices=("auto", "float32", "bfloat16", "float16")),
     Option("cpu_threads", "int", "python / hf-pipeline targets: torch intra-op threads (0: automatic)", 0, SERVED,
            minimum=0),
-    Option("inflight_sequences", "int", "python target: sequences decoded together (0: --max-batch-size on a CPU, "
+    Option("inflight_sequences", "int", "python target: sequences decoded together (0: at least 32 on a CPU, "
            "at least 64 on a GPU)", 0, PYTHON, minimum=0),
     Option("sender_threads", "int", "python target: threads sending the responses (each send waits for the server's "
            "round trip; several keep more streams moving)", 4, PYTHON, minimum=1),
