@@ -62,7 +62,7 @@ def write_synthetic(model: Path, layers: int) -> int:
     """Stream random fp16 weights into model/model.safetensors; return its size in bytes."""
     import numpy as np
 
-    from forge.llm.checkpoint import RankWriter
+    from forge.llm.rankfile import RankWriter
 
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(hf_config(layers), indent=1))

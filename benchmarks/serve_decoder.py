@@ -7,7 +7,7 @@
     ``text-generation`` pipeline per request, float16, torch's default threads, max_batch_size 0,
     one instance), under the name prefix ``seed_``.
 Both are greedy and get the same chat-templated prompts; both run in one real tritonserver; no
-environment variable is set. Closed-loop load at concurrency 1 and 8, 32 new tokens; generated tokens
+environment variable is set. Closed-loop load at concurrency 1, 8 and 32, 32 new tokens; generated tokens
 are counted with the model's tokenizer in the text each returns (requests ask for the generated text
 only: ``sampling_param_exclude_input_from_output`` / ``exclude_input_in_output``, inputs the models honour). Prints both configurations,
 req/s, generated tokens/s, p50/p99 latency and the tokens/s ratio at concurrency 8 (goal ≥ 4×), and
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 # the default build's text model: its ensemble, or (the LLM-API layout) its tensorrt_llm model
                 entry = "ensemble" if (Path(scratch) / "default" / "ensemble").is_dir() else "tensorrt_llm"
                 for name, model in (("forge default build", entry), (BASELINE, f"{SEED}ensemble")):
-                    for concurrency in (1, 8):
-                        count = max(4, args.requests // 4) if concurrency == 1 else args.requests
+                    for concurrency in (1, 8, 32):
+                        count = max(4, args.requests // 4) if concurrency == 1 else max(args.requests, concurrency)
                         started = time.perf_counter()
                         summary = measure(server.grpc_url, model, tokenizer, concurrency, count, args.max_tokens)
                         summary.update({"server": name, "concurrency": concurrency,

@@ -209,7 +209,7 @@ class GrpcSession:
         try:
             response = self.client.get_model_config(model)
         except Exception as exc:
-            message = _grpc_message(exc)
+            message = grpc_message(exc)
             if "failed to connect" in message.lower() or "unavailable" in message.lower():
                 raise ForgeError(f"cannot reach a Triton server's gRPC endpoint at {self.url}",
                                  hint="start one with 'forge serve REPO', or pass its gRPC host:port") from None
@@ -244,7 +244,7 @@ class GrpcSession:
             call.cancel()
             raise TimeoutError(f"no answer within {timeout_s:.3f}s; request cancelled") from None
         if error is not None:
-            raise ForgeError(f"the server refused the request: {_grpc_message(error)}")
+            raise ForgeError(f"the server refused the request: {grpc_message(error)}")
         response = result.get_response()
         return {o.name: result.as_numpy(o.name) for o in response.outputs}
 
@@ -272,7 +272,7 @@ class GrpcSession:
                 raise TimeoutError(f"stopped after {stop_after_s * 1000:.0f} ms; request cancelled") from None
             if error is not None:
                 self._unanswered = False  # an error ends the request
-                raise ForgeError(f"the server refused the request: {_grpc_message(error)}")
+                raise ForgeError(f"the server refused the request: {grpc_message(error)}")
             response = result.get_response()
             final = bool(response.parameters["triton_final_response"].bool_param) \
                 if "triton_final_response" in response.parameters else True
@@ -302,7 +302,8 @@ class GrpcSession:
         return self.stream(inputs.name, tensors, stop_after_s=stop_after_s)
 
 
-def _grpc_message(error: Exception) -> str:
+def grpc_message(error: Exception) -> str:
+    """A gRPC or Triton client error as one line: its own message, without the status prefix."""
     message = getattr(error, "message", None)
     text = message() if callable(message) else str(error)
     return text.removeprefix("[StatusCode.INTERNAL] ").strip()

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import numpy as np
 
-from ..clients.inference import STREAM_CLOSE_S, ModelInputs, _grpc_message
+from ..clients.inference import STREAM_CLOSE_S, ModelInputs, grpc_message
 from .protocol import APIError
 
 _STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503, "StatusCode.NOT_FOUND": 503,
@@ -23,7 +23,7 @@ def api_error(exc: Exception, model: str) -> APIError:
     status_of = getattr(exc, "status", None) or getattr(exc, "code", None)  # Triton's or grpc's own error
     code = status_of() if callable(status_of) else None
     details = getattr(exc, "details", None)
-    message = (details() if callable(details) and not hasattr(exc, "message") else _grpc_message(exc)) \
+    message = (details() if callable(details) and not hasattr(exc, "message") else grpc_message(exc)) \
         or f"model {model!r} failed without a message"
     status = _STATUS.get(str(code), 500)
     if "failed to connect" in message.lower() or "connection refused" in message.lower():
@@ -94,7 +94,7 @@ class Triton:
                 if not await self.client.is_model_ready(model):
                     return False, f"model {model!r} is not ready"
         except Exception as exc:  # noqa: BLE001 - any failure to ask is "not ready", with its reason
-            return False, f"tritonserver does not answer: {_grpc_message(exc)}"
+            return False, f"tritonserver does not answer: {grpc_message(exc)}"
         return True, "ready"
 
     async def infer(self, model: ModelInputs, tensors: Mapping[str, np.ndarray], request_id: str,

@@ -36,7 +36,7 @@ VISION = "vision"
 VISION_OPTIONS = (
     Option("vision_opset", "int", "ONNX opset of the vision export (13 to 21)", 17, minimum=13),
     Option("vision_parity_tolerance", "float", "max |Δ| of the vision export against torch / transformers "
-           "(default 1e-4 relative)", None, minimum=0),
+           "(default 1e-4 relative)", None, exclusive_minimum=0),
     Option("vision_threads", "int", "ONNX Runtime threads of multimodal_encoders (0: all cores)", 0, ("python",),
            minimum=0),
     Option("vision_workspace_mib", "int", "trtexec workspace pool of the vision plan in MiB", 4096,
