@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+from gpu_shapes import free_gpu  # serve_gpu.py, which runs these legs, puts benchmarks/ on sys.path
+
 LONG_CONTEXT = ("tinyllama",)  # shapes whose engine report has the max_seq_len 8192 × 64 rows cells
 
 
@@ -81,7 +83,7 @@ def engine_steps(model_dir: Path, dtype: str, rows_list=(1, 16, 64), steps: int 
             del engine
     graphs.ATTENTION = default
     del model
-    torch.cuda.empty_cache()
+    free_gpu()
     return [dict(r, weight_bytes=weights) for r in results]
 
 
@@ -158,7 +160,7 @@ def closed_loop(model_dir: Path, dtype: str, concurrency=(16, 64), waves: int = 
               f"{row['mean_rows']} rows", flush=True)
         del engine
     del model
-    torch.cuda.empty_cache()
+    free_gpu()
     return results
 
 
@@ -207,10 +209,10 @@ def long_context(model_dir: Path, dtype: str, rows: int = 64, max_len: int = 819
             out.append(row)
             print(f"  long context: {json.dumps(row)}", flush=True)
             del engine
-            torch.cuda.empty_cache()
+            free_gpu()
             torch.cuda.reset_peak_memory_stats()
     del model
-    torch.cuda.empty_cache()
+    free_gpu()
     return out
 
 
@@ -266,7 +268,7 @@ def kernels_per_step(model_dir: Path, dtype: str) -> dict:
     graphs.ATTENTION = default
     layers = int(model.config.num_hidden_layers)
     del model
-    torch.cuda.empty_cache()
+    free_gpu()
     print(f"  kernels per decoding step (1 row): {counts} over {layers} layers; per prefill (1 x 32): {prefill}",
           flush=True)
     for what, common in names.items():
@@ -325,7 +327,7 @@ def prefill_ms(model_dir: Path, dtype: str, counts=(1, 16, 64), length: int = 32
                   f"{row['compiled_graph_ms']} ms, of which the device {row['compiled_graph_device_ms']} ms); "
                   f"static, eager {row['static_ms']} ms; Hugging Face forward {row['hf_forward_ms']} ms", flush=True)
     del eager, captured, compiled, decoder, model
-    torch.cuda.empty_cache()
+    free_gpu()
     return out
 
 
@@ -358,7 +360,7 @@ def engine_parity(model_dir: Path, dtype: str, rows: int = 8, n: int = 64) -> di
                                  pad_token_id=0)[0, len(prompt):].tolist()
             prefixes.append(next((i for i, (a, b) in enumerate(zip(seq.output, out)) if a != b), n))
     del engine, model
-    torch.cuda.empty_cache()
+    free_gpu()
     return {"dtype": dtype, "cuda_graphs": chosen, "rows": rows, "tokens": n, "min_equal_prefix": min(prefixes),
             "rows_all_equal": sum(p == n for p in prefixes)}
 
@@ -378,7 +380,7 @@ def hf_generate_rate(model_dir: Path, dtype: str, n: int = 64) -> float:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
         torch.cuda.synchronize()
     del model
-    torch.cuda.empty_cache()
+    free_gpu()
     return n / (time.perf_counter() - start)
 
 

@@ -24,6 +24,26 @@ SMOLLM2 = dict(vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0, bos_tok
                max_position_embeddings=8192)
 
 
+def check_disk(where: Path, needed: int, what: str) -> None:
+    """Stop with one line when ``where``'s filesystem has less than ``needed`` bytes (and 10 %) free."""
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if free < needed * 1.1:
+        sys.exit(f"benchmark: {what} needs {needed / 2**30:.1f} GiB and {where} has {free / 2**30:.1f} GiB free")
+
+
+def free_gpu() -> None:
+    """Give back the GPU memory of the engines dropped so far: their reference cycles (an engine and its captured
+    graphs) are collected first, then torch's cache is emptied. Call it after ``del engine``."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def make_model(shape: str, tokenizer: Path | None, out: Path, dtype: str = "float16") -> Path:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -48,6 +68,7 @@ def make_model(shape: str, tokenizer: Path | None, out: Path, dtype: str = "floa
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
+    check_disk(out, sum(p.numel() * p.element_size() for p in model.parameters()), f"the {shape} model")
     model.save_pretrained(out)
     del model
     torch.cuda.empty_cache() if device == "cuda" else None

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_gpu import closed_loop, engine_report, prefill_ms  # noqa: E402
-from gpu_shapes import make_model  # noqa: E402
+from gpu_shapes import check_disk, make_model  # noqa: E402
 from serve_decoder import find_note  # noqa: E402
 from served_metrics import (cores_busy, engine_counters, engine_share, model_durations,  # noqa: E402
                             per_request_ms, process_cpu)
@@ -52,6 +52,9 @@ def build(model_dir: Path, out: Path, *extra: str) -> dict:
     from forge.cli import main
 
     argv = ["build", "--family", "llama", "--model", str(model_dir), "--out", str(out), *extra]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if model_dir.stat().st_dev != out.parent.stat().st_dev:  # the weights are copied, not hard-linked
+        check_disk(out.parent, sum(f.stat().st_size for f in model_dir.rglob("*") if f.is_file()), "the build")
     print("$ forge " + " ".join(argv), flush=True)
     if main(argv) != 0:
         sys.exit("benchmark: forge build failed")
