@@ -123,7 +123,7 @@ def test_openapi_schema_describes_every_route_with_its_typed_answer(served):
         schema = json.loads(response.read())
     paths = schema["paths"]
     assert {"/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize", "/detokenize",
-            "/tokenizer_info", "/version", "/health"} <= set(paths)
+            "/tokenizer_info", "/version", "/health", "/health_generate", "/metrics"} <= set(paths)
     answer = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert answer == {"$ref": "#/components/schemas/ChatCompletion"}
     assert {"ModelList", "Completion", "EmbeddingList", "ErrorBody", "Tokenized", "Detokenized", "TokenizerInfo",
@@ -286,6 +286,62 @@ def test_tokenize_detokenize_and_the_info_routes(client, served, tokenizer):
     assert info["eos_token"] == "<|im_end|>" and not any(str(v).startswith("/") for v in info.values())
     assert json.loads(get(f"{base}/version")[1]) == {"version": forge.__version__}
     assert get(f"{base}/health") == (200, b"")
+
+
+def scrape(base: str) -> dict[tuple, float]:
+    """``/metrics`` parsed: (sample name, its labels) → value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = get(f"{base}/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def test_metrics_count_the_tokens_and_requests_the_answers_report(client, served):
+    base = served[2].url.removesuffix("/v1")
+    model = (("model_name", "smollm2"),)
+    before = scrape(base)
+    chat = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=8)
+    completion = client.completions.create(model="smollm2", prompt="The capital of France is", temperature=0,
+                                           max_tokens=5)
+    answers = [(chat.usage, chat.choices[0].finish_reason), (completion.usage, completion.choices[0].finish_reason)]
+    for chunks in (client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=6,
+                                                  stream=True, stream_options={"include_usage": True}),
+                   client.completions.create(model="smollm2", prompt="1, 2, 3,", temperature=0, max_tokens=40,
+                                             stream=True, stream_options={"include_usage": True})):
+        chunks = list(chunks)
+        answers.append((chunks[-1].usage, next(c.choices[0].finish_reason for c in chunks
+                                               if c.choices and c.choices[0].finish_reason)))
+    assert get(f"{base}/no/such/route")[0] == 404
+    after = scrape(base)
+
+    def grew(name: str, labels=model) -> float:
+        key = (name, tuple(sorted(labels)))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("vllm:prompt_tokens_total") == sum(usage.prompt_tokens for usage, _ in answers)
+    assert grew("vllm:generation_tokens_total") == sum(usage.completion_tokens for usage, _ in answers)
+    reasons = [reason for _, reason in answers]
+    assert set(reasons) == {"stop", "length"}  # the chat ends itself; "1, 2, 3," goes on to its max_tokens
+    for reason in ("stop", "length"):
+        assert grew("vllm:request_success_total", model + (("finished_reason", reason),)) == reasons.count(reason)
+    assert grew("vllm:time_to_first_token_seconds_count") == 2  # the streamed ones
+    assert grew("vllm:e2e_request_latency_seconds_count") == 4
+    # decoupled: a response per token, so a gap between each two of a stream's tokens
+    assert grew("vllm:inter_token_latency_seconds_count") >= sum(u.completion_tokens for u, _ in answers[2:]) - 2
+    assert grew("vllm:time_per_output_token_seconds_count") == grew("vllm:inter_token_latency_seconds_count")
+    assert after[("vllm:num_requests_running", model)] == 0 and after[("vllm:num_requests_waiting", model)] == 0
+    assert after[("vllm:time_to_first_token_seconds_bucket", (("le", "+Inf"),) + model)] == \
+        after[("vllm:time_to_first_token_seconds_count", model)]
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        assert grew("forge_openai_requests_total", (("route", route), ("status", "200")),) == 2
+    assert grew("forge_openai_requests_total", (("route", "unmatched"), ("status", "404"))) == 1
+
+
+def test_health_generate_answers_after_one_token(served):
+    status, body = get(f"{served[2].url.removesuffix('/v1')}/health_generate")
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
 
 
 def test_langchain_chat_openai_talks_to_it_unmodified(served, client):
@@ -454,6 +510,7 @@ def test_api_key_and_an_unreachable_tritonserver(served):
         base = guarded.url.removesuffix("/v1")  # vLLM guards /v1 only; the tokenizer's configuration is guarded too
         assert post(f"{base}/tokenize", {"prompt": "hello"})[0] == 200
         assert get(f"{base}/version")[0] == 200 and get(f"{base}/health")[0] == 200
+        assert get(f"{base}/health_generate")[0] == 200 and get(f"{base}/metrics")[0] == 200
         status, refused = get(f"{base}/tokenizer_info")
         assert_openai_error(status, json.loads(refused), 401, "api key")
         assert get(f"{base}/tokenizer_info", headers={"Authorization": "Bearer s3cret"})[0] == 200
@@ -466,6 +523,8 @@ def test_api_key_and_an_unreachable_tritonserver(served):
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(orphan.url.removesuffix("/v1") + "/health/ready", timeout=30)
         assert info.value.code == 503
+        status, body = get(orphan.url.removesuffix("/v1") + "/health_generate")
+        assert status == 503 and json.loads(body)["status"], body
     finally:
         orphan.stop()
 
@@ -494,6 +553,8 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_generation(served, cli
     while _cancelled(triton) <= before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _cancelled(triton) > before, "the generation went on after its client left"
+    aborted = ("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", "smollm2")))
+    assert scrape(front.url.removesuffix("/v1"))[aborted] >= 1
     started = time.monotonic()
     answer = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=4)
     assert answer.choices[0].message.content and time.monotonic() - started < 60

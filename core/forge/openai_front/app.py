@@ -1,5 +1,5 @@
 """The OpenAI API routes (FastAPI): models, chat completions, completions, embeddings, health, and vLLM's
-utility routes (``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/version``, ``/health``).
+utility routes (``/tokenize``, ``/detokenize``, ``/tokenizer_info``, ``/version``, ``/health``, ``/metrics``).
 
 Every route answers OpenAI's error shape; generation goes to the served ensemble through
 :class:`~forge.openai_front.upstream.Triton`, so the same front serves every target. The answers themselves
@@ -23,8 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from . import chat, completions, embeddings, tokenizer_api
+from .generation import probe
 from .catalog import model_card
 from .front import Front
+from .metrics import CONTENT_TYPE, Counted
 from .protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, TokenizeChat,
                        TokenizePrompt, unsupported)
 from .schema import (ChatCompletion, Completion, Detokenized, EmbeddingList, ErrorBody, ModelCard, ModelList,
@@ -33,6 +35,8 @@ from .upstream import Triton
 
 #: the largest request body read (a long prompt, an inline image); larger ones get 400 before they are read
 MAX_BODY_BYTES = 32 * 2**20
+#: how long /health_generate waits for its one token
+HEALTH_GENERATE_TIMEOUT_S = 10.0
 
 
 # -- how an answer leaves -----------------------------------------------------------------------------
@@ -166,6 +170,7 @@ def create_app(front: Front) -> FastAPI:
                                                           404: {"model": ErrorBody}, 503: {"model": ErrorBody}})
     app.add_middleware(Draining, front=front)
     app.add_middleware(BodyLimit)
+    app.add_middleware(Counted, metrics=front.metrics)  # outermost: it counts what the others answer too
     catalog = front.catalog
 
     @app.exception_handler(APIError)
@@ -227,6 +232,19 @@ def create_app(front: Front) -> FastAPI:
     async def health():
         ok = front.draining or (await front.triton.ready([]))[0]
         return Response(status_code=200 if ok else 503)
+
+    @app.get("/health_generate", description=f"200 when the served model generates one token (an embedding model: "
+                                             f"embeds one text) within {HEALTH_GENERATE_TIMEOUT_S:g} s, else 503")
+    async def health_generate():
+        if front.draining:
+            return JSONResponse({"status": "draining: the server is shutting down"}, 503, headers={"Retry-After": "5"})
+        ok, reason = await probe(front, HEALTH_GENERATE_TIMEOUT_S)
+        return JSONResponse({"status": reason}, 200 if ok else 503)
+
+    @app.get("/metrics", response_class=Response, description="Prometheus text exposition: vLLM's metric names "
+                                                               "for what the front counts, forge_openai_requests_total")
+    async def metrics():
+        return Response(front.metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/version", response_model=Version)
     async def version():

@@ -1,4 +1,5 @@
-"""What every route of the OpenAI API shares: the catalog, the Triton client, the API key, the requests in flight."""
+"""What every route of the OpenAI API shares: the catalog, the Triton client, the API key, the requests in flight,
+the metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 from ..errors import UsageError
 from ..clients.lora_requests import LoraRequests, ServedAdapter
 from .catalog import Catalog, TextModel
+from .metrics import Metrics
 from .protocol import APIError
 from .upstream import Triton
 
@@ -25,6 +27,7 @@ class Front:
         self.in_flight = 0  # API requests whose response (a stream: its last event) is not sent yet
         self.idle = threading.Event()
         self.idle.set()
+        self.metrics = Metrics(catalog.model_id)  # this front's own registry: several fronts may share a process
 
     def models_behind(self) -> list[str]:
         names = []

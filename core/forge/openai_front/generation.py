@@ -6,6 +6,7 @@ Tokenizer calls run on a worker thread (``asyncio.to_thread``): a long text keep
 from __future__ import annotations
 
 import asyncio
+import secrets
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -14,6 +15,7 @@ from ..clients.lora_requests import UNKNOWN_TASK, ServedAdapter
 from . import translate as rq
 from .catalog import TextModel
 from .front import Front
+from .metrics import Clock
 from .protocol import APIError
 from .schema import Usage
 from .upstream import first_int, strings
@@ -29,9 +31,29 @@ class Outcome:
 
 
 async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapter | None, *, stream: bool,
-                   outcome: Outcome, request_id: str) -> AsyncIterator[str]:
-    """The generated text in pieces (one piece when the model is not decoupled), stop strings applied."""
+                   outcome: Outcome, request_id: str, measured: bool = True) -> AsyncIterator[str]:
+    """The generated text in pieces (one piece when the model is not decoupled), stop strings applied; counted in
+    the front's metrics unless not ``measured`` (a health probe)."""
     model = front.generator()
+    clock = front.metrics.clock(stream) if measured else None
+    try:
+        async with aclosing(_pieces(front, model, generation, adapter, stream, outcome, request_id, clock)) as pieces:
+            async for piece in pieces:
+                yield piece
+    except (GeneratorExit, asyncio.CancelledError):
+        if clock is not None:
+            clock.aborted()
+        raise
+    except BaseException:
+        if clock is not None:
+            clock.failed()
+        raise
+    if clock is not None:
+        clock.finished(outcome.finish_reason, outcome.prompt_tokens, outcome.completion_tokens)
+
+
+async def _pieces(front: Front, model: TextModel, generation: rq.Generation, adapter: ServedAdapter | None,
+                  stream: bool, outcome: Outcome, request_id: str, clock: Clock | None) -> AsyncIterator[str]:
     tensors = rq.tensors(model, generation, stream=stream)
     echoes = first_input(model.inputs, EXCLUDE_INPUT) is None  # older profiles: the prompt comes back too
     stop = rq.StopText(generation.stops, generation.include_stop)
@@ -43,6 +65,8 @@ async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapt
             async with aclosing(front.triton.generate(model.inputs, {**tensors, **extra}, request_id,
                                                       stopper=front.catalog.stopper)) as responses:
                 async for outputs in responses:
+                    if clock is not None:
+                        clock.response()
                     piece = "".join(strings(outputs.get("text_output")))
                     texts.append(piece)
                     outcome.prompt_tokens = first_int(outputs.get("num_input_tokens")) or outcome.prompt_tokens
@@ -100,3 +124,29 @@ def usage(outcome: Outcome) -> Usage | None:
 def total_usage(outcomes: list[Outcome]) -> Usage | None:
     """The ``usage`` of several generations together (``None`` where one of them is unknown)."""
     return Usage.total([usage(o) for o in outcomes])
+
+async def probe(front: Front, timeout: float) -> tuple[bool, str]:
+    """Whether the served model answers within ``timeout`` s: one token generated (an embedding-only repository:
+    one short text embedded), left out of the metrics; the reason when it does not."""
+    catalog = front.catalog
+
+    async def one_token() -> None:
+        generation = rq.Generation("Hello", max_tokens=1)
+        async for _ in generate(front, generation, None, stream=False, outcome=Outcome(),
+                                request_id=f"health-{secrets.token_hex(6)}", measured=False):
+            pass
+
+    async def one_embedding() -> None:
+        model = catalog.embedder
+        await front.triton.infer(model.inputs, {"text_input": model.inputs.array("text_input", "Hello")}, "",
+                                 ["embedding"])
+
+    if catalog.generator is None and catalog.embedder is None:
+        return False, "the repository serves no model behind the API"
+    try:
+        await asyncio.wait_for(one_token() if catalog.generator is not None else one_embedding(), timeout)
+    except asyncio.TimeoutError:
+        return False, f"no answer within {timeout:g} s"
+    except APIError as exc:
+        return False, exc.message
+    return True, "ok"
