@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                           exit_timeout=int(args.drain_timeout) + 10)
     openai = None if args.no_openai else {"host": args.host, "port": args.openai_port,
                                           "served_model_name": args.served_model_name, "api_key": api_key}
-    session = Session(server, args.repo, restart=args.restart, drain_timeout=args.drain_timeout, openai=openai)
+    session = Session(server, restart=args.restart, drain_timeout=args.drain_timeout, openai=openai)
     return session.run(lambda info: _print_ready(args, info, api_key))
 
 

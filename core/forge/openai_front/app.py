@@ -278,29 +278,27 @@ def create_app(front: Front) -> FastAPI:
         front.resolve(model_id)
         return answered(model_card(catalog, model_id))
 
+    async def generated(route, prefix: str, body, request: Request):
+        """A chat or completions request (``route``: the module with its ``prepare``, ``answer`` and ``chunks``):
+        the whole answer, or its events as they come."""
+        unsupported(body)
+        adapter = front.resolve(body.model)
+        prepared = await route.prepare(front, body)
+        ident, created = f"{prefix}-{secrets.token_hex(12)}", int(time.time())
+        if body.stream:
+            return sse(route.chunks(front, body, prepared, adapter, ident, created))
+        return answered(await until_disconnected(request, route.answer(front, body, prepared, adapter, ident,
+                                                                       created)))
+
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=ChatCompletion,
               description="the whole answer, or with stream: true Server-Sent Events of chat.completion.chunk")
     async def chat_completions(body: ChatRequest, request: Request):
-        unsupported(body)
-        adapter = front.resolve(body.model)
-        generation = await chat.prepare(front, body)
-        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
-        if body.stream:
-            return sse(chat.chunks(front, body, generation, adapter, ident, created))
-        return answered(await until_disconnected(request, chat.answer(front, body, generation, adapter, ident,
-                                                                      created)))
+        return await generated(chat, "chatcmpl", body, request)
 
     @app.post("/v1/completions", dependencies=guarded, response_model=Completion,
               description="the whole answer, or with stream: true Server-Sent Events of text_completion")
     async def text_completions(body: CompletionRequest, request: Request):
-        unsupported(body)
-        adapter = front.resolve(body.model)
-        generations = await completions.prepare(front, body)
-        ident, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
-        if body.stream:
-            return sse(completions.chunks(front, body, generations, adapter, ident, created))
-        return answered(await until_disconnected(request, completions.answer(front, body, generations, adapter,
-                                                                             ident, created)))
+        return await generated(completions, "cmpl", body, request)
 
     @app.post("/v1/embeddings", dependencies=guarded, response_model=EmbeddingList)
     async def embed(body: EmbeddingRequest, request: Request):

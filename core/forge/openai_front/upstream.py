@@ -43,8 +43,7 @@ RECONNECT_BACKOFF_MS = (100, 500)
 def channel_args() -> list[tuple[str, int]]:
     """tritonclient's own channel options (message sizes, keepalive) plus a bounded reconnect back-off."""
     from tritonclient.grpc import KeepAliveOptions
-
-    most = 2**31 - 1  # tritonclient's own message size limit (INT32_MAX)
+    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE as most
 
     keepalive = KeepAliveOptions()
     initial, longest = RECONNECT_BACKOFF_MS

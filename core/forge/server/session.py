@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 from ..errors import ForgeError, UsageError
@@ -80,7 +79,7 @@ def supervise(server, restarts: Restarts):
 
     def on_dead(models: list[str]) -> None:
         line = server.log_line()  # what the dead process and the server said is above this line
-        pids = [str(pid) for pid, model in supervisor.deaths if model in models and pid]
+        pids = [str(pid) for pid, _model in supervisor.last_deaths if pid]
         process = server.process
         if server.world is not None and server.world.world_size > 1 and process is not None:
             try:
@@ -89,7 +88,7 @@ def supervise(server, restarts: Restarts):
             except subprocess.TimeoutExpired:
                 pass
         died = (f"the process of model {', '.join(repr(m) for m in models)}"
-                + (f" (pid {', '.join(pids[-len(models):])})" if pids else "") + " died")
+                + (f" (pid {', '.join(pids)})" if pids else "") + " died")
         print(f"forge: what tritonserver logged before the death ends at line {line} of {server.log_file} "
               "(the log keeps every start's lines)", file=sys.stderr, flush=True)
         if not restarts.attempt(died):
@@ -147,8 +146,8 @@ class Session:
     """``server`` served until a signal or a failure the restart policy gives up on; the OpenAI front beside it
     unless ``openai`` is None (its keyword arguments: host, port, served_model_name, api_key)."""
 
-    def __init__(self, server, repo: Path, *, restart: str, drain_timeout: float, openai: dict | None):
-        self.server, self.repo, self.drain_timeout, self.openai = server, repo, drain_timeout, openai
+    def __init__(self, server, *, restart: str, drain_timeout: float, openai: dict | None):
+        self.server, self.drain_timeout, self.openai = server, drain_timeout, openai
         self.restarts = Restarts(server, restart)
         self.front = self.supervisor = None
 
@@ -203,7 +202,7 @@ class Session:
         from ..openai_front import OpenAIServer
 
         try:
-            self.front = OpenAIServer(self.repo, self.server.grpc_url, **self.openai).start()
+            self.front = OpenAIServer(self.server.repo, self.server.grpc_url, **self.openai).start()
         except UsageError as exc:  # nothing it can serve here: Triton's endpoints still are
             print(f"forge: the OpenAI API is off: {exc}", file=sys.stderr, flush=True)
         else:

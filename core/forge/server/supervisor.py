@@ -68,6 +68,7 @@ class Supervisor:
         self.on_dead = on_dead if on_dead is not None else restart_server(server)
         self.interval = interval
         self.deaths: list[tuple[int, str]] = []  # (pid, model) of every death reported
+        self.last_deaths: list[tuple[int, str]] = []  # those of the last poll that found any (pid 0: counted short)
         self._known: dict[int, str] = {}
         self._session: int | None = None
         self._wanted: dict[str, int] | None = None  # python model → its processes (the repository's configs)
@@ -99,6 +100,8 @@ class Supervisor:
             seen = {model for _pid, model in dead}
             dead += [(0, m) for m in short if m not in seen]
         self.deaths += dead
+        if dead:
+            self.last_deaths = dead
         return sorted({model for _pid, model in dead})
 
     def watching(self) -> dict[int, str]:
