@@ -205,7 +205,10 @@ def test_a_required_tool_call_has_arguments_that_parse(client):
 
 def test_vllm_sampling_extensions_are_honoured(client, tokenizer):
     """ignore_eos, min_tokens, top_k, stop_token_ids, include_stop_str_in_output and repetition_penalty reach
-    the served model (its end_id, min_tokens, top_k, stop_words and repetition_penalty inputs) or the front."""
+    the served model (its end_id, min_tokens, top_k, stop_words and repetition_penalty inputs) or the front;
+    length_penalty, which would change nothing without beam search, is refused."""
+    import openai
+
     def chat(temperature=0, **extra):
         return client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=temperature,
                                               max_tokens=20, extra_body=extra)
@@ -237,7 +240,9 @@ def test_vllm_sampling_extensions_are_honoured(client, tokenizer):
     repeated = complete()
     assert repeated.startswith(" 1, 1")
     assert complete(repetition_penalty=2.0) != repeated
-    assert complete(length_penalty=2.0) == repeated  # beam search only, as in TensorRT-LLM and vLLM
+    with pytest.raises(openai.BadRequestError, match="length_penalty"):  # beam search only: it would change nothing
+        complete(length_penalty=2.0)
+    assert complete(length_penalty=1.0) == repeated
 
 
 def test_chat_template_fields_continue_echo_and_template_kwargs(client, served, monkeypatch):

@@ -4,7 +4,7 @@ with a 400 that names it and says why. None is ignored: a value that asks for no
 accepted everywhere.
 
 The inputs are TensorRT-LLM's: the engine releases' ensemble names (``top_k``, ``min_tokens``/``min_length``,
-``length_penalty``, ``end_id`` …) and the LLM-API model's ``sampling_param_<SamplingParams keyword>``; the first
+``end_id`` …) and the LLM-API model's ``sampling_param_<SamplingParams keyword>``; the first
 the served model takes carries the value. TensorRT-LLM's ``end_id`` of -1 ends no sequence, which is how
 ``ignore_eos`` travels where no ``sampling_param_ignore_eos`` input exists.
 """
@@ -47,7 +47,8 @@ EXTENSIONS: tuple[Extension, ...] = (
               why="the served model has no min_p input (TensorRT-LLM's backend samples with top_k / top_p)"),
     Extension("repetition_penalty", (None, 1.0),
               carried(*SAMPLING_INPUTS["repetition_penalty"], "sampling_param_repetition_penalty")),
-    Extension("length_penalty", (None, 1.0), carried("length_penalty", "len_penalty", "sampling_param_length_penalty")),
+    Extension("length_penalty", (None, 1.0),
+              why="it weighs the beams of a beam search, and this API decodes one beam: it would change nothing"),
     Extension("min_tokens", (0,), carried(*SAMPLING_INPUTS["min_length"], "sampling_param_min_tokens")),
     Extension("ignore_eos", (False,), (("sampling_param_ignore_eos", _same), ("end_id", lambda _: -1))),
     Extension("spaces_between_special_tokens", (True,), carried("sampling_param_spaces_between_special_tokens"),
