@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (--target python, --decoupled: streamed token by token) on
 Bad inputs tried (each answers 400 in OpenAI's error shape and the server keeps serving): malformed JSON,
 wrong types (messages as a string, max_tokens as a string), unknown fields (refused as OpenAI refuses them;
 ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored, as OpenAI's bookkeeping),
-empty messages, a 1 MB prompt, negative max_tokens, temperature 5, n = 2, logprobs, an image sent to a text
+empty messages, a 1 MB prompt, negative max_tokens, temperature 5, n = 129, logprobs, an image sent to a text
 model, an http image URL, a schema that is not a schema, tool_choice naming an unknown function, an unknown
 model (404), a missing or wrong API key (401), and a server whose tritonserver is gone (503). vLLM's
 extensions the served model cannot carry (min_p, priority, skip_special_tokens false …) and out-of-range ones
@@ -366,8 +366,10 @@ def test_langchain_chat_openai_talks_to_it_unmodified(served, client):
     ({"max_tokens": "many"}, "max_tokens", "max_tokens"),
     ({"temperature": 5}, "temperature", "temperature"),
     ({"frobnicate": True}, "frobnicate", "unrecognized request argument"),
-    ({"n": 2}, "n", "n must be 1"),
-    ({"logprobs": True}, "logprobs", "logprobs"),
+    ({"n": 129}, "n", "less than or equal to 128"),
+    ({"logprobs": True}, "logprobs", "takes text and answers text only"),  # the engine layout's ensemble
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
      "response_format.json_schema.schema", "not a valid json schema"),

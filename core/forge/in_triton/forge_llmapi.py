@@ -18,6 +18,7 @@ It imports numpy only (never forge, never tensorrt_llm), so the build and the te
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -36,7 +37,20 @@ SAMPLING = {
     "sampling_param_seed": ("seed", int),
     "sampling_param_exclude_input_from_output": ("exclude_input_from_output", bool),
     "sampling_param_return_perf_metrics": ("return_perf_metrics", bool),
+    # forge's python target only (EXTENSION_INPUTS): log-probs of each generated / prompt token and this many
+    # alternatives, as SamplingParams' logprobs / prompt_logprobs
+    "sampling_param_logprobs": ("logprobs", int),
+    "sampling_param_prompt_logprobs": ("prompt_logprobs", int),
 }
+PROMPT_IDS = "prompt_token_ids"  # the prompt as token ids instead of text_input (forge's python target only)
+MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
+#: what forge's python target adds to the interface: (name, Triton data type, dims)
+EXTENSION_INPUTS = ((PROMPT_IDS, "INT32", -1), ("sampling_param_logprobs", "INT32", 1),
+                    ("sampling_param_prompt_logprobs", "INT32", 1))
+#: JSON per response, as Triton's vLLM backend writes ``logprobs``: a list with one object per token, token id →
+#: {"logprob", "rank", "decoded_token"}, the generated (or prompt) token first; ``prompt_logprobs`` leads with
+#: null (nothing predicts the first prompt token) and comes in the first response only
+EXTENSION_OUTPUTS = (("logprobs", "STRING", -1), ("prompt_logprobs", "STRING", -1))
 STOP_STRINGS = "sampling_param_stop"  # → SamplingParams(stop=[...])
 #: the outputs a request asks for with a flag; ``text_output`` is in every response
 RETURNS = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
@@ -62,6 +76,7 @@ class LLMRequest:
     """One request of the LLM-API interface, checked."""
 
     prompt: str
+    prompt_ids: list[int] | None = None  # ``prompt_token_ids``: the prompt as token ids (``prompt`` is then empty)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords the request set
     streaming: bool = False
     returns: frozenset[str] = frozenset()  # outputs asked for besides text_output
@@ -111,7 +126,9 @@ def _check_sampling(sampling: dict[str, Any], max_tokens_limit: int | None) -> N
               ("temperature", lambda v: v >= 0.0, "0 or more"),
               ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
               ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
-              ("seed", lambda v: 0 <= v < 2 ** 64, "in [0, 2^64)"))
+              ("seed", lambda v: 0 <= v < 2 ** 64, "in [0, 2^64)"),
+              ("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+              ("prompt_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"))
     for name, ok, wanted in checks:
         if name in sampling and not ok(sampling[name]):
             raise RequestError(f"sampling_param_{name} must be {wanted}, got {sampling[name]}")
@@ -165,7 +182,21 @@ def parse(tensors: Mapping[str, np.ndarray], *, decoupled: bool, multimodal: boo
         if urls and not multimodal:
             raise RequestError("image_url is not accepted: this model is not multimodal (triton_config.multimodal)")
         images = [check_image_url(u) for u in urls]
-    return LLMRequest(prompts[0], sampling, streaming, frozenset(returns), _lora(tensors), images)
+    prompt_ids = _prompt_ids(tensors, prompts[0])
+    return LLMRequest(prompts[0], prompt_ids, sampling, streaming, frozenset(returns), _lora(tensors), images)
+
+
+def _prompt_ids(tensors: Mapping[str, np.ndarray], prompt: str) -> list[int] | None:
+    if PROMPT_IDS not in tensors:
+        return None
+    ids = np.asarray(tensors[PROMPT_IDS]).reshape(-1)
+    if ids.size == 0:
+        raise RequestError(f"{PROMPT_IDS} is empty")
+    if prompt:
+        raise RequestError(f"send the prompt as text_input or as {PROMPT_IDS}, not both (text_input must be empty)")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise RequestError(f"{PROMPT_IDS} must be integers")
+    return [int(t) for t in ids]
 
 
 def _lora(tensors: Mapping[str, np.ndarray]) -> dict[str, Any] | None:
@@ -216,6 +247,8 @@ class Completion:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     cumulative_logprob: float | None = None
     perf: Mapping[str, float] = field(default_factory=dict)  # PERF_OUTPUTS the engine measured
+    logprobs: list | None = None  # EXTENSION_OUTPUTS' objects of this response's tokens
+    prompt_logprobs: list | None = None  # and of the prompt's (the first response)
 
 
 def outputs(completion: Completion, request: LLMRequest, configured: Mapping[str, np.dtype],
@@ -233,6 +266,10 @@ def outputs(completion: Completion, request: LLMRequest, configured: Mapping[str
     for name in PERF_OUTPUTS:
         if name in request.returns and name in completion.perf:
             values[name] = completion.perf[name]
+    if "logprobs" in request.sampling:
+        values["logprobs"] = json.dumps(completion.logprobs or [])
+    if "prompt_logprobs" in request.sampling and completion.prompt_logprobs is not None:
+        values["prompt_logprobs"] = json.dumps(completion.prompt_logprobs)
     out = {}
     for name, value in values.items():
         dtype = configured.get(name)

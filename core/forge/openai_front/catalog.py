@@ -51,6 +51,18 @@ class TextModel:
         add = self.add_special_tokens if special is None else special
         return len(forge_text.token_ids(text, self.tokenizer, add))
 
+    def token_ids(self, text: str) -> list[int]:
+        """``text`` as the served preprocessing tokenizes it."""
+        from ..in_triton import forge_text
+
+        return forge_text.token_ids(text, self.tokenizer, self.add_special_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (what an echoed token-id prompt shows)."""
+        from ..in_triton import forge_text
+
+        return forge_text.decode(self.tokenizer, ids, False)
+
 
 @dataclass
 class Catalog:
@@ -67,9 +79,19 @@ class Catalog:
     max_seq_len: int | None = None
     image_placeholder: str | None = None
     skip_special_tokens: bool = True  # how the served postprocessing decodes (set when it was built)
+    _shapes: Any = field(default=None, repr=False)
 
     def ids(self) -> list[str]:
         return [self.model_id, *sorted(self.adapters)]
+
+    def shapes(self):
+        """OpenAI's log-prob objects with the generator's token texts (``logprobs.Shapes``), made once."""
+        if self._shapes is None:
+            from ..in_triton import forge_text
+            from .logprobs import Shapes
+
+            self._shapes = Shapes(forge_text.TokenBytes(self.generator.tokenizer, skip_special_tokens=False))
+        return self._shapes
 
     @property
     def max_model_len(self) -> int | None:

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from ..clients.inference import EXCLUDE_INPUT, first_input
 from ..clients.lora_requests import UNKNOWN_TASK, ServedAdapter
+from . import logprobs
 from . import translate as rq
 from .catalog import TextModel
 from .front import Front
@@ -28,6 +29,8 @@ class Outcome:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.finish_reason = "stop"
+        self.positions: list[logprobs.Scored] = []  # of the generated tokens (log-probs asked), as they come
+        self.prompt_positions: list[logprobs.Scored | None] | None = None  # of the prompt's (an echo's)
 
 
 async def generate(front: Front, generation: rq.Generation, adapter: ServedAdapter | None, *, stream: bool,
@@ -68,11 +71,14 @@ async def _pieces(front: Front, model: TextModel, generation: rq.Generation, ada
                     if clock is not None:
                         clock.response()
                     piece = "".join(strings(outputs.get("text_output")))
-                    texts.append(piece)
+                    _scored(outputs, generation, outcome)
                     outcome.prompt_tokens = first_int(outputs.get("num_input_tokens")) or outcome.prompt_tokens
                     count = first_int(outputs.get("num_output_tokens"))
                     if count is not None:
                         outcome.completion_tokens = count
+                    if not generation.answer:
+                        continue  # max_tokens 0: the token generated to score the prompt is not shown
+                    texts.append(piece)
                     if echoes:
                         continue
                     out = stop.feed(piece)
@@ -96,10 +102,22 @@ async def _pieces(front: Front, model: TextModel, generation: rq.Generation, ada
         outcome.prompt_tokens = generation.prompt_tokens
     if outcome.completion_tokens is None and model.tokenizer is not None:
         outcome.completion_tokens = await asyncio.to_thread(model.count, "".join(texts), special=False)
-    if stop.stopped:
+    if not generation.answer:
+        outcome.completion_tokens, outcome.finish_reason, outcome.positions = 0, "length", []
+    elif stop.stopped:
         outcome.finish_reason = "stop"
     elif outcome.completion_tokens is not None and outcome.completion_tokens >= generation.max_tokens:
         outcome.finish_reason = "length"
+
+
+def _scored(outputs: dict, generation: rq.Generation, outcome: Outcome) -> None:
+    """The log-probs a response carries, into ``outcome``."""
+    if generation.logprobs is not None:
+        for text in strings(outputs.get("logprobs")):
+            outcome.positions.extend(logprobs.parse(text, generation.logprobs))
+    if generation.prompt_logprobs is not None:
+        for text in strings(outputs.get("prompt_logprobs")):
+            outcome.prompt_positions = logprobs.parse(text, generation.prompt_logprobs)
 
 
 def _without_prompt(whole: str, prompt: str, model: TextModel) -> str:
@@ -150,3 +168,39 @@ async def probe(front: Front, timeout: float) -> tuple[bool, str]:
     except APIError as exc:
         return False, exc.message
     return True, "ok"
+
+
+async def merged(streams: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several streams (the choices of one request) as they come; the first error ends them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def pump(stream: AsyncIterator) -> None:
+        try:
+            async with aclosing(stream) as items:
+                async for item in items:
+                    await queue.put(item)
+        except Exception as exc:  # noqa: BLE001 - raised where the items are read
+            await queue.put(exc)
+        finally:
+            await queue.put(ended)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is ended:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

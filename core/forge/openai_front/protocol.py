@@ -26,7 +26,8 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error"}
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 500: "server_error",
+             502: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -226,8 +227,12 @@ class ChatRequest(_Sampling, _ChatTemplate):
     function_call: Any = None
 
 
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str]]
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)  # 0: the prompt only (with echo: scored)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1)
@@ -236,9 +241,15 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
-        if isinstance(value, list) and not value:
+        if isinstance(value, list) and (not value or any(isinstance(v, list) and not v for v in value)):
             raise ValueError("prompt must not be an empty list")
         return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt per choice group: a text, or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class EmbeddingRequest(_Strict):
@@ -276,24 +287,21 @@ class DetokenizeRequest(_Strict):
 def unsupported(request: BaseModel) -> None:
     """Refuse OpenAI parameters that forge accepts by name but cannot honour (400 naming the parameter)."""
     def refuse(param: str, why: str) -> None:
-        raise APIError(400, f"{param} is not supported by this server: {why}", param=param, code="unsupported_parameter")
+        raise APIError(400, f"{param} is not supported by this server: {why}", param=param,
+                       code="unsupported_parameter")
 
-    if getattr(request, "n", 1) != 1:
-        refuse("n", "it generates one choice per request (n must be 1)")
     if getattr(request, "logit_bias", None):
         refuse("logit_bias", "token-id biases are not passed to the model")
     if isinstance(request, ChatRequest):
-        if request.logprobs or request.top_logprobs:
-            refuse("logprobs", "the served ensemble returns text, not the token ids that log-probabilities belong to")
+        if request.top_logprobs and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
         for name in ("modalities", "audio", "prediction", "reasoning_effort", "web_search_options"):
             if getattr(request, name) is not None:
                 refuse(name, "text generation only")
         if request.functions is not None or request.function_call is not None:
             refuse("functions", "use tools and tool_choice")
     if isinstance(request, CompletionRequest):
-        if request.logprobs:
-            refuse("logprobs", "the served ensemble returns text, not the token ids that log-probabilities belong to")
-        if request.best_of not in (None, 1):
-            refuse("best_of", "it generates one choice per request")
+        if request.best_of not in (None, 1, request.n):
+            refuse("best_of", "it returns every sequence it generates (best_of, when set, must equal n)")
         if request.suffix:
             refuse("suffix", "insertion (fill-in-the-middle) is not supported")

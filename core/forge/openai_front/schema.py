@@ -86,10 +86,28 @@ class AssistantMessage(_Answer):
     refusal: str | None = None
 
 
+class TopLogprob(_Answer):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Answer):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Answer):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(_Answer):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -113,7 +131,7 @@ class Delta(_Answer):
 class ChunkChoice(_Answer):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -130,10 +148,19 @@ class ChatCompletionChunk(_Answer):
 
 # -- completions ------------------------------------------------------------------------------------
 
+class CompletionLogprobs(_Answer):
+    """The legacy completions shape: a list per token, the echoed prompt's first."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Answer):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

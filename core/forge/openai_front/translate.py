@@ -12,17 +12,19 @@ import io
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from ..clients.inference import EXCLUDE_INPUT, MAX_TOKENS, STREAM, TRITON_TO_NUMPY, first_input
+from ..clients.inference import EXCLUDE_INPUT, MAX_TOKENS, SAMPLING_INPUTS, STREAM, TRITON_TO_NUMPY, first_input
 from .catalog import LLAVA_TURN, Catalog, TextModel
 from .protocol import APIError, ChatRequest, Message, _ChatTemplate, _Sampling, is_unicode, valid_text
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 GUIDE_TYPE, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
+# forge's python target's additions to the LLM-API interface (forge_llmapi.EXTENSION_INPUTS)
+PROMPT_IDS, LOGPROBS, PROMPT_LOGPROBS = "prompt_token_ids", "sampling_param_logprobs", "sampling_param_prompt_logprobs"
 
 
 @dataclass
@@ -38,6 +40,19 @@ class Generation:
     image: bytes | None = None
     tools: str | None = None  # "required" / "auto": the answer may be a tool call
     include_stop: bool = False  # the stop string that ended the answer stays in it
+    prompt_ids: list[int] | None = None  # sent as token ids (token-id prompts, and whenever log-probs are asked)
+    logprobs: int | None = None  # log-probs of the generated tokens, with this many alternatives each
+    prompt_logprobs: int | None = None  # and of the prompt's tokens (an echo with log-probs)
+    answer: bool = True  # False: max_tokens 0, the prompt only (one token is generated and left out)
+
+    def varied(self, index: int, seeded: bool) -> "Generation":
+        """The ``index``-th of ``n`` choices of one request: another seed when it samples (``seed`` + index if the
+        request set one, else a fresh one)."""
+        name = next((n for n in SAMPLING_INPUTS["seed"] if n in self.sampling), None)
+        if index == 0 or name is None or any(self.sampling.get(k) == 1 for k in SAMPLING_INPUTS["top_k"]):
+            return self  # greedy: every choice is the same answer
+        seed = (int(self.sampling[name]) + index) % 2**64 if seeded else secrets.randbits(63)
+        return replace(self, sampling={**self.sampling, name: seed})
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -308,6 +323,15 @@ def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[s
     """The request's tensors, typed by the served model's own config."""
     inputs = model.inputs
     payload: dict[str, Any] = {"text_input": generation.prompt, first_input(inputs, MAX_TOKENS): generation.max_tokens}
+    if generation.logprobs is not None:
+        token_level(model, "logprobs")
+        payload[LOGPROBS] = generation.logprobs
+    if generation.prompt_logprobs is not None:
+        token_level(model, "echo")
+        payload[PROMPT_LOGPROBS] = generation.prompt_logprobs
+    if generation.prompt_ids is not None:
+        token_level(model, "prompt")
+        payload["text_input"], payload[PROMPT_IDS] = "", generation.prompt_ids
     if generation.stops and "stop_words" in inputs.inputs:
         payload["stop_words"] = list(generation.stops)
     elif generation.stops and "sampling_param_stop" in inputs.inputs:
@@ -333,6 +357,16 @@ def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[s
     for name, value in payload.items():
         _fits(inputs.inputs[name][0], name, value)
     return {name: inputs.array(name, value) for name, value in payload.items()}
+
+
+def token_level(model: TextModel, param: str) -> None:
+    """A 400 naming the served model when it cannot take token-id prompts or answer log-probs."""
+    if PROMPT_IDS not in model.inputs.inputs or LOGPROBS not in model.inputs.inputs:
+        what = {"prompt": "token-id prompts", "logprobs": "log-probabilities"}.get(param, "the prompt's log-probs")
+        raise APIError(400, f"{param}: the served model {model.name!r} takes text and answers text only, so "
+                            f"{what} are not available; forge's python target in the LLM-API layout (--target "
+                            "python, the newest --backend-version) serves them", param=param,
+                       code="unsupported_parameter")
 
 
 def _fits(dtype: str, name: str, value: Any) -> None:

@@ -144,7 +144,8 @@ class _Request:
                     first = seq not in self.started
                     self.started.add(seq)
                     self._send([self._row(seq, progress, update.tokens, update.logprobs, update.generation_logits,
-                                          context=first, reason=update.reason if update.finished else None)], last)
+                                          context=first, reason=update.reason if update.finished else None,
+                                          top=update.top)], last)
                 elif last and self.text is not None and update.finished:  # the text's tail and why it ended
                     self._send([self._row(seq, progress, [], [], [], reason=update.reason)], True)
                 elif last:
@@ -154,14 +155,14 @@ class _Request:
                 return
             ids = seq.output if req.exclude_input else req.prompt + seq.output
             self.results[req.batch_index] = self._row(seq, progress, ids, seq.logprobs, seq.generation_logits,
-                                                      context=True, reason=update.reason)
+                                                      context=True, reason=update.reason, top=seq.top)
             if self.model.decoupled:
                 self._send([self.results[req.batch_index]], last)
             elif last:
                 self._send([self.results[i] for i in sorted(self.results)], True)
 
     def _row(self, seq, progress: "_Progress", ids, logprobs, generation_logits, context: bool = False,
-             reason: str | None = None) -> RowResult:
+             reason: str | None = None, top: list | None = None) -> RowResult:
         req = seq.request
         return RowResult(ids=list(ids), logprobs=list(logprobs), cum_logprob=progress.cum_logprob,
                          want_logprobs=req.return_log_probs,
@@ -169,7 +170,8 @@ class _Request:
                          generation_logits=list(generation_logits), batch_index=req.batch_index,
                          arrival_ns=seq.arrival_ns, scheduled_ns=seq.scheduled_ns,
                          first_token_ns=progress.first_token_ns, last_token_ns=progress.last_token_ns,
-                         input_tokens=len(req.prompt), output_tokens=progress.output_tokens, reason=reason)
+                         input_tokens=len(req.prompt), output_tokens=progress.output_tokens, reason=reason,
+                         top=list(top or ()), prompt_top=seq.prompt_top if context else None)
 
 
 class _Progress(NamedTuple):
@@ -388,6 +390,8 @@ class TritonPythonModel:
                     text = self.front.stream(parsed)
                 rows = parse(tensors, self.limits, decoupled=self.decoupled, exclude_input=self.exclude_input,
                              warn=pb_utils.Logger.log_warn)
+                if text is not None:
+                    text.ask(rows)
                 if self.loaded is not None:  # else the engine process resolves adapters and guides
                     self.loaded.prepare(rows)  # a bad guide or adapter: RequestError
             except (RequestError, ValueError) as exc:  # forge_llmapi.RequestError is a ValueError too

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import graphs, guided, kvcache, sampling
+from . import graphs, guided, kvcache, sampling, toplogprobs
 from .graph_steps import GraphSteps
 from .request import Limits
 from .scheduler import ADMIT_WAIT_S, Scheduler
@@ -343,15 +343,15 @@ class Engine(Scheduler, GraphSteps):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = kvcache.new_cache()
-        keep_all = any(s.request.return_context_logits for s in admitted)
+        keep_all = any(toplogprobs.all_logits(s) for s in admitted)
         try:
             logits = self._forward(ids, mask, positions, cache, keep_all=keep_all, embeds=embeds, rows=admitted)
         except Exception as exc:
             self._prefill_failed(admitted, exc)
             return
-        for i, seq in enumerate(admitted):
-            if seq.request.return_context_logits:
-                seq.context_logits = logits[i, width - lengths[i]:].float().cpu().numpy()
+        if keep_all:
+            for i, seq in enumerate(admitted):
+                toplogprobs.keep_prompt(seq, logits[i, width - lengths[i]:])
         batch = kvcache.BatchCache(cache, mask)
         if self._batch is None or not self._active:
             self._batch = batch
@@ -389,6 +389,7 @@ class Engine(Scheduler, GraphSteps):
             tokens, logprobs = chosen or sampling.choose(logits, rows)
         want_logits = logits is not None and any(s.request.return_generation_logits for s in rows)
         raw = logits.float().cpu().numpy() if want_logits else None
+        tops = toplogprobs.chosen(logits, rows, tokens)
         now = time.time_ns()
         for i, (seq, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
             req = seq.request
@@ -414,15 +415,17 @@ class Engine(Scheduler, GraphSteps):
             seq.cum_logprob += logprob
             gen_logits = [raw[i]] if raw is not None and req.return_generation_logits else []
             seq.generation_logits.extend(gen_logits)
+            top = [tops[i]] if tops.get(i) is not None else []
+            seq.top.extend(top)
             reason = None
             if seq.generated >= req.max_new_tokens:
                 reason = "length"
             elif any(len(w) <= len(seq.output) and seq.output[-len(w):] == w for w in req.stop_words):
                 reason = "stop_words"
             if reason:
-                self._finish(seq, Update([token], [logprob], gen_logits, True, reason))
+                self._finish(seq, Update([token], [logprob], gen_logits, True, reason, top=top))
             else:
-                self._emit(seq, Update([token], [logprob], gen_logits, False))
+                self._emit(seq, Update([token], [logprob], gen_logits, False, top=top))
         self._drop_finished()
 
     def _emit(self, seq: Sequence, update: Update) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import architectures, graphs, sampling
+from . import architectures, graphs, sampling, toplogprobs
 from .sequences import Sequence
 
 #: The share of the free GPU memory the CUDA-graph decoder's KV cache may take when
@@ -142,7 +142,7 @@ class GraphSteps:
         for i, seq in enumerate(admitted):
             table[i, :lengths[i]] = seq.tokens
         ids = torch.from_numpy(table)  # on the host: the decoder uploads it without waiting for the device
-        keep_all = any(s.request.return_context_logits for s in admitted)
+        keep_all = any(toplogprobs.all_logits(s) for s in admitted)
         adapters = self.lora is not None and any(s.request.lora is not None for s in admitted)
         if self.lora is not None:
             self.lora.select([s.request.lora for s in admitted] if adapters else None)
@@ -159,8 +159,7 @@ class GraphSteps:
             return
         if keep_all:
             for i, seq in enumerate(admitted):
-                if seq.request.return_context_logits:
-                    seq.context_logits = logits[i, :lengths[i]].float().cpu().numpy()
+                toplogprobs.keep_prompt(seq, logits[i, :lengths[i]])
             logits = logits[torch.arange(len(admitted), device=self.device),
                             torch.tensor(lengths, device=self.device) - 1]
         self._active.extend(admitted)
@@ -200,7 +199,7 @@ class GraphSteps:
         overlapped, 2 109 one step at a time). ``first``: min_length may ban the end_id from its next token alone
         (a prompt's first token, whose pick leaves it out: ``sampling.banned_end``; or the token in flight)."""
         return (sampling.plain_greedy(seq, end_banned=first) and not seq.request.return_generation_logits
-                and not seq.request.streaming
+                and seq.request.top_logprobs is None and not seq.request.streaming
                 and (self.lora is None or seq.request.lora is None))
 
     def _decode_ahead(self) -> None:

@@ -203,6 +203,7 @@ class EngineHost:
                 seq.output.extend(update.tokens)
                 seq.logprobs.extend(update.logprobs)
                 seq.generation_logits.extend(update.generation_logits)
+                seq.top.extend(update.top)
             seq.finished = update.finished
             try:
                 seq.on_update(seq, update)
@@ -357,11 +358,14 @@ class Hosted:
                    "last_token_ns": seq.last_token_ns, "scheduled_ns": seq.scheduled_ns}
         if update.finished:
             figures.update(output=list(seq.output), logprobs=list(seq.logprobs),
-                           generation_logits=list(seq.generation_logits))
+                           generation_logits=list(seq.generation_logits), top=list(seq.top))
             self.sequences.pop(seq.owner, None)
         if seq.context_logits is not None and not getattr(seq, "context_sent", False):
             figures["context_logits"] = seq.context_logits
             seq.context_sent = True
+        if seq.prompt_top is not None and not getattr(seq, "prompt_top_sent", False):
+            figures["prompt_top"] = seq.prompt_top
+            seq.prompt_top_sent = True
         with self.outbox_lock:
             self.outbox.append((seq.owner, update, figures))
 

@@ -115,6 +115,9 @@ class GenerationRequest:
     return_perf_metrics: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    # forge's log-prob outputs of the LLM-API layout (toplogprobs.py): alternatives per generated / prompt token
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
     exclude_input: bool = False
     streaming: bool = False
     batch_index: int = 0

@@ -46,6 +46,8 @@ class RowResult:
     input_tokens: int = 0
     output_tokens: int = 0
     reason: str | None = None  # why the sequence ended (the engine's reason), on its last response
+    top: list = field(default_factory=list)  # toplogprobs.Position of each generated token in ``ids`` (if asked)
+    prompt_top: list | None = None  # toplogprobs.Position of each prompt token, on the first response (if asked)
 
 
 def _padded(rows: list[list], fill, dtype) -> np.ndarray:

@@ -65,8 +65,10 @@ def banned_end(row: Row) -> int:
 
 
 def process(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
-    """Apply bias, bad words, min length, penalties and temperature; return float32 logits."""
-    logits = logits.float()
+    """Apply bias, bad words, min length, penalties and temperature; return float32 logits (a copy where a row
+    changes: the caller's logits stay the model's, for log-probs and generation logits)."""
+    changed = logits.dtype == torch.float32 and not all(_untouched(row) for row in rows)
+    logits = logits.clone() if changed else logits.float()
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         if _untouched(row):

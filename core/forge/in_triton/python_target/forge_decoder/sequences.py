@@ -23,6 +23,7 @@ class Update:
     finished: bool
     reason: str | None = None  # "length", "end_id", "stop_words", "cancelled", "error"
     error: str | None = None
+    top: list = field(default_factory=list)  # toplogprobs.Position of each token, when the request asks
 
 
 @dataclass(eq=False)
@@ -40,6 +41,8 @@ class Sequence:
     cum_logprob: float = 0.0  # sum of ``logprobs``
     context_logits: np.ndarray | None = None
     generation_logits: list[np.ndarray] = field(default_factory=list)
+    top: list = field(default_factory=list)  # toplogprobs.Position of each output token (top_logprobs asked)
+    prompt_top: list | None = None  # toplogprobs.Position of each prompt token (prompt_logprobs asked)
     generator: torch.Generator | None = None
     top_p: float = 0.0
     bias: torch.Tensor | None = None

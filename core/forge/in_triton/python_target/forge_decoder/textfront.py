@@ -34,6 +34,7 @@ class TextFront:
         self.end_id = int(params["end_id"])
         self.pad_id = int(params.get("pad_id") or self.end_id)
         self.stop_ids = [int(t) for t in str(params.get("stop_token_ids") or "").split(",") if t.strip()]
+        self.vocab_size = int(params.get("vocab_size") or len(self.tokenizer))
         self.multimodal = forge_text.parse_bool(params.get("multimodal"), False)
         # the adapters shipped in the model's lora/ folder: name → task id (the engine holds them by task id)
         self.adapters = {str(k): int(v) for k, v in json.loads(params.get("lora_names") or "{}").items()}
@@ -49,7 +50,15 @@ class TextFront:
         if parsed.sampling.get("best_of", 1) != 1:
             raise forge_llmapi.RequestError("sampling_param_best_of above 1 is not served by the python target "
                                             "(one sequence per request)")
-        ids = forge_text.token_ids(parsed.prompt, self.tokenizer, self.add_special)
+        if parsed.prompt_ids is not None:
+            ids = parsed.prompt_ids
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise forge_llmapi.RequestError(f"{forge_llmapi.PROMPT_IDS}: token id {bad} is outside the "
+                                                f"vocabulary [0, {self.vocab_size})")
+            parsed.prompt = forge_text.decode(self.tokenizer, ids, False)  # what an echo shows
+        else:
+            ids = forge_text.token_ids(parsed.prompt, self.tokenizer, self.add_special)
         if not ids:
             raise forge_llmapi.RequestError("text_input encodes to no tokens")
         s = parsed.sampling
@@ -96,6 +105,10 @@ class TextFront:
                                             f"not {lora['lora_int_id']}")
         return task_id
 
+    def token_text(self, token: int) -> str:
+        """One token as text, special tokens included (a piece of a character shows as U+FFFD)."""
+        return forge_text.decode(self.tokenizer, [token], False)
+
     def stream(self, parsed: forge_llmapi.LLMRequest) -> "TextStream":
         return TextStream(self, parsed)
 
@@ -113,6 +126,17 @@ class TextStream:
         self.prefix = parsed.prompt if parsed.echo else ""
         self.text = ""  # every generated character so far (for the stop string that ended it)
 
+    def ask(self, rows: list) -> None:
+        """What the token tensors do not carry: the log-probs the request wants (its one row's)."""
+        rows[0].top_logprobs = self.parsed.sampling.get("logprobs")
+        rows[0].prompt_logprobs = self.parsed.sampling.get("prompt_logprobs")
+
+    def _positions(self, positions: list) -> list:
+        """toplogprobs.Position lists as the ``logprobs`` output's objects (None stays null)."""
+        decode = self.front.token_text
+        return [None if p is None else {str(t): {"logprob": lp, "rank": rank, "decoded_token": decode(t)}
+                                        for t, lp, rank in p} for p in positions]
+
     def outputs(self, ids: list[int], result, final: bool, reason: str | None,
                 configured: Mapping[str, np.dtype], wanted: set[str] | None) -> dict[str, np.ndarray]:
         """The response tensors for ``ids`` (new tokens when streaming, all generated ones otherwise)."""
@@ -127,4 +151,8 @@ class TextStream:
         completion = forge_llmapi.Completion(text=text, finish_reason=FINISH.get(reason or "") if final else None,
                                              stop_reason=stop_reason, cumulative_logprob=result.cum_logprob,
                                              perf=perf)
+        if "logprobs" in self.parsed.sampling:
+            completion.logprobs = self._positions(result.top)
+        if result.prompt_top is not None:
+            completion.prompt_logprobs = self._positions(result.prompt_top)
         return forge_llmapi.outputs(completion, self.parsed, configured, wanted)
