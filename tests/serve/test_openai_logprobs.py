@@ -1,4 +1,5 @@
-"""Log-probabilities, token-id prompts and ``n`` choices through the OpenAI API, computed by the served model.
+"""Log-probabilities, token-id prompts, ``n`` choices and vLLM's sampling extensions through the OpenAI API on
+the LLM-API layout, computed by the served model.
 
 The real SmolLM2-135M-Instruct is built for the python target in the LLM-API layout (the newest release, no
 --backend-version) in float32, once with the engine inside the python stub (streaming) and once in a process of
@@ -244,3 +245,22 @@ def test_bad_token_level_tensors_are_per_request_errors(served, inputs, words):
         _triton(served, "p_tensorrt_llm", **asked)
     ok = _triton(served, "p_tensorrt_llm", text_input=(np.array([b"Hi"], dtype=object), "BYTES"))
     assert ok.as_numpy("text_output") is not None
+
+
+def test_vllm_sampling_extensions_on_the_llm_api_layout(client):
+    """ignore_eos (aiperf's fixed output lengths), min_tokens and repetition_penalty, carried by the python
+    target's own inputs."""
+    question = [{"role": "user", "content": "Say hi."}]
+    plain = client.chat.completions.create(model="smollm2", messages=question, max_tokens=48, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 48
+    forced = client.chat.completions.create(model="smollm2", messages=question, max_tokens=48, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 48
+    longer = client.chat.completions.create(model="smollm2", messages=question, max_tokens=48, temperature=0,
+                                            extra_body={"min_tokens": plain.usage.completion_tokens + 5})
+    assert longer.usage.completion_tokens >= plain.usage.completion_tokens + 5
+    repeated = "one one one one one one one one"
+    same = client.completions.create(model="smollm2", prompt=repeated, max_tokens=8, temperature=0)
+    penalised = client.completions.create(model="smollm2", prompt=repeated, max_tokens=8, temperature=0,
+                                          extra_body={"repetition_penalty": 1.5})
+    assert same.choices[0].text != penalised.choices[0].text

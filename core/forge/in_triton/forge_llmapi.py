@@ -41,20 +41,29 @@ SAMPLING = {
     # alternatives, as SamplingParams' logprobs / prompt_logprobs
     "sampling_param_logprobs": ("logprobs", int),
     "sampling_param_prompt_logprobs": ("prompt_logprobs", int),
+    # forge's python target only, as SamplingParams' keywords of the same names
+    "sampling_param_ignore_eos": ("ignore_eos", bool),
+    "sampling_param_min_tokens": ("min_tokens", int),
+    "sampling_param_repetition_penalty": ("repetition_penalty", float),
 }
 PROMPT_IDS = "prompt_token_ids"  # the prompt as token ids instead of text_input (forge's python target only)
 MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
 #: what forge's python target adds to the interface: (name, Triton data type, dims)
 EXTENSION_INPUTS = ((PROMPT_IDS, "INT32", -1), ("sampling_param_logprobs", "INT32", 1),
-                    ("sampling_param_prompt_logprobs", "INT32", 1))
+                    ("sampling_param_prompt_logprobs", "INT32", 1), ("sampling_param_ignore_eos", "BOOL", 1),
+                    ("sampling_param_min_tokens", "INT32", 1), ("sampling_param_repetition_penalty", "FP32", 1),
+                    ("return_num_input_tokens", "BOOL", 1), ("return_num_output_tokens", "BOOL", 1))
 #: JSON per response, as Triton's vLLM backend writes ``logprobs``: a list with one object per token, token id →
 #: {"logprob", "rank", "decoded_token"}, the generated (or prompt) token first; ``prompt_logprobs`` leads with
 #: null (nothing predicts the first prompt token) and comes in the first response only
-EXTENSION_OUTPUTS = (("logprobs", "STRING", -1), ("prompt_logprobs", "STRING", -1))
+EXTENSION_OUTPUTS = (("logprobs", "STRING", -1), ("prompt_logprobs", "STRING", -1),
+                     ("num_input_tokens", "INT32", 1), ("num_output_tokens", "INT32", 1))
 STOP_STRINGS = "sampling_param_stop"  # → SamplingParams(stop=[...])
 #: the outputs a request asks for with a flag; ``text_output`` is in every response
 RETURNS = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
-           "return_cumulative_logprob": "cumulative_logprob"}
+           "return_cumulative_logprob": "cumulative_logprob",
+           # forge's python target only (EXTENSION_INPUTS): the prompt's tokens, the tokens generated so far
+           "return_num_input_tokens": "num_input_tokens", "return_num_output_tokens": "num_output_tokens"}
 #: what ``sampling_param_return_perf_metrics`` adds to the response
 PERF_OUTPUTS = ("kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_alloc_new_blocks",
                 "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "arrival_time_ns", "first_scheduled_time_ns",
@@ -128,7 +137,8 @@ def _check_sampling(sampling: dict[str, Any], max_tokens_limit: int | None) -> N
               ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
               ("seed", lambda v: 0 <= v < 2 ** 64, "in [0, 2^64)"),
               ("logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
-              ("prompt_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"))
+              ("prompt_logprobs", lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+              ("min_tokens", lambda v: v >= 0, "0 or more"), ("repetition_penalty", lambda v: v > 0.0, "above 0"))
     for name, ok, wanted in checks:
         if name in sampling and not ok(sampling[name]):
             raise RequestError(f"sampling_param_{name} must be {wanted}, got {sampling[name]}")
@@ -247,6 +257,7 @@ class Completion:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     cumulative_logprob: float | None = None
     perf: Mapping[str, float] = field(default_factory=dict)  # PERF_OUTPUTS the engine measured
+    tokens: tuple[int, int] | None = None  # (prompt, generated so far), where the engine counts them
     logprobs: list | None = None  # EXTENSION_OUTPUTS' objects of this response's tokens
     prompt_logprobs: list | None = None  # and of the prompt's (the first response)
 
@@ -266,6 +277,10 @@ def outputs(completion: Completion, request: LLMRequest, configured: Mapping[str
     for name in PERF_OUTPUTS:
         if name in request.returns and name in completion.perf:
             values[name] = completion.perf[name]
+    if completion.tokens is not None:
+        for name, count in zip(("num_input_tokens", "num_output_tokens"), completion.tokens):
+            if name in request.returns:
+                values[name] = count
     if "logprobs" in request.sampling:
         values["logprobs"] = json.dumps(completion.logprobs or [])
     if "prompt_logprobs" in request.sampling and completion.prompt_logprobs is not None:

@@ -61,6 +61,7 @@ async def _pieces(front: Front, model: TextModel, generation: rq.Generation, ada
     echoes = first_input(model.inputs, EXCLUDE_INPUT) is None  # older profiles: the prompt comes back too
     stop = rq.StopText(generation.stops, generation.include_stop)
     texts: list[str] = []
+    reason = None  # the model's own finish reason, where it answers one (the LLM-API interface)
     for attempt in (0, 1):
         first = adapter is not None and attempt == 1
         extra = front.lora_tensors(adapter, first)
@@ -72,6 +73,8 @@ async def _pieces(front: Front, model: TextModel, generation: rq.Generation, ada
                         clock.response()
                     piece = "".join(strings(outputs.get("text_output")))
                     _scored(outputs, generation, outcome)
+                    ended = [r for r in strings(outputs.get("finish_reason")) if r in ("stop", "length")]
+                    reason = ended[0] if ended else reason
                     outcome.prompt_tokens = first_int(outputs.get("num_input_tokens")) or outcome.prompt_tokens
                     count = first_int(outputs.get("num_output_tokens"))
                     if count is not None:
@@ -106,6 +109,8 @@ async def _pieces(front: Front, model: TextModel, generation: rq.Generation, ada
         outcome.completion_tokens, outcome.finish_reason, outcome.positions = 0, "length", []
     elif stop.stopped:
         outcome.finish_reason = "stop"
+    elif reason is not None:
+        outcome.finish_reason = reason
     elif outcome.completion_tokens is not None and outcome.completion_tokens >= generation.max_tokens:
         outcome.finish_reason = "length"
 

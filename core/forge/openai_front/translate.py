@@ -339,7 +339,8 @@ def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[s
     stream_input = first_input(inputs, STREAM)
     if stream and inputs.decoupled and stream_input is not None:
         payload[stream_input] = True
-    for flag in (first_input(inputs, EXCLUDE_INPUT), "return_num_input_tokens", "return_num_output_tokens"):
+    for flag in (first_input(inputs, EXCLUDE_INPUT), "return_num_input_tokens", "return_num_output_tokens",
+                 "return_finish_reason"):
         if flag in inputs.inputs:
             payload[flag] = True
     if generation.image is not None:

@@ -64,7 +64,9 @@ class TextFront:
         s = parsed.sampling
         token: dict[str, Any] = {
             "input_ids": [ids], "input_lengths": [[len(ids)]], "request_output_len": [[parsed.max_tokens]],
-            "end_id": [[self.end_id]], "pad_id": [[self.pad_id]], "exclude_input_in_output": [[True]],
+            # ignore_eos: no end id (TensorRT-LLM's -1), the repository's own stop_token_ids still end it
+            "end_id": [[-1 if s.get("ignore_eos") else self.end_id]], "pad_id": [[self.pad_id]],
+            "exclude_input_in_output": [[True]],
             "streaming": [[parsed.streaming]],
             "return_log_probs": [["cumulative_logprob" in parsed.returns]],
             "return_perf_metrics": [[bool(s.get("return_perf_metrics"))]],
@@ -75,7 +77,9 @@ class TextFront:
                                     ("top_p", "runtime_top_p", np.float32),
                                     ("frequency_penalty", "frequency_penalty", np.float32),
                                     ("presence_penalty", "presence_penalty", np.float32),
-                                    ("seed", "random_seed", np.uint64)):
+                                    ("seed", "random_seed", np.uint64),
+                                    ("min_tokens", "min_length", np.int32),
+                                    ("repetition_penalty", "repetition_penalty", np.float32)):
             if keyword in s:
                 token[name] = np.array([[s[keyword]]], dtype=kind)
         stops = [forge_text.token_ids(text, self.tokenizer, False) for text in s.get("stop", [])]
@@ -150,7 +154,7 @@ class TextStream:
                 "first_token_time_ns": result.first_token_ns, "last_token_time_ns": result.last_token_ns}
         completion = forge_llmapi.Completion(text=text, finish_reason=FINISH.get(reason or "") if final else None,
                                              stop_reason=stop_reason, cumulative_logprob=result.cum_logprob,
-                                             perf=perf)
+                                             perf=perf, tokens=(result.input_tokens, result.output_tokens))
         if "logprobs" in self.parsed.sampling:
             completion.logprobs = self._positions(result.top)
         if result.prompt_top is not None:
