@@ -1,13 +1,15 @@
-"""What forge serve's OpenAI front costs: generated tokens/s and p50 TTFT, generate endpoint vs /v1/completions.
+"""What forge serve's OpenAI front costs, and what streaming by default costs: generated tokens/s and p50 TTFT,
+Triton's generate endpoint vs /v1/completions, on the default build and on the same build not decoupled.
 
-Builds the real SmolLM2-135M-Instruct twice with the default CPU build (``forge build --family llama
---target python``; and the same with ``--decoupled``, which streams token by token), serves each with
-``forge serve --json`` (ports 0) and loads the one server through
-  (a) Triton's generate endpoint: POST /v2/models/ensemble/generate (generate_stream for TTFT), and
+Builds the real SmolLM2-135M-Instruct with the default CPU build (``forge build --family llama --target
+python``: the LLM-API layout, decoupled, so ``stream: true`` streams token by token) and the same with ``-o
+decoupled=false``, serves each with ``forge serve --json`` (ports 0) and loads the one server through
+  (a) Triton's generate endpoint: POST /v2/models/<generator>/generate (generate_stream for TTFT), and
   (b) the OpenAI front: POST /v1/completions (stream: true for TTFT),
 with the same fixed prompts (raw text: completions apply no chat template), greedy (top_k 1 / temperature
-0), the same max_tokens, the generated text only (exclude_input_in_output where the ensemble has it).
-Throughput cells use the default build, non-streamed; TTFT cells the --decoupled build, streamed.
+0), the same max_tokens, the generated text only. The default build is measured non-streamed and streamed, the
+other non-streamed: the front's cost (b / a), streaming's (streamed / non-streamed tokens/s) and the decoupled
+model's on non-streamed requests (default / not decoupled).
 
 Both sides use one client (httpx, one asyncio loop, closed loop of C in flight, in this process while
 the server runs in its own) and count generated tokens the same way: the returned text, encoded by the
@@ -100,12 +102,18 @@ async def _events(response):
 
 def _request(side: str, served: Served, inputs: set[str], prompt: str, max_tokens: int, stream: bool):
     if side == "generate":
+        route = "generate_stream" if stream else "generate"
+        if "sampling_param_max_tokens" in inputs:  # the LLM-API tensorrt_llm model (the default layout)
+            body = {"text_input": prompt, "sampling_param_max_tokens": max_tokens, "sampling_param_top_k": 1,
+                    "sampling_param_exclude_input_from_output": True}
+            if stream:
+                body["streaming"] = True
+            return f"{served.http}/v2/models/tensorrt_llm/{route}", body
         body = {"text_input": prompt, "max_tokens": max_tokens, "top_k": 1}
         if "exclude_input_in_output" in inputs:
             body["exclude_input_in_output"] = True
         if stream and "stream" in inputs:
             body["stream"] = True
-        route = "generate_stream" if stream else "generate"
         return f"{served.http}/v2/models/ensemble/{route}", body
     body = {"model": served.model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     if stream:
@@ -184,7 +192,9 @@ def _ready(served: Served, inputs: set[str], max_tokens: int, stream: bool) -> N
 def _inputs(served: Served) -> set[str]:
     import httpx
 
-    config = httpx.get(f"{served.http}/v2/models/ensemble/config", timeout=30).json()
+    config = httpx.get(f"{served.http}/v2/models/tensorrt_llm/config", timeout=30).json()
+    if "sampling_param_max_tokens" not in {i["name"] for i in config.get("input", [])}:  # an engine layout
+        config = httpx.get(f"{served.http}/v2/models/ensemble/config", timeout=30).json()
     return {i["name"] for i in config.get("input", [])}
 
 
@@ -247,40 +257,45 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="forge-openai-front-"))
     started = time.time()
-    repos = {"plain": work / "smollm2", "stream": work / "smollm2-decoupled"}
-    for name, extra in (("plain", ()), ("stream", ("--decoupled",))):
+    repos = {"default": work / "smollm2", "not decoupled": work / "smollm2-not-decoupled"}
+    for name, extra in (("default", ()), ("not decoupled", ("-o", "decoupled=false"))):
         if not (repos[name] / "forge-manifest.json").is_file():
             build(args.model, repos[name], *extra)
     results = {}
-    for name, stream in (("plain", False), ("stream", True)):
-        served = Served(repos[name], work / f"serve-{name}.log")
+    for name, passes in (("default", (("plain", False), ("stream", True))), ("not decoupled", (("nd", False),))):
+        served = Served(repos[name], work / f"serve-{name.replace(' ', '-')}.log")
         try:
             print(f"{name}: generate {served.http}, openai {served.openai}", flush=True)
-            results[name] = measure(served, levels, duration=args.duration, repeats=args.repeats,
-                                    max_tokens=args.max_tokens, stream=stream, tokenizer=tokenizer)
+            for key, stream in passes:
+                results[key] = measure(served, levels, duration=args.duration, repeats=args.repeats,
+                                       max_tokens=args.max_tokens, stream=stream, tokenizer=tokenizer)
         finally:
             served.stop()
 
     rows = []
     for c in levels:
-        plain, stream = results["plain"][c], results["stream"][c]
+        plain, stream, nd = results["plain"][c], results["stream"][c], results["nd"][c]
         gen, oai = plain["generate"]["tokens_per_s"], plain["openai"]["tokens_per_s"]
         t_gen, t_oai = stream["generate"]["ttft_p50_ms"], stream["openai"]["ttft_p50_ms"]
+        streamed = stream["openai"]["tokens_per_s"]
         rows.append({"concurrency": c, "generate_tok_s": gen, "openai_tok_s": oai,
                      "ratio": round(oai / gen, 3) if gen and oai else None,
                      "generate_ttft_p50_ms": t_gen, "openai_ttft_p50_ms": t_oai,
                      "ttft_diff_ms": round(t_oai - t_gen, 2) if t_gen is not None and t_oai is not None else None,
-                     "streamed_tok_s": {"generate": stream["generate"]["tokens_per_s"],
-                                        "openai": stream["openai"]["tokens_per_s"]},
-                     "errors": sum(r[s]["errors"]["count"] for r in (plain, stream) for s in r)})
+                     "streamed_tok_s": {"generate": stream["generate"]["tokens_per_s"], "openai": streamed},
+                     "streamed_ratio": round(streamed / oai, 3) if streamed and oai else None,
+                     "not_decoupled_tok_s": {"generate": nd["generate"]["tokens_per_s"],
+                                             "openai": nd["openai"]["tokens_per_s"]},
+                     "errors": sum(r[s]["errors"]["count"] for r in (plain, stream, nd) for s in r)})
     head = f"{'c':>3}  {'generate tok/s':>14}  {'openai tok/s':>12}  {'ratio':>6}  {'TTFT gen p50':>12}  " \
            f"{'TTFT oai p50':>12}  {'diff ms':>8}  errors"
-    print(head)
+    print(head + "  streamed/plain  not-decoupled openai tok/s")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for row in rows:
         print(f"{row['concurrency']:>3}  {fmt(row['generate_tok_s'], '14.1f')}  {fmt(row['openai_tok_s'], '12.1f')}  "
               f"{fmt(row['ratio'], '6.3f')}  {fmt(row['generate_ttft_p50_ms'], '12.1f')}  "
-              f"{fmt(row['openai_ttft_p50_ms'], '12.1f')}  {fmt(row['ttft_diff_ms'], '8.1f')}  {row['errors']}")
+              f"{fmt(row['openai_ttft_p50_ms'], '12.1f')}  {fmt(row['ttft_diff_ms'], '8.1f')}  {row['errors']:>6}  "
+              f"{fmt(row['streamed_ratio'], '14.3f')}  {fmt(row['not_decoupled_tok_s']['openai'], '10.1f')}")
     goal = all(r["ratio"] is not None and r["ratio"] >= 0.95 and r["ttft_diff_ms"] is not None
                and r["ttft_diff_ms"] <= 2.0 for r in rows)
     print(f"goal (openai ≥ 0.95× generate tok/s, ≤ +2 ms p50 TTFT at every level): {'met' if goal else 'missed'}")
@@ -302,14 +317,18 @@ def results_table(rows: list[dict], goal: bool) -> dict:
     fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
     return {"title": "The OpenAI API front",
             "description": "Triton's generate endpoint against the OpenAI front's /v1/completions on one "
-                           "`forge serve` of SmolLM2-135M-Instruct (greedy, the same prompts and max_tokens): "
-                           "generated tokens/s of the default build, not streamed; time to first token of the "
-                           "`--decoupled` build, streamed; closed loop, cells alternating between the two sides.",
+                           "`forge serve` of SmolLM2-135M-Instruct's default build (greedy, the same prompts and "
+                           "max_tokens): generated tokens/s not streamed, time to first token and tokens/s "
+                           "streamed; and the OpenAI front's tokens/s on the same build with `-o decoupled=false`; "
+                           "closed loop, cells alternating between the two sides.",
             "columns": ["concurrency", "generate tok/s", "OpenAI tok/s", "ratio", "TTFT p50 generate ms",
-                        "TTFT p50 OpenAI ms", "TTFT difference ms", "errors"],
+                        "TTFT p50 OpenAI ms", "TTFT difference ms", "OpenAI streamed tok/s", "streamed / not",
+                        "OpenAI tok/s, not decoupled", "errors"],
             "rows": [[r["concurrency"], fmt(r["generate_tok_s"], ".1f"), fmt(r["openai_tok_s"], ".1f"),
                       fmt(r["ratio"], ".3f"), fmt(r["generate_ttft_p50_ms"], ".1f"),
-                      fmt(r["openai_ttft_p50_ms"], ".1f"), fmt(r["ttft_diff_ms"], ".1f"), r["errors"]] for r in rows],
+                      fmt(r["openai_ttft_p50_ms"], ".1f"), fmt(r["ttft_diff_ms"], ".1f"),
+                      fmt(r["streamed_tok_s"]["openai"], ".1f"), fmt(r["streamed_ratio"], ".3f"),
+                      fmt(r["not_decoupled_tok_s"]["openai"], ".1f"), r["errors"]] for r in rows],
             "notes": "Goal (OpenAI ≥ 0.95× generate tokens/s and ≤ +2 ms p50 TTFT at every level): "
                      f"{'met' if goal else 'missed'}."}
 

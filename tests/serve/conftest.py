@@ -1,7 +1,7 @@
 """Fixtures for serving tests: a tiny GPT-2 built with --target python once per session, one shared server.
 
 Repositories are built through the real CLI (``forge build --family gpt --target python``):
-the newest engine release (v1.2.1), the newest release's LLM-API layout (``l_``, ``ls_`` decoupled), the engine
+the newest engine release (v1.2.1), the newest release's LLM-API layout (``l_`` with ``-o decoupled=false``, ``ls_`` the default: decoupled), the engine
 release with ``--decoupled`` (streaming), ``--decoupled -o engine_process=true``
 (the engine in a process of its own), ``--backend-version v0.5.0`` (UINT32 lengths), ``--backend-version
 v0.13.0 -o bls=true`` (tensorrtllm_backend's tools) and seed 000's ``--target hf-pipeline`` model. They are merged into one model repository (different name prefixes)
@@ -23,9 +23,10 @@ ENGINE = "v1.2.1"  # the newest release with engines (preprocessing → tensorrt
 
 BUILDS = {  # name prefix → extra build arguments (the engine layout of ENGINE unless a --backend-version is given)
     "": [],
-    # the newest release: the LLM-API layout, one tensorrt_llm model taking text (plain and streaming)
-    "l_": ["--backend-version", "latest"],
-    "ls_": ["--backend-version", "latest", "--decoupled"],
+    # the newest release: the LLM-API layout, one tensorrt_llm model taking text (not decoupled, and the default:
+    # decoupled, streaming)
+    "l_": ["--backend-version", "latest", "-o", "decoupled=false"],
+    "ls_": ["--backend-version", "latest"],
     "s_": ["--decoupled"],
     # the engine in a process of its own; its cancel watcher asks every poll (5 ms), not every 100 ms
     "p_": ["--decoupled", "-o", "engine_process=true", "-o", "cancellation_check_period_ms=1"],

@@ -1,5 +1,6 @@
 """The python target under the newest release: the LLM-API ``tensorrt_llm`` interface served by the real
-tritonserver (``l_tensorrt_llm``, and ``ls_tensorrt_llm`` built ``--decoupled``; see conftest).
+tritonserver (``l_tensorrt_llm`` built ``-o decoupled=false``, and ``ls_tensorrt_llm`` as built by default,
+decoupled; see conftest).
 
 Same model, same greedy answers as the engine layout's ensemble and as transformers; text in, text out; the
 interface's defaults (the prompt echoed unless ``sampling_param_exclude_input_from_output``, optional outputs only

@@ -42,9 +42,10 @@ def served(smollm2, tmp_path_factory):
     root = tmp_path_factory.mktemp("logprobs")
     common = ["build", "--family", "llama", "--model", str(smollm2), "--target", "python",
               "--dtype", "float32", "-o", "compute_dtype=float32", "--max-input-len", "256", "--max-seq-len", "320"]
-    assert main([*common, "--decoupled", "--out", str(root / "smollm2")]) == 0
+    assert main([*common, "--out", str(root / "smollm2")]) == 0  # the default: decoupled
     # not decoupled, so Triton's HTTP endpoint takes its requests
-    assert main([*common, "-o", "engine_process=true", "--name-prefix", "p_", "--out", str(root / "hosted")]) == 0
+    assert main([*common, "-o", "engine_process=true", "-o", "decoupled=false", "--name-prefix", "p_",
+                 "--out", str(root / "hosted")]) == 0
     merged = merge_repositories([root / "smollm2", root / "hosted"], root / "merged")
     with TritonServer(merged, log_file=root / "tritonserver.log", startup_timeout=900.0) as triton:
         front = OpenAIServer(root / "smollm2", triton.grpc_url, port=0).start()

@@ -31,7 +31,8 @@ DTYPES = "TYPE_FP32, TYPE_FP16 or TYPE_BF16"
 
 #: forge's own options: its python models, export, quantization and the trtllm-build command line.
 FORGE = (
-    Option("decoupled", "bool", "streaming (decoupled) tensorrt_llm / BLS models", False, flag="--decoupled"),
+    Option("decoupled", "bool", "streaming (decoupled) tensorrt_llm / BLS models; the LLM-API layout (the newest "
+           "release) is decoupled unless -o decoupled=false", False, flag="--decoupled"),
     Option("bls", "bool", "add the tensorrt_llm_bls model (tensorrtllm_backend v0.7+)", False),
     Option("instances", "int", "instance count of every served model", 1, ALL + ("hf-pipeline",), minimum=1,
            flag="--instances"),

@@ -251,7 +251,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx, profile: Profil
     """The LLM-API ``tensorrt_llm`` model of ``component`` (``--target tensorrtllm``)."""
     spec = ctx.spec
     check_spec(spec, profile, "tensorrtllm", adapter)
-    decoupled = truthy(ctx.option("decoupled", False))
+    decoupled = truthy(ctx.option("decoupled", True))  # streaming by default; non-streamed requests alike
     inputs, outputs = tensorrt_llm_io(profile, spec, artifact.meta)
     name = component.model_name(LLM)
     lora = component.options.get("lora")

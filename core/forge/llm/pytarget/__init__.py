@@ -189,7 +189,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
     meta = dict(artifact.meta or {})
     inputs, outputs = tensorrt_llm_io(profile, spec, meta)
     max_input_len, max_seq_len = limits(spec, meta)
-    decoupled = truthy(ctx.option("decoupled", False))
+    decoupled = truthy(ctx.option("decoupled", bool(profile.llmapi)))  # the LLM-API layout streams by default
     exclude = ctx.option("exclude_input_in_output", None)
     parameters = {
         "forge_target": "python",
