@@ -86,7 +86,7 @@ def test_the_default_build_writes_the_newest_release_llmapi_repository(tiny_gpt2
             "hf/tokenizer.json"} <= set(files)
     config = tc.read(out / "tensorrt_llm")
     assert config.backend == "python" and config.max_batch_size == 0
-    assert not config.model_transaction_policy.decoupled
+    assert config.model_transaction_policy.decoupled  # streams by default; -o decoupled=false writes one response
     spec = NEWEST.interface("tensorrt_llm")
     assert [(t.name, tc.dtype_name(t.data_type), list(t.dims), t.optional) for t in config.input] == \
         [(t.name, t.dtype, list(t.dims), t.optional) for t in spec.inputs]
@@ -94,7 +94,7 @@ def test_the_default_build_writes_the_newest_release_llmapi_repository(tiny_gpt2
         [(t.name, t.dtype, list(t.dims)) for t in spec.outputs]
     doc = model_yaml(out)
     assert doc == {"model": "hf", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                   "triton_config": {"max_batch_size": 0, "decoupled": False}}
+                   "triton_config": {"max_batch_size": 0, "decoupled": True}}
     check_against_llm_args(doc)
     manifest = json.loads((out / "forge-manifest.json").read_text())
     stages = [stage for c in manifest["components"] for stage in c["stages"]]
@@ -138,8 +138,12 @@ def test_the_python_target_serves_the_same_interface(tiny_gpt2, tmp_path):
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["tensorrt_llm"]
     python = tc.read(out / "tensorrt_llm")
     spec = NEWEST.interface("tensorrt_llm")
-    assert [t.name for t in python.input] == [t.name for t in spec.inputs]
-    assert [t.name for t in python.output] == [t.name for t in spec.outputs]
+    # TensorRT-LLM's interface, then forge's optional additions (token-id prompts, log-probs, token counts)
+    extra_in = [name for name, _kind, _dim in forge_llmapi.EXTENSION_INPUTS]
+    extra_out = [name for name, _kind, _dim in forge_llmapi.EXTENSION_OUTPUTS]
+    assert [t.name for t in python.input] == [t.name for t in spec.inputs] + extra_in
+    assert [t.name for t in python.output] == [t.name for t in spec.outputs] + extra_out
+    assert all(t.optional for t in python.input if t.name in extra_in)
     assert python.max_batch_size == 0 and tc.parameter(python, "forge_layout") == "llmapi"
     assert (out / "tensorrt_llm" / "1" / "hf" / "tokenizer.json").is_file()
 
