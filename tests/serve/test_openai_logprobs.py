@@ -265,3 +265,18 @@ def test_vllm_sampling_extensions_on_the_llm_api_layout(client):
     penalised = client.completions.create(model="smollm2", prompt=repeated, max_tokens=8, temperature=0,
                                           extra_body={"repetition_penalty": 1.5})
     assert same.choices[0].text != penalised.choices[0].text
+
+
+def test_continuous_usage_stats_count_every_streamed_token(served):
+    """vLLM's ``stream_options.continuous_usage_stats`` (aiperf's per-chunk usage): the default build streams a
+    token per chunk, each chunk's usage one token more."""
+    import openai
+
+    client = openai.OpenAI(base_url=served[1].url, api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(
+        model="smollm2", prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True,
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text]
+    # a chunk per token (streamed by default; a token that ends inside a character waits for the next)
+    assert counted == sorted(set(counted)) and counted[-1] == 6 and len(counted) >= 5, counted
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == chunks[0].usage.prompt_tokens

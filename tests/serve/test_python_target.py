@@ -453,12 +453,17 @@ def test_python_model_has_exactly_the_tensorrt_llm_interface_of_its_profile(merg
     from forge import tritonconfig
     from forge import profiles
 
+    from forge.in_triton import forge_llmapi
+
     for prefix, version in (("", "v1.2.1"), ("l_", profiles.NEWEST), ("v5_", "v0.5.0")):
         config = tritonconfig.read(merged_repo / f"{prefix}tensorrt_llm")
         interface = profiles.resolve(version).interface("tensorrt_llm")
+        # the LLM-API layout adds forge's optional inputs and outputs after TensorRT-LLM's own
+        extra_in = [n for n, _, _ in forge_llmapi.EXTENSION_INPUTS] if prefix == "l_" else []
+        extra_out = [n for n, _, _ in forge_llmapi.EXTENSION_OUTPUTS] if prefix == "l_" else []
         assert config.backend == "python"
-        assert [i.name for i in config.input] == [t.name for t in interface.inputs]
-        assert [o.name for o in config.output] == [t.name for t in interface.outputs]
+        assert [i.name for i in config.input] == [t.name for t in interface.inputs] + extra_in
+        assert [o.name for o in config.output] == [t.name for t in interface.outputs] + extra_out
 
 
 # -- the engine in a process of its own (-o engine_process=true: p_ models) ------------------------------

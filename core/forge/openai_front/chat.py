@@ -9,7 +9,7 @@ from . import translate as rq
 from .catalog import Catalog
 from .extensions import extend, served_inputs
 from .front import Front
-from .generation import Outcome, generate, merged, total_usage
+from .generation import Outcome, generate, merged, running_usage, total_usage
 from .protocol import ChatRequest
 from .schema import (AssistantMessage, CalledFunction, ChatChoice, ChatCompletion, ChatCompletionChunk,
                      ChatLogprobs, ChunkChoice, Delta, ToolCall)
@@ -74,10 +74,14 @@ async def chunks(front: Front, body: ChatRequest, generations: list[rq.Generatio
     """The ``chat.completion.chunk`` events of every choice as they come: the role, the content as generated (a
     tool call whole), the finish reason; the usage last when asked."""
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
+    running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     outcomes = [Outcome() for _ in generations]
 
     def chunk(index: int, delta: Delta, reason: str | None = None, scores=None) -> ChatCompletionChunk:
         choices = [ChunkChoice(index=index, delta=delta, logprobs=scores, finish_reason=reason)]
+        if running:
+            return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices,
+                                       usage=running_usage(outcomes[index], generations[index]))
         if with_usage:
             return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices, usage=None)
         return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices)

@@ -9,7 +9,7 @@ from . import translate as rq
 from .catalog import Catalog
 from .extensions import extend, served_inputs
 from .front import Front
-from .generation import Outcome, generate, merged, total_usage
+from .generation import Outcome, generate, merged, running_usage, total_usage
 from .protocol import APIError, CompletionRequest, valid_text
 from .schema import Completion, CompletionChoice
 
@@ -90,10 +90,14 @@ async def chunks(front: Front, body: CompletionRequest, generations: list[rq.Gen
                  created: int) -> AsyncIterator[Completion]:
     """The ``text_completion`` events of every choice as they come, then the usage when asked."""
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
+    running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     outcomes = [Outcome() for _ in generations]
 
     def chunk(index: int, text: str, reason: str | None = None, scores=None) -> Completion:
         choices = [CompletionChoice(index=index, text=text, logprobs=scores, finish_reason=reason)]
+        if running:
+            return Completion(id=ident, created=created, model=body.model, choices=choices,
+                              usage=running_usage(outcomes[index], generations[index]))
         if with_usage:
             return Completion(id=ident, created=created, model=body.model, choices=choices, usage=None)
         return Completion(id=ident, created=created, model=body.model, choices=choices)

@@ -139,6 +139,11 @@ def _without_prompt(whole: str, prompt: str, model: TextModel) -> str:
     return whole
 
 
+def running_usage(outcome: Outcome, generation: rq.Generation) -> Usage | None:
+    """The usage of a generation so far (vLLM's ``continuous_usage_stats``), where the model counts its tokens."""
+    return Usage.of(outcome.prompt_tokens or generation.prompt_tokens, outcome.completion_tokens)
+
+
 def usage(outcome: Outcome) -> Usage | None:
     """OpenAI's ``usage`` of one generation (``None`` where a count is unknown)."""
     return Usage.of(outcome.prompt_tokens, outcome.completion_tokens)

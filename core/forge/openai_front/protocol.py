@@ -131,6 +131,7 @@ class ResponseFormat(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool | None = None
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Sampling(_Strict):
