@@ -192,6 +192,38 @@ def test_log_probs_and_logits_match_transformers(model):
     assert seq.logprobs == pytest.approx(expected.view(-1).tolist(), abs=1e-4)
 
 
+def test_top_log_probs_are_the_model_s_raw_distribution(model):
+    """Prompt and generated log-probs with alternatives (the OpenAI API's logprobs): the model's own log_softmax,
+    for a greedy row and for a sampled, penalised one batched beside it, whose processing must not leak in."""
+    greedy = GenerationRequest(PROMPTS[0], 5, top_logprobs=3, prompt_logprobs=2)
+    sampled = GenerationRequest(PROMPTS[4], 5, top_logprobs=0,
+                                sampling=SamplingParams(temperature=0.7, top_k=20, seed=3, repetition_penalty=1.3))
+    collect, seqs = run(model, [greedy, sampled])
+    for seq, request in zip(seqs, (greedy, sampled)):
+        tokens = collect.tokens(seq)
+        with torch.no_grad():
+            expected = torch.log_softmax(model(torch.tensor([request.prompt + tokens])).logits[0].float(), -1)
+        n = len(request.prompt)
+        assert len(seq.top) == len(tokens) and [p[0][0] for p in seq.top] == tokens
+        for i, position in enumerate(seq.top):
+            row = expected[n - 1 + i]
+            assert position[0][1] == pytest.approx(float(row[tokens[i]]), abs=1e-4)
+            assert position[0][2] == 1 + int((row > row[tokens[i]]).sum())
+            alternatives = position[1:]
+            assert len(alternatives) == request.top_logprobs
+            assert [t for t, _, _ in alternatives] == row.topk(request.top_logprobs).indices.tolist()
+            assert [r for _, _, r in alternatives] == list(range(1, request.top_logprobs + 1))
+    prompt = seqs[0].prompt_top
+    assert prompt[0] is None and len(prompt) == len(PROMPTS[0])
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([PROMPTS[0]])).logits[0].float(), -1)
+    for i in range(1, len(PROMPTS[0])):
+        assert prompt[i][0][0] == PROMPTS[0][i]
+        assert prompt[i][0][1] == pytest.approx(float(expected[i - 1, PROMPTS[0][i]]), abs=1e-4)
+        assert len(prompt[i]) == 3
+    assert seqs[1].prompt_top is None
+
+
 def test_cancelled_sequences_stop_and_the_others_finish(model):
     engine = engine_for(model, max_rows=4, cancel_check_ms=0)
     collect = Collector()
