@@ -1,4 +1,4 @@
-"""SIGTERM drains forge serve (issue 33): requests in flight finish, new ones are refused, exit status 0.
+"""SIGTERM (and SIGINT) drains forge serve: requests in flight finish, new ones are refused, exit status 0.
 
 A real tritonserver on CPU serving a tiny random GPT-2 built with ``--decoupled`` (streaming) and a long
 sequence limit, so that a greedy stream of ~900 tokens lasts seconds. ``forge serve`` gets SIGTERM while an
@@ -95,12 +95,18 @@ def _log_tail(info: dict, lines: int = 40) -> str:
     return "\ntritonserver log, last lines:\n" + "\n".join(text.splitlines()[-lines:])
 
 
-def _serve(repo: Path, drain_timeout: int) -> tuple[subprocess.Popen, dict]:
-    """``forge serve --json`` of ``repo`` on free ports: the process and its endpoints once it printed them."""
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _serve(repo: Path, drain_timeout: int, *, sigint_ignored: bool = False) -> tuple[subprocess.Popen, dict]:
+    """``forge serve --json`` of ``repo`` on free ports: the process and its endpoints once it printed them.
+    ``sigint_ignored``: started as a script's background job is, with SIGINT ignored."""
     serve = subprocess.Popen([sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo),
                               "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0",
                               "--drain-timeout", str(drain_timeout), "--json"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=_ignore_sigint if sigint_ignored else None)
     text = ""
     for line in serve.stdout:
         text += line
@@ -225,6 +231,23 @@ def test_sigterm_waits_for_tritons_own_streams_while_clients_keep_reconnecting(l
     finally:
         for client in clients:
             client.halt.set()
+        if serve.poll() is None:
+            import os
+
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+
+
+def test_sigint_drains_a_server_started_with_sigint_ignored(long_repo):
+    """``forge serve ... &`` in a script starts with SIGINT ignored (the shell's rule for background jobs), where
+    Python raises no KeyboardInterrupt: ``kill -INT`` must still drain and stop it, not leave it running."""
+    serve, info = _serve(long_repo, 10, sigint_ignored=True)
+    try:
+        serve.send_signal(signal.SIGINT)
+        status = serve.wait(60)
+        stderr = serve.stderr.read()
+        assert status == 0 and "drained and stopped" in stderr, stderr + _log_tail(info)
+    finally:
         if serve.poll() is None:
             import os
 

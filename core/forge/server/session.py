@@ -157,6 +157,9 @@ class Session:
         Raises :class:`ForgeError` (one line, the log named) when the server ended and is not restarted."""
         server = self.server
         previous = signal.signal(signal.SIGTERM, _raise_stop)
+        # Ctrl-C and kill -INT drain too, also where forge serve started with SIGINT ignored (a job a script put
+        # in the background inherits that, and Python then raises no KeyboardInterrupt: it would live on)
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             server.start()
             self.supervisor = supervise(server, self.restarts).start()
@@ -188,6 +191,7 @@ class Session:
                 self.front.stop()
             server.stop()
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
 
     def _endpoints(self) -> dict:
         server = self.server
