@@ -582,22 +582,22 @@ def _stub_of(repo: Path, model: str) -> int | None:
     return None
 
 
-def _triton_ready(http: str) -> int:
+def _status(url: str) -> int:
+    """The HTTP status of GET ``url`` (0: nothing answered)."""
     try:
-        return urllib.request.urlopen(f"{http}/v2/health/ready", timeout=10).status
+        return urllib.request.urlopen(url, timeout=10).status
     except urllib.error.HTTPError as exc:
         return exc.code
     except OSError:
         return 0
+
+
+def _triton_ready(http: str) -> int:
+    return _status(f"{http}/v2/health/ready")
 
 
 def _ready(base: str) -> int:
-    try:
-        return urllib.request.urlopen(f"{base}/health/ready", timeout=10).status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
+    return _status(f"{base}/health/ready")
 
 
 def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tmp_path):

@@ -36,8 +36,12 @@ def model_config(http_url: str, model: str, timeout: float = 10.0) -> dict[str, 
     except urllib.error.HTTPError as exc:
         raise ForgeError(f"model {model!r} is not served at {http_url}: {_error_text(exc)}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise ForgeError(f"cannot reach a Triton server at {http_url}: {getattr(exc, 'reason', exc)}",
-                         hint="start one with 'forge serve REPO' or pass --url") from None
+        raise _unreachable(http_url, exc) from None
+
+
+def _unreachable(http_url: str, exc: Exception) -> ForgeError:
+    return ForgeError(f"cannot reach a Triton server at {http_url}: {getattr(exc, 'reason', exc)}",
+                      hint="start one with 'forge serve REPO' or pass --url")
 
 
 def text_model(http_url: str, timeout: float = 10.0) -> str:
@@ -48,8 +52,7 @@ def text_model(http_url: str, timeout: float = 10.0) -> str:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             names = sorted({m["name"] for m in json.loads(response.read()) if m.get("state", "READY") == "READY"})
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise ForgeError(f"cannot reach a Triton server at {http_url}: {getattr(exc, 'reason', exc)}",
-                         hint="start one with 'forge serve REPO' or pass --url") from None
+        raise _unreachable(http_url, exc) from None
     if "ensemble" in names:
         return "ensemble"
     texts = [n for n in names if is_text_generator(ModelInputs.from_config(model_config(http_url, n, timeout)))]
@@ -83,7 +86,7 @@ def generate(http_url: str, model: str, payload: Mapping[str, Any], timeout: flo
     except urllib.error.HTTPError as exc:
         raise ForgeError(f"the server refused the request: {_error_text(exc)}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise ForgeError(f"cannot reach a Triton server at {http_url}: {getattr(exc, 'reason', exc)}") from None
+        raise _unreachable(http_url, exc) from None
 
 
 class HttpSession:

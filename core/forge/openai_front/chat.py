@@ -9,7 +9,7 @@ from . import translate as rq
 from .catalog import Catalog
 from .extensions import extend, served_inputs
 from .front import Front
-from .generation import Outcome, generate, merged, running_usage, total_usage
+from .generation import Outcome, chunk_usage, generate, merged, total_usage
 from .protocol import ChatRequest
 from .schema import (AssistantMessage, CalledFunction, ChatChoice, ChatCompletion, ChatCompletionChunk,
                      ChatLogprobs, ChunkChoice, Delta, ToolCall)
@@ -27,15 +27,13 @@ def _generation(catalog: Catalog, body: ChatRequest) -> rq.Generation:
     model = catalog.generator
     prompt, image = rq.chat_prompt(catalog, body)
     guide, tools = rq.chat_guide(body)
-    ids = model.token_ids(prompt) if body.logprobs and model.tokenizer is not None else None
-    prompt_tokens = len(ids) if ids is not None else model.count(prompt) if model.tokenizer is not None else None
+    prompt_tokens = model.count(prompt) if model.tokenizer is not None else None
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     budget = rq.max_tokens(catalog, asked, prompt_tokens, None)
     extended = extend(catalog, model, body, budget)
     inputs = {**extended.inputs, **served_inputs(model, rq.sampling(body))}  # greedy's top_k 1 wins
     return rq.Generation(prompt, budget, prompt_tokens, inputs, rq.stops(body) + extended.stops, guide, image, tools,
-                         extended.include_stop, prompt_ids=ids if image is None else None,
-                         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                         extended.include_stop, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
 
 def _message(text: str, tools: str | None) -> tuple[AssistantMessage, str | None]:
@@ -74,17 +72,12 @@ async def chunks(front: Front, body: ChatRequest, generations: list[rq.Generatio
     """The ``chat.completion.chunk`` events of every choice as they come: the role, the content as generated (a
     tool call whole), the finish reason; the usage last when asked."""
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
-    running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     outcomes = [Outcome() for _ in generations]
 
     def chunk(index: int, delta: Delta, reason: str | None = None, scores=None) -> ChatCompletionChunk:
         choices = [ChunkChoice(index=index, delta=delta, logprobs=scores, finish_reason=reason)]
-        if running:
-            return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices,
-                                       usage=running_usage(outcomes[index], generations[index]))
-        if with_usage:
-            return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices, usage=None)
-        return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices)
+        return ChatCompletionChunk(id=ident, created=created, model=body.model, choices=choices,
+                                   **chunk_usage(body.stream_options, outcomes[index], generations[index]))
 
     async def one(index: int, generation: rq.Generation) -> AsyncIterator[ChatCompletionChunk]:
         outcome = outcomes[index]

@@ -9,7 +9,7 @@ from . import translate as rq
 from .catalog import Catalog
 from .extensions import extend, served_inputs
 from .front import Front
-from .generation import Outcome, generate, merged, running_usage, total_usage
+from .generation import Outcome, chunk_usage, generate, merged, total_usage
 from .protocol import APIError, CompletionRequest, valid_text
 from .schema import Completion, CompletionChoice
 
@@ -26,15 +26,15 @@ def _generations(catalog: Catalog, body: CompletionRequest) -> list[rq.Generatio
     model = catalog.generator
     found = []
     stops, sampling = rq.stops(body), served_inputs(model, rq.sampling(body))
-    scored = body.logprobs is not None
+    scored = body.logprobs is not None and body.echo  # the prompt's log-probs: the tokens they belong to are needed
     for prompt in body.prompts():
         ids = _ids(model, prompt) if not isinstance(prompt, str) else None
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             valid_text(prompt, "prompt")
-            if scored and model.tokenizer is not None:  # log-probs belong to the tokens the front counts
-                ids = _ids(model, model.token_ids(prompt))
+            if scored and model.tokenizer is not None:  # sent as the ids the echo's log-probs are shown for
+                ids = model.token_ids(prompt)
         text = prompt if isinstance(prompt, str) else model.decode(ids)
         count = len(ids) if ids is not None else model.count(prompt) if model.tokenizer is not None else None
         answer = body.max_tokens != 0
@@ -43,7 +43,7 @@ def _generations(catalog: Catalog, body: CompletionRequest) -> list[rq.Generatio
         found.append(rq.Generation(text, budget, count, {**extended.inputs, **sampling}, stops + extended.stops,
                                    include_stop=extended.include_stop, prompt_ids=ids,
                                    logprobs=body.logprobs if answer else None,
-                                   prompt_logprobs=body.logprobs if scored and body.echo else None, answer=answer))
+                                   prompt_logprobs=body.logprobs if scored else None, answer=answer))
     return found
 
 
@@ -90,17 +90,12 @@ async def chunks(front: Front, body: CompletionRequest, generations: list[rq.Gen
                  created: int) -> AsyncIterator[Completion]:
     """The ``text_completion`` events of every choice as they come, then the usage when asked."""
     with_usage = bool(body.stream_options and body.stream_options.include_usage)
-    running = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     outcomes = [Outcome() for _ in generations]
 
     def chunk(index: int, text: str, reason: str | None = None, scores=None) -> Completion:
         choices = [CompletionChoice(index=index, text=text, logprobs=scores, finish_reason=reason)]
-        if running:
-            return Completion(id=ident, created=created, model=body.model, choices=choices,
-                              usage=running_usage(outcomes[index], generations[index]))
-        if with_usage:
-            return Completion(id=ident, created=created, model=body.model, choices=choices, usage=None)
-        return Completion(id=ident, created=created, model=body.model, choices=choices)
+        return Completion(id=ident, created=created, model=body.model, choices=choices,
+                          **chunk_usage(body.stream_options, outcomes[index], generations[index]))
 
     async def one(index: int, generation: rq.Generation) -> AsyncIterator[Completion]:
         outcome = outcomes[index]

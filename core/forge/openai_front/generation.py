@@ -139,9 +139,13 @@ def _without_prompt(whole: str, prompt: str, model: TextModel) -> str:
     return whole
 
 
-def running_usage(outcome: Outcome, generation: rq.Generation) -> Usage | None:
-    """The usage of a generation so far (vLLM's ``continuous_usage_stats``), where the model counts its tokens."""
-    return Usage.of(outcome.prompt_tokens or generation.prompt_tokens, outcome.completion_tokens)
+def chunk_usage(options, outcome: Outcome, generation: rq.Generation) -> dict[str, Usage | None]:
+    """A streamed chunk's ``usage`` keyword, by the request's ``stream_options``: the usage so far with vLLM's
+    ``continuous_usage_stats`` (where the model counts its tokens), ``null`` until the last chunk with
+    ``include_usage``, else none."""
+    if options is not None and options.continuous_usage_stats:
+        return {"usage": Usage.of(outcome.prompt_tokens or generation.prompt_tokens, outcome.completion_tokens)}
+    return {"usage": None} if options is not None and options.include_usage else {}
 
 
 def usage(outcome: Outcome) -> Usage | None:
