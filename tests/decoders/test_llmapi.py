@@ -7,7 +7,8 @@ release cannot load (w8a16, w4a16, int8_kv), two weight formats at once, ``--tp`
 ``--backend-version`` naming no release, ``--instances 2``, ``-o bls=true``, an ``image_url`` with ``file://`` or a
 local path, a LoRA request missing ``lora_path``, a ``lora_path`` leaving the model's ``lora/`` folder, a LoRA
 checkpoint source the API does not know, ``streaming`` on a model that is not decoupled, values out of range,
-and serving the repository on a machine without TensorRT-LLM.
+and serving the repository on a machine without TensorRT-LLM. Token-level requests (token-id prompts, log-probs)
+are tested in ``test_llmapi_token_level.py``.
 """
 
 from __future__ import annotations
@@ -88,10 +89,13 @@ def test_the_default_build_writes_the_newest_release_llmapi_repository(tiny_gpt2
     assert config.backend == "python" and config.max_batch_size == 0
     assert config.model_transaction_policy.decoupled  # streams by default; -o decoupled=false writes one response
     spec = NEWEST.interface("tensorrt_llm")
+    # TensorRT-LLM's interface tensor by tensor, then forge's optional additions (as the python target declares)
     assert [(t.name, tc.dtype_name(t.data_type), list(t.dims), t.optional) for t in config.input] == \
-        [(t.name, t.dtype, list(t.dims), t.optional) for t in spec.inputs]
+        [(t.name, t.dtype, list(t.dims), t.optional) for t in spec.inputs] + \
+        [(name, kind, [dim], True) for name, kind, dim in forge_llmapi.EXTENSION_INPUTS]
     assert [(t.name, tc.dtype_name(t.data_type), list(t.dims)) for t in config.output] == \
-        [(t.name, t.dtype, list(t.dims)) for t in spec.outputs]
+        [(t.name, t.dtype, list(t.dims)) for t in spec.outputs] + \
+        [(name, kind, [dim]) for name, kind, dim in forge_llmapi.EXTENSION_OUTPUTS]
     doc = model_yaml(out)
     assert doc == {"model": "hf", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                    "triton_config": {"max_batch_size": 0, "decoupled": True}}

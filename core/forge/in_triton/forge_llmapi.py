@@ -2,8 +2,9 @@
 
 Shipped as ``1/forge_llmapi.py`` beside the ``model.py`` of both targets of an LLM-API repository: the
 ``tensorrtllm`` target's model hands :attr:`LLMRequest.sampling` to ``tensorrt_llm.SamplingParams`` and
-:attr:`LLMRequest.lora` to ``tensorrt_llm.executor.LoRARequest``; forge's python target reads the same
-request into its own engine. One parser means both answer the same request alike, errors included.
+:attr:`LLMRequest.lora` to ``tensorrt_llm.executor.LoRARequest`` and reads the LLM API's ``RequestOutput``
+back with :class:`LLMAnswer`; forge's python target reads the same request into its own engine. One parser
+means both answer the same request alike, errors included.
 
 The interface (``all_models/llmapi/tensorrt_llm/config.pbtxt``): ``text_input`` (one prompt, element 0),
 ``sampling_param_*`` scalars named after ``SamplingParams``' keywords (``sampling_param_stop`` a list of
@@ -12,6 +13,9 @@ outputs, ``streaming`` (decoupled models only), ``stop`` (cancel the request wit
 triple ``lora_id`` / ``lora_name`` / ``lora_path`` (+ ``lora_ckpt_source``) and ``image_url``. An absent
 ``sampling_param_exclude_input_from_output`` means False there (the prompt is echoed in ``text_output``),
 unlike SamplingParams' own default; an absent ``sampling_param_max_tokens`` takes SamplingParams' default.
+forge adds optional inputs and outputs to it (:data:`EXTENSION_INPUTS`, :data:`EXTENSION_OUTPUTS`), which both
+targets declare and serve: token-id prompts, log-probs, token counts, ``ignore_eos`` / ``min_tokens`` /
+``repetition_penalty``.
 
 It imports numpy only (never forge, never tensorrt_llm), so the build and the tests import it too.
 """
@@ -20,8 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -37,18 +42,18 @@ SAMPLING = {
     "sampling_param_seed": ("seed", int),
     "sampling_param_exclude_input_from_output": ("exclude_input_from_output", bool),
     "sampling_param_return_perf_metrics": ("return_perf_metrics", bool),
-    # forge's python target only (EXTENSION_INPUTS): log-probs of each generated / prompt token and this many
+    # forge's additions (EXTENSION_INPUTS): log-probs of each generated / prompt token and this many
     # alternatives, as SamplingParams' logprobs / prompt_logprobs
     "sampling_param_logprobs": ("logprobs", int),
     "sampling_param_prompt_logprobs": ("prompt_logprobs", int),
-    # forge's python target only, as SamplingParams' keywords of the same names
+    # forge's additions, as SamplingParams' keywords of the same names
     "sampling_param_ignore_eos": ("ignore_eos", bool),
     "sampling_param_min_tokens": ("min_tokens", int),
     "sampling_param_repetition_penalty": ("repetition_penalty", float),
 }
-PROMPT_IDS = "prompt_token_ids"  # the prompt as token ids instead of text_input (forge's python target only)
+PROMPT_IDS = "prompt_token_ids"  # the prompt as token ids instead of text_input (forge's addition)
 MAX_LOGPROBS = 20  # alternatives per token at most (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
-#: what forge's python target adds to the interface: (name, Triton data type, dims)
+#: what forge adds to the interface, optional, declared by both targets: (name, Triton data type, dims)
 EXTENSION_INPUTS = ((PROMPT_IDS, "INT32", -1), ("sampling_param_logprobs", "INT32", 1),
                     ("sampling_param_prompt_logprobs", "INT32", 1), ("sampling_param_ignore_eos", "BOOL", 1),
                     ("sampling_param_min_tokens", "INT32", 1), ("sampling_param_repetition_penalty", "FP32", 1),
@@ -62,7 +67,7 @@ STOP_STRINGS = "sampling_param_stop"  # → SamplingParams(stop=[...])
 #: the outputs a request asks for with a flag; ``text_output`` is in every response
 RETURNS = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
            "return_cumulative_logprob": "cumulative_logprob",
-           # forge's python target only (EXTENSION_INPUTS): the prompt's tokens, the tokens generated so far
+           # forge's additions (EXTENSION_INPUTS): the prompt's tokens, the tokens generated so far
            "return_num_input_tokens": "num_input_tokens", "return_num_output_tokens": "num_output_tokens"}
 #: what ``sampling_param_return_perf_metrics`` adds to the response
 PERF_OUTPUTS = ("kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_alloc_new_blocks",
@@ -318,8 +323,164 @@ def engine_arguments(path: str, model_dir: str) -> tuple[dict, dict]:
 
 
 def request_arguments(request: LLMRequest, model_dir: str) -> dict:
-    """The keywords of ``generate_async`` for ``request`` (before the LLM API's classes wrap them)."""
-    inputs = request.prompt if not request.images else {
-        "prompt": request.prompt, "multi_modal_data": {"image": list(request.images)}}
+    """The arguments of ``generate_async`` for ``request`` (before the LLM API's classes wrap them): ``inputs``,
+    ``sampling`` (SamplingParams keywords), ``lora`` (LoRARequest keywords), ``streaming`` and ``options`` (its
+    other keywords)."""
+    inputs: Any
+    if request.prompt_ids is not None:  # the LLM API's TokensPrompt: {"prompt_token_ids": [...]}
+        inputs = {"prompt_token_ids": list(request.prompt_ids)}
+    else:
+        inputs = request.prompt if not request.images else {"prompt": request.prompt}
+    if request.images:
+        inputs["multi_modal_data"] = {"image": list(request.images)}
     lora = None if request.lora is None else resolve_lora_path(request.lora, model_dir)
-    return {"inputs": inputs, "sampling": dict(request.sampling), "lora": lora, "streaming": request.streaming}
+    # model.py puts the prompt before the answer itself (LLMRequest.echo): the LLM's outputs stay the generated
+    # tokens, which the log-probs and token counts are read beside
+    sampling = {**request.sampling, "exclude_input_from_output": True}
+    options: dict[str, Any] = {}
+    if "prompt_logprobs" in sampling:
+        # the PyTorch backend computes prompt log-probs from the prefill's context logits, which a prompt prefix
+        # found in the KV cache skips (TensorRT-LLM's own tests turn block reuse off for them, nvbug 5577178):
+        # a salt of its own keeps this request from reusing any cached block
+        options["cache_salt"] = secrets.token_hex(16)
+    return {"inputs": inputs, "sampling": sampling, "lora": lora, "streaming": request.streaming,
+            "options": options}
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int | None) -> None:
+    """:class:`RequestError` for a ``prompt_token_ids`` id the model has no embedding for (a GPU would fault on it)."""
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        where = f"[0, {vocab_size})" if vocab_size is not None else "(token ids are not negative)"
+        raise RequestError(f"{PROMPT_IDS}: token id {bad} is outside the vocabulary {where}")
+
+
+def checkpoint_vocab_size(checkpoint: str) -> int | None:
+    """The embedding rows of the Hugging Face checkpoint in ``checkpoint`` (``config.json``'s ``vocab_size``, or its
+    ``text_config``'s for a vision-language model); None where it does not say."""
+    try:
+        with open(os.path.join(checkpoint, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section.get("vocab_size"), int):
+            return int(section["vocab_size"])
+    return None
+
+
+# -- the LLM API's answers (the tensorrtllm target) ------------------------------------------------------------
+# Read from TensorRT-LLM's source (the newest stored copies of tensorrt_llm/executor/result.py, base_worker.py,
+# llmapi/llm.py and tests/unittest/_torch/sampler/test_logits_logprobs.py, the v1.3 line this profile targets):
+# ``RequestOutput.prompt_token_ids`` and ``.outputs[0]``, a ``CompletionOutput`` with ``text`` / ``text_diff``,
+# ``token_ids`` (the generated tokens so far), ``logprobs`` and ``prompt_logprobs``, each a list with one
+# ``dict[token id, Logprob(logprob, rank)]`` per token. ``logprobs`` = k: the top k and the sampled token (k 0:
+# the sampled token alone), raw log-softmax of the logits. ``prompt_logprobs`` has one entry per prompt token,
+# entry i scoring token i + 1 (the last scores the first generated token), each holding that token.
+
+
+def _logprob(value: Any, where: str) -> tuple[float, int]:
+    rank = getattr(value, "rank", None)
+    if rank is None:
+        raise RuntimeError(f"TensorRT-LLM's log-probs of {where} carry no rank")
+    return float(value.logprob), int(rank)
+
+
+def position(token: int, entry: Any, token_text: Callable[[int], str], where: str) -> dict[str, dict]:
+    """One ``dict[token id, Logprob]`` of TensorRT-LLM as an :data:`EXTENSION_OUTPUTS` object: ``token`` (the
+    sampled or prompt token it scores) first, then the alternatives from the most likely down."""
+    if not isinstance(entry, Mapping):
+        raise RuntimeError(f"TensorRT-LLM answered the log-probs of {where} as {type(entry).__name__}, not as a "
+                           "dict of token id → Logprob")
+    if token not in entry:
+        raise RuntimeError(f"TensorRT-LLM's log-probs of {where} leave out token {token}, the one they score")
+    ranked = {int(t): _logprob(value, where) for t, value in entry.items()}
+    order = [token] + sorted((t for t in ranked if t != token), key=lambda t: (ranked[t][1], t))
+    return {str(t): {"logprob": ranked[t][0], "rank": ranked[t][1], "decoded_token": token_text(t)} for t in order}
+
+
+def prompt_positions(prompt_ids: Sequence[int], scores: Sequence[Any],
+                     token_text: Callable[[int], str]) -> list[dict | None]:
+    """TensorRT-LLM's ``prompt_logprobs`` as the ``prompt_logprobs`` output's objects: null for the first prompt
+    token (nothing predicts it), then each later prompt token scored by the entry before it."""
+    ids = list(prompt_ids)
+    if len(scores) < len(ids) - 1:
+        raise RuntimeError(f"TensorRT-LLM returned prompt log-probs for {len(scores)} of the prompt's {len(ids)} "
+                           "tokens (its context logits skipped a part of the prompt)")
+    return [None] + [position(ids[i], scores[i - 1], token_text, f"prompt token {i}") for i in range(1, len(ids))]
+
+
+def llm_perf(completion: Any) -> dict:
+    """The perf outputs the LLM API measured for ``completion`` (what it lacks is left out)."""
+    metrics = getattr(completion, "request_perf_metrics", None)
+    if metrics is None:
+        return {}
+    found = {}
+    timing = getattr(metrics, "timing_metrics", None)
+    for name, attribute in (("arrival_time_ns", "arrival_time"), ("first_scheduled_time_ns", "first_scheduled_time"),
+                            ("first_token_time_ns", "first_token_time"), ("last_token_time_ns", "last_token_time")):
+        value = getattr(timing, attribute, None)
+        if value is not None:
+            found[name] = int(value.total_seconds() * 1e9) if hasattr(value, "total_seconds") else int(value)
+    kv = getattr(metrics, "kv_cache_metrics", None)
+    for name, attribute in (("kv_cache_reused_block", "num_reused_blocks"),
+                            ("kv_cache_missed_block", "num_missed_blocks"),
+                            ("kv_cache_alloc_new_blocks", "num_new_allocated_blocks"),
+                            ("kv_cache_alloc_total_blocks", "num_total_allocated_blocks"),
+                            ("kv_cache_hit_rate", "kv_cache_hit_rate")):
+        value = getattr(kv, attribute, None)
+        if value is not None:
+            found[name] = value
+    speculative = getattr(metrics, "speculative_decoding", None)
+    for name, attribute in (("acceptance_rate", "acceptance_rate"),
+                            ("total_accepted_draft_tokens", "total_accepted_draft_tokens"),
+                            ("total_draft_tokens", "total_draft_tokens")):
+        value = getattr(speculative, attribute, None)
+        if value is not None:
+            found[name] = value
+    return found
+
+
+class LLMAnswer:
+    """One request's responses read from the LLM API's ``RequestOutput`` (one per step when streamed, one at the
+    end otherwise): the echo once, each generated token's log-probs once, the prompt's in the first response."""
+
+    def __init__(self, request: LLMRequest, token_text: Callable[[int], str]):
+        self.request, self.token_text = request, token_text
+        self.prefix = request.prompt if request.echo else ""
+        self.scored = 0  # generated tokens whose log-probs went out (counted here rather than read from
+        # ``logprobs_diff``, so a response that brings no new log-probs repeats none)
+        self.prompt_sent = False
+
+    def completion(self, output: Any, final: bool) -> Completion:
+        """The :class:`Completion` of ``output`` (the ``RequestOutput`` after one more step, or the last one)."""
+        sampling = self.request.sampling
+        answer = output.outputs[0]
+        text = self.prefix + (answer.text_diff if self.request.streaming else answer.text)
+        self.prefix = ""
+        token_ids = list(answer.token_ids or [])
+        result = Completion(text=text, finish_reason=answer.finish_reason if final else None,
+                            stop_reason=answer.stop_reason, cumulative_logprob=answer.cumulative_logprob,
+                            perf=llm_perf(answer) if sampling.get("return_perf_metrics") else {},
+                            tokens=(len(output.prompt_token_ids or []), len(token_ids)))
+        if "logprobs" in sampling:
+            result.logprobs = self._generated(token_ids, list(answer.logprobs or []), final)
+        if "prompt_logprobs" in sampling and not self.prompt_sent:
+            scores = list(answer.prompt_logprobs or [])
+            if scores:  # with the first response (the prefill's), kept on the later ones
+                result.prompt_logprobs = prompt_positions(output.prompt_token_ids, scores, self.token_text)
+                self.prompt_sent = True
+            elif final:
+                raise RuntimeError("sampling_param_prompt_logprobs was asked, and TensorRT-LLM returned no prompt "
+                                   "log-probs")
+        return result
+
+    def _generated(self, token_ids: list[int], scores: list, final: bool) -> list[dict]:
+        if final and token_ids and not scores:
+            raise RuntimeError("sampling_param_logprobs was asked, and TensorRT-LLM returned no log-probs for the "
+                               f"{len(token_ids)} generated tokens")
+        end = min(len(token_ids), len(scores))  # a stop sequence's tokens leave token_ids, not logprobs
+        found = [position(token_ids[i], scores[i], self.token_text, f"generated token {i}")
+                 for i in range(self.scored, end)]
+        self.scored = max(self.scored, end)
+        return found

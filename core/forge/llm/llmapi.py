@@ -5,8 +5,9 @@ engine: the Hugging Face checkpoint goes into ``tensorrt_llm/1/hf`` (the LLM API
 quantized build stores nvidia-modelopt's unified Hugging Face checkpoint there), ``1/model.yaml`` holds the
 LLM API's arguments (each key a declared ``-o`` option of the profile, or a build flag) and its
 ``triton_config``, ``1/model.py`` is forge's own model on the public LLM API, and ``config.pbtxt`` is the
-profile's interface tensor by tensor. Clients send text (``text_input``) and get text back; there is no
-preprocessing, postprocessing or ensemble.
+profile's interface tensor by tensor, then forge's optional additions (:func:`extension_io`: token-id prompts,
+log-probs, token counts). Clients send text (``text_input``) and get text back; there is no preprocessing,
+postprocessing or ensemble.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def export(adapter, source: Path, ctx) -> Artifact:
     ctx.note("export", {"format": "Hugging Face checkpoint (the LLM API loads it as it is)",
                         "architecture": meta["hf_architecture"], "tp": spec.tp, "pp": spec.pp})
     return Artifact(ARTIFACT_KIND, source, meta)
+
+
+def extension_io() -> tuple[list, list]:
+    """forge's optional additions to the LLM-API interface (``forge_llmapi.EXTENSION_INPUTS`` / ``_OUTPUTS``) as
+    config tensors; both targets' ``tensorrt_llm`` model declares and serves them (TensorRT-LLM's clients never
+    send them)."""
+    from forge.in_triton.forge_llmapi import EXTENSION_INPUTS, EXTENSION_OUTPUTS
+
+    return ([tc.model_input(name, kind, [dim], optional=True) for name, kind, dim in EXTENSION_INPUTS],
+            [tc.model_output(name, kind, [dim]) for name, kind, dim in EXTENSION_OUTPUTS])
 
 
 def checkpoint_files(directory: Path, weights: list[str]) -> dict[str, Path]:
@@ -253,6 +264,8 @@ def emit(adapter, component: Component, artifact: Artifact, ctx, profile: Profil
     check_spec(spec, profile, "tensorrtllm", adapter)
     decoupled = truthy(ctx.option("decoupled", True))  # streaming by default; non-streamed requests alike
     inputs, outputs = tensorrt_llm_io(profile, spec, artifact.meta)
+    extra_inputs, extra_outputs = extension_io()
+    inputs, outputs = inputs + extra_inputs, outputs + extra_outputs
     name = component.model_name(LLM)
     lora = component.options.get("lora")
     doc = model_yaml(spec, profile, decoupled=decoupled, lora=_lora_yaml(adapter, lora) if lora else None)

@@ -23,8 +23,12 @@ from .protocol import APIError, ChatRequest, Message, _ChatTemplate, _Sampling, 
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 GUIDE_TYPE, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
-# forge's python target's additions to the LLM-API interface (forge_llmapi.EXTENSION_INPUTS)
+# forge's additions to the LLM-API interface (forge_llmapi.EXTENSION_INPUTS), which both targets declare
 PROMPT_IDS, LOGPROBS, PROMPT_LOGPROBS = "prompt_token_ids", "sampling_param_logprobs", "sampling_param_prompt_logprobs"
+#: a token-level request parameter → the input it is sent in, the output it is answered in, and what it asks for
+TOKEN_LEVEL = {"prompt": (PROMPT_IDS, None, "token-id prompts"),
+               "logprobs": (LOGPROBS, "logprobs", "log-probabilities"),
+               "echo": (PROMPT_LOGPROBS, "prompt_logprobs", "the prompt's log-probs")}
 
 
 @dataclass
@@ -361,12 +365,13 @@ def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[s
 
 
 def token_level(model: TextModel, param: str) -> None:
-    """A 400 naming the served model when it cannot take token-id prompts or answer log-probs."""
-    if PROMPT_IDS not in model.inputs.inputs or LOGPROBS not in model.inputs.inputs:
-        what = {"prompt": "token-id prompts", "logprobs": "log-probabilities"}.get(param, "the prompt's log-probs")
+    """A 400 naming the served model when its config declares no input for ``param`` (``prompt``, ``logprobs``,
+    ``echo``) or no output answering it, whichever target built it."""
+    given, answered, what = TOKEN_LEVEL.get(param, TOKEN_LEVEL["echo"])
+    if given not in model.inputs.inputs or (answered is not None and answered not in model.inputs.outputs):
         raise APIError(400, f"{param}: the served model {model.name!r} takes text and answers text only, so "
-                            f"{what} are not available; forge's python target in the LLM-API layout (--target "
-                            "python, the newest --backend-version) serves them", param=param,
+                            f"{what} are not available; the LLM-API layout's tensorrt_llm model (the newest "
+                            "--backend-version, --target tensorrtllm or python) serves them", param=param,
                        code="unsupported_parameter")
 
 

@@ -9,11 +9,18 @@ One asyncio loop on its own thread drives the LLM; ``execute`` checks each reque
 returns at once; responses go through each request's response sender (one final response when not streamed,
 one per step in decoupled streaming). A watcher aborts generations whose client went away, every
 ``triton_config.cancellation_check_period_ms``.
+
+forge's additions to the interface (``forge_llmapi.EXTENSION_INPUTS`` / ``EXTENSION_OUTPUTS``) map onto the
+same LLM API: ``prompt_token_ids`` becomes the prompt as token ids, ``sampling_param_logprobs`` /
+``_prompt_logprobs`` / ``_ignore_eos`` / ``_min_tokens`` / ``_repetition_penalty`` the ``SamplingParams``
+keywords of those names, and ``forge_llmapi.LLMAnswer`` reads the log-probs and token counts back from each
+``RequestOutput``, each token's text from the LLM's own tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 import threading
@@ -76,7 +83,10 @@ class TritonPythonModel:
         self.thread = threading.Thread(target=self.loop.run_forever, name="forge-llmapi", daemon=True)
         self.thread.start()
         pb_utils.Logger.log_info(f"forge llmapi: starting the LLM with {engine_args}")
+        self.vocab_size = forge_llmapi.checkpoint_vocab_size(str(engine_args.get("model", "")))
         self.llm = asyncio.run_coroutine_threadsafe(self._start(LLM, engine_args), self.loop).result()
+        self.tokenizer = getattr(self.llm, "tokenizer", None)  # the LLM API's TokenizerBase (transformers' inside)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         self.pending: dict[int, _Pending] = {}
         self.lock = threading.Lock()
         self.running = True
@@ -85,6 +95,18 @@ class TritonPythonModel:
 
     async def _start(self, LLM, engine_args):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: LLM(**engine_args))
+
+    def _decode(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (what an echoed token-id prompt and a token's log-prob show)."""
+        if self.tokenizer is None:
+            return ""
+        try:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        except TypeError:  # a TokenizerBase whose decode takes no keywords
+            return self.tokenizer.decode(ids)
+
+    def _token_text(self, token: int) -> str:
+        return self._decode([token])
 
     def execute(self, requests):
         for request in requests:
@@ -96,6 +118,10 @@ class TritonPythonModel:
                     forge_glue.stop_request(sender, request_id, self.pending.values, self._abort, self.lock)
                     continue
                 parsed = forge_llmapi.parse(tensors, decoupled=self.decoupled, multimodal=self.multimodal)
+                if parsed.prompt_ids is not None:
+                    forge_llmapi.check_token_ids(parsed.prompt_ids, self.vocab_size)
+                    if parsed.echo:
+                        parsed.prompt = self._decode(parsed.prompt_ids)  # what the echo shows
                 call = forge_llmapi.request_arguments(parsed, HERE)
             except forge_llmapi.RequestError as exc:
                 forge_glue.send(sender, exc=exc, flags=FINAL)
@@ -114,29 +140,26 @@ class TritonPythonModel:
             sampling = self.SamplingParams(**call["sampling"])
             lora = None if call["lora"] is None else self.LoRARequest(**call["lora"])
             pending.generation = self.llm.generate_async(call["inputs"], sampling_params=sampling,
-                                                         lora_request=lora, streaming=call["streaming"])
-            prefix = parsed.prompt if parsed.echo else ""
+                                                         lora_request=lora, streaming=call["streaming"],
+                                                         **call["options"])
+            answer = forge_llmapi.LLMAnswer(parsed, self.token_text)
             if call["streaming"]:
                 async for output in pending.generation:
-                    completion = output.outputs[0]
                     done = bool(output.finished)
-                    self._send(pending, parsed, prefix + completion.text_diff, completion, done)
-                    prefix = ""
+                    self._send(pending, parsed, answer.completion(output, done), done)
                     if done:
                         return
             else:
                 output = await pending.generation.aresult()
-                self._send(pending, parsed, prefix + output.outputs[0].text, output.outputs[0], True)
+                self._send(pending, parsed, answer.completion(output, True), True)
         except Exception as exc:  # noqa: BLE001 - the client gets the error, the model serves on
+            if pending.generation is not None and not pending.generation.finished:
+                self._abort(pending)  # nothing reads the rest of a failed generation
             self._fail(pending, exc)
         finally:
             self._finish(pending)
 
-    def _send(self, pending: _Pending, parsed, text: str, completion, final: bool) -> None:
-        result = forge_llmapi.Completion(text=text, finish_reason=completion.finish_reason if final else None,
-                                         stop_reason=completion.stop_reason,
-                                         cumulative_logprob=completion.cumulative_logprob,
-                                         perf=_perf(completion) if parsed.sampling.get("return_perf_metrics") else {})
+    def _send(self, pending: _Pending, parsed, result: forge_llmapi.Completion, final: bool) -> None:
         tensors = forge_llmapi.outputs(result, parsed, self.outputs, pending.wanted)
         if final:
             pending.finish(tensors)
@@ -178,33 +201,3 @@ class TritonPythonModel:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5.0)
 
-
-def _perf(completion) -> dict:
-    """The perf outputs the LLM API measured for ``completion`` (what it lacks is left out)."""
-    metrics = getattr(completion, "request_perf_metrics", None)
-    if metrics is None:
-        return {}
-    found = {}
-    timing = getattr(metrics, "timing_metrics", None)
-    for name, attribute in (("arrival_time_ns", "arrival_time"), ("first_scheduled_time_ns", "first_scheduled_time"),
-                            ("first_token_time_ns", "first_token_time"), ("last_token_time_ns", "last_token_time")):
-        value = getattr(timing, attribute, None)
-        if value is not None:
-            found[name] = int(value.total_seconds() * 1e9) if hasattr(value, "total_seconds") else int(value)
-    kv = getattr(metrics, "kv_cache_metrics", None)
-    for name, attribute in (("kv_cache_reused_block", "num_reused_blocks"),
-                            ("kv_cache_missed_block", "num_missed_blocks"),
-                            ("kv_cache_alloc_new_blocks", "num_new_allocated_blocks"),
-                            ("kv_cache_alloc_total_blocks", "num_total_allocated_blocks"),
-                            ("kv_cache_hit_rate", "kv_cache_hit_rate")):
-        value = getattr(kv, attribute, None)
-        if value is not None:
-            found[name] = value
-    speculative = getattr(metrics, "speculative_decoding", None)
-    for name, attribute in (("acceptance_rate", "acceptance_rate"),
-                            ("total_accepted_draft_tokens", "total_accepted_draft_tokens"),
-                            ("total_draft_tokens", "total_draft_tokens")):
-        value = getattr(speculative, attribute, None)
-        if value is not None:
-            found[name] = value
-    return found

@@ -226,11 +226,10 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
     batching: dict[str, Any] | bool = {"max_queue_delay_microseconds": int(ctx.option("max_queue_delay_microseconds", 0)),
                                        "max_queue_size": int(ctx.option("max_queue_size", 0))}
     if profile.llmapi:  # text in, text out: the LLM-API model's own shapes (no batch dimension)
-        from ...in_triton.forge_llmapi import EXTENSION_INPUTS, EXTENSION_OUTPUTS
+        from ..llmapi import extension_io
 
-        # forge's additions (token-id prompts, log-probs), optional: the LLM API's clients never see them
-        inputs += [tc.model_input(name, kind, [dim], optional=True) for name, kind, dim in EXTENSION_INPUTS]
-        outputs += [tc.model_output(name, kind, [dim]) for name, kind, dim in EXTENSION_OUTPUTS]
+        extra_inputs, extra_outputs = extension_io()  # forge's additions (token-id prompts, log-probs), optional
+        inputs, outputs = inputs + extra_inputs, outputs + extra_outputs
         parameters.update(_text_parameters(component, ctx))
         files.update(_text_files(component.source))
         batch, batching = 0, False
