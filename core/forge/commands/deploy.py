@@ -97,7 +97,7 @@ def _k8s_arguments(k: argparse.ArgumentParser) -> None:
     k.add_argument("--replicas", type=int, default=1, metavar="N",
                    help="replicas (pods, or groups of pods); with --autoscale the minimum (default 1)")
     k.add_argument("--autoscale", choices=k8s.AUTOSCALERS, default=None,
-                   help=f"scale on the requests waiting per replica (vLLM's vllm:num_requests_waiting from "
+                   help="scale on the requests waiting per replica (vLLM's vllm:num_requests_waiting from "
                         "forge serve's OpenAI API), with a ServiceMonitor: hpa (a HorizontalPodAutoscaler through "
                         "prometheus-adapter; its rule is written to extras/) or keda (a KEDA ScaledObject)")
     k.add_argument("--max-replicas", type=int, default=None, metavar="N",
