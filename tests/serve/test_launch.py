@@ -150,7 +150,7 @@ def test_a_restart_whose_start_fails_tries_again(tmp_path):
         flag.touch()
         server.restart(1.0, attempts=2, on_retry=lambda attempt, exc: retries.append((attempt, str(exc))))
         assert len(retries) == 1 and retries[0][0] == 1 and "not this time" in retries[0][1]
-        assert server._get("/v2/health/ready")[0] == 200
+        assert server.request("/v2/health/ready")[0] == 200
         flag.touch()
         with pytest.raises(ForgeError, match="not this time"):
             server.restart(1.0)

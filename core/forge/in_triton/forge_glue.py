@@ -278,5 +278,78 @@ def _reaper(watched: list[int], region: str | None) -> None:
         pass
 
 
+#: The request id prefix of the requests forge's OpenAI API sends (it fails those itself when a model process dies).
+FRONT_REQUEST_PREFIX = "forge-openai:"
+#: Where forge serve asks each model process to count the requests only it can answer (see InFlight).
+IN_FLIGHT_DIR = "FORGE_INFLIGHT_DIR"
+
+
+class InFlight:
+    """This model process's count of the requests only it can answer, in a file ``forge serve`` reads when it died.
+
+    tritonserver answers a request with an error when the process of the python model executing it dies, but
+    not one the model answers through a response sender (every decoupled model, and non-decoupled ones that
+    answer from other threads): that request waits forever, and only the end of tritonserver releases it. So
+    ``forge serve`` reloads just the dead model when no such request was left in it, and restarts tritonserver
+    when one was. A model answering through senders calls ``track()`` in ``initialize``, then ``opened`` for each
+    request it takes and ``closed`` with what it returned once the final response is sent. Requests forge's own
+    OpenAI API sent are not counted: it fails them itself. The file (``$FORGE_INFLIGHT_DIR/<model>/<pid>``)
+    holds two little-endian int64: 1 once tracked, and the count. Without the directory nothing is written.
+    """
+
+    def __init__(self, path: str | None = None):
+        self._lock = threading.Lock()
+        self._map = None
+        self.count = 0
+        if path is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as handle:
+                handle.write(bytes(16))
+            import mmap
+
+            with open(path, "r+b") as handle:
+                self._map = mmap.mmap(handle.fileno(), 16)
+        except (OSError, ValueError):  # nowhere to count: forge serve then restarts tritonserver on a death
+            self._map = None
+
+    def track(self) -> None:
+        if self._map is not None:
+            self._map[0:8] = (1).to_bytes(8, "little")
+
+    def opened(self, request_id: str) -> bool:
+        """Count a request taken (not one of the OpenAI API's); what to pass to ``closed``."""
+        if request_id.startswith(FRONT_REQUEST_PREFIX):
+            return False
+        self._add(1)
+        return True
+
+    def closed(self, counted: bool) -> None:
+        if counted:
+            self._add(-1)
+
+    def _add(self, delta: int) -> None:
+        with self._lock:
+            self.count += delta
+            if self._map is not None:
+                self._map[8:16] = self.count.to_bytes(8, "little", signed=True)
+
+
+def _in_flight() -> InFlight:
+    """The process's InFlight: counted in a file when this is a python stub forge serve started."""
+    directory = os.environ.get(IN_FLIGHT_DIR)
+    try:
+        args = open("/proc/self/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        args = []
+    if not directory or len(args) < 2 or os.path.basename(args[0]) != b"triton_python_backend_stub":
+        return InFlight()
+    model = os.path.basename(os.path.dirname(os.path.dirname(args[1].decode(errors="replace"))))
+    return InFlight(os.path.join(directory, model, str(os.getpid())))
+
+
+in_flight = _in_flight()
+
 if pb_utils is not None:  # inside tritonserver's python stub
     exit_with_parent(what="python model process")

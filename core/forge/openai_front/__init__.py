@@ -87,6 +87,35 @@ class OpenAIServer:
         self.front.idle.wait(max(timeout, 0.0))
         return self.front.in_flight
 
+    def recovering(self, models: list[str], reason: str) -> int:
+        """The processes of ``models`` died (any thread): fail the requests in flight on them (503 with
+        ``reason``), hold new ones and answer /health/ready 503 until ``recovered``; how many were failed."""
+        return self._on_loop(lambda triton: triton.recovering(models, reason), 0)
+
+    def recovered(self, models: list[str]) -> None:
+        """``models`` are back (loaded again, or tritonserver restarted): the requests held go on."""
+        self._on_loop(lambda triton: triton.recovered(models), None)
+
+    def _on_loop(self, work, default):
+        import concurrent.futures
+
+        front = self.front
+        if front is None or front.loop is None or front.loop.is_closed() or front.triton is None:
+            return default
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(work(front.triton))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                done.set_exception(exc)
+
+        try:
+            front.loop.call_soon_threadsafe(run)
+            return done.result(timeout=10)
+        except (RuntimeError, concurrent.futures.TimeoutError):  # the loop stopped meanwhile
+            return default
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True

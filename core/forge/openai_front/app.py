@@ -161,6 +161,7 @@ def create_app(front: Front) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         front.triton = Triton(front.grpc_url)
+        front.loop = asyncio.get_running_loop()
         yield
         await front.triton.close()
 
@@ -224,6 +225,10 @@ def create_app(front: Front) -> FastAPI:
     async def ready():
         if front.draining:
             return JSONResponse({"status": "draining: the server is shutting down"}, 503, headers={"Retry-After": "5"})
+        back = [m for m in front.models_behind() if m in front.triton.paused]
+        if back:
+            return JSONResponse({"status": f"model {back[0]!r} is coming back: its process died"}, 503,
+                                headers={"Retry-After": "2"})
         ok, reason = await front.triton.ready(front.models_behind())
         return JSONResponse({"status": "ready" if ok else reason}, 200 if ok else 503)
 

@@ -23,6 +23,7 @@ class Front:
         self.grpc_url = grpc_url
         self.api_key = api_key
         self.triton: Triton | None = None
+        self.loop = None  # the event loop serving the routes (set at start-up)
         self.draining = False  # forge serve is stopping: new API requests get 503, those in flight go on
         self.in_flight = 0  # API requests whose response (a stream: its last event) is not sent yet
         self.idle = threading.Event()

@@ -1,7 +1,9 @@
 """The OpenAI front's way to the tritonserver it fronts: asyncio gRPC, streamed where the model is decoupled.
 
 Cancelling the task that iterates a generation (a client that went away) cancels the gRPC call, and
-Triton passes the cancellation to the model, which stops generating.
+Triton passes the cancellation to the model, which stops generating. When a model's process dies,
+``forge serve`` calls ``recovering``: the front's requests in flight on that model fail at once (503), and
+new ones wait (up to RECOVERY_WAIT_S) until ``recovered`` says the model is back.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from typing import Any, AsyncIterator, Mapping
 import numpy as np
 
 from ..clients.inference import STREAM_CLOSE_S, ModelInputs, grpc_message
+from ..in_triton.forge_glue import FRONT_REQUEST_PREFIX
 from .protocol import APIError
+
+#: how long a request waits for a model whose process died to be back (loaded again, or tritonserver restarted)
+RECOVERY_WAIT_S = 120.0
 
 _STATUS = {"StatusCode.INVALID_ARGUMENT": 400, "StatusCode.UNAVAILABLE": 503, "StatusCode.NOT_FOUND": 503,
            "StatusCode.CANCELLED": 499, "StatusCode.DEADLINE_EXCEEDED": 504, "StatusCode.RESOURCE_EXHAUSTED": 429}
@@ -28,8 +34,8 @@ def api_error(exc: Exception, model: str) -> APIError:
     status = _STATUS.get(str(code), 500)
     if "failed to connect" in message.lower() or "connection refused" in message.lower():
         status, message = 503, f"the tritonserver behind this API is not reachable ({message})"
-    elif "not ready" in message.lower() or "unavailable" in message.lower():
-        status = 503
+    elif any(word in message.lower() for word in ("not ready", "unavailable", "is not healthy")):
+        status = 503  # "Stub process ... is not healthy": the model's process died and is being brought back
     if status == 499:
         status = 503
     return APIError(status, message, code="triton_error" if status != 503 else "model_unavailable",
@@ -69,6 +75,42 @@ class Triton:
         self._stopping: set = set()
         self._grpc_error = grpc.RpcError
         self.client = aio.InferenceServerClient(url, channel_args=channel_args())
+        self._calls: dict[str, set[_Call]] = {}  # model → the calls in flight on it (an ensemble's: on each step)
+        self.paused: dict[str, asyncio.Event] = {}  # model whose process died → set once it is back
+
+    # -- a model process that died (called on the event loop) -------------------------------------
+    def recovering(self, models: list[str], reason: str) -> int:
+        """Fail the calls in flight on ``models`` with ``reason`` (503) and hold new ones until ``recovered``;
+        how many were failed."""
+        for model in models:
+            self.paused.setdefault(model, asyncio.Event())
+        hit = {call for model in models for call in self._calls.get(model, ())}
+        for call in hit:
+            call.fail(reason)
+        return len(hit)
+
+    def recovered(self, models: list[str]) -> None:
+        for model in models:
+            event = self.paused.pop(model, None)
+            if event is not None:
+                event.set()
+
+    async def _until_back(self, model: ModelInputs) -> None:
+        for name in (model.name, *model.steps):
+            event = self.paused.get(name)
+            if event is None:
+                continue
+            try:
+                await asyncio.wait_for(event.wait(), RECOVERY_WAIT_S)
+            except asyncio.TimeoutError:
+                raise APIError(503, f"model {name!r} is not back {RECOVERY_WAIT_S:g} s after its process died",
+                               code="model_unavailable", headers={"Retry-After": "5"}) from None
+
+    def _watch(self, model: ModelInputs, cancel) -> "_Call":
+        call = _Call(cancel, [model.name, *model.steps], self._calls)
+        for name in call.names:
+            self._calls.setdefault(name, set()).add(call)
+        return call
 
     async def close(self) -> None:
         await self.client.close()
@@ -102,11 +144,20 @@ class Triton:
         requested = None
         if outputs:
             requested = [self._aio.InferRequestedOutput(o) for o in outputs if o in model.outputs]
+        await self._until_back(model)
+        pending = asyncio.ensure_future(self.client.infer(model.name, self._inputs(tensors),
+                                                          request_id=FRONT_REQUEST_PREFIX + request_id,
+                                                          outputs=requested))
+        call = self._watch(model, pending.cancel)
         try:
-            result = await self.client.infer(model.name, self._inputs(tensors), request_id=request_id,
-                                             outputs=requested)
+            result = await pending
         except (self._aio.InferenceServerException, self._grpc_error) as exc:
             raise api_error(exc, model.name) from None
+        except asyncio.CancelledError:
+            call.raise_failure()
+            raise
+        finally:
+            call.done()
         return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
 
     async def generate(self, model: ModelInputs, tensors: Mapping[str, np.ndarray], request_id: str,
@@ -152,15 +203,17 @@ class Triton:
         if outputs:
             requested = [self._aio.InferRequestedOutput(o) for o in outputs if o in model.outputs]
         inputs = self._inputs(tensors)
+        await self._until_back(model)
 
         async def one_request():
-            yield {"model_name": model.name, "inputs": inputs, "request_id": request_id, "outputs": requested,
-                   "enable_empty_final_response": True}
+            yield {"model_name": model.name, "inputs": inputs, "request_id": FRONT_REQUEST_PREFIX + request_id,
+                   "outputs": requested, "enable_empty_final_response": True}
 
         responses = self.client.stream_infer(one_request())
+        call = self._watch(model, responses.cancel)
         ended = False  # the final response came: the server closes the stream itself
         try:
-            async for result, error in _mapped(responses, model.name, self._grpc_error):
+            async for result, error in _mapped(responses, model.name, self._grpc_error, call):
                 if error is not None:
                     raise api_error(error, model.name)
                 response = result.get_response()
@@ -172,7 +225,10 @@ class Triton:
                 if final:
                     ended = True
                     break
+            else:
+                call.raise_failure()  # a cancelled stream may also just end
         finally:
+            call.done()
             if not ended:
                 responses.cancel()
         # The request iterator has ended, so tritonserver closes the stream once it released the request.
@@ -193,13 +249,43 @@ async def _closed(responses) -> None:
         pass
 
 
-async def _mapped(responses, model: str, grpc_error):
-    """The stream's (result, error) pairs; a failed call (no server, connection lost) as an APIError."""
+async def _mapped(responses, model: str, grpc_error, call: "_Call"):
+    """The stream's (result, error) pairs; a failed call (no server, connection lost, its model's process died)
+    as an APIError."""
     try:
         async for pair in responses:
             yield pair
     except grpc_error as exc:
+        call.raise_failure()
         raise api_error(exc, model) from None
+    except asyncio.CancelledError:
+        call.raise_failure()
+        raise
+
+
+class _Call:
+    """A call in flight on some models, which ``Triton.recovering`` fails (its reason, then ``cancel``)."""
+
+    __slots__ = ("cancel", "names", "reason", "_registry")
+
+    def __init__(self, cancel, names: list[str], registry: dict):
+        self.cancel, self.names, self.reason, self._registry = cancel, names, None, registry
+
+    def fail(self, reason: str) -> None:
+        self.reason = reason
+        self.cancel()
+
+    def raise_failure(self) -> None:
+        if self.reason is not None:
+            raise APIError(503, self.reason, code="model_unavailable", headers={"Retry-After": "5"})
+
+    def done(self) -> None:
+        for name in self.names:
+            calls = self._registry.get(name)
+            if calls is not None:
+                calls.discard(self)
+                if not calls:
+                    del self._registry[name]
 
 
 def strings(value: Any) -> list[str]:

@@ -100,6 +100,29 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
     return text[text.find("(") + 1:text.rfind(")")], int(fields[1]), int(fields[3])
 
 
+def how_it_ended(pid: int) -> str | None:
+    """How a process that ended but is not yet reaped (a zombie) ended: "killed by signal 9 (SIGKILL)",
+    "exited with status 1"; None when it is not a zombie (still running, or already reaped)."""
+    import signal
+
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    if not fields or fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[-1])  # exit_code: the wait status (Linux 3.5+)
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = f" ({signal.Signals(number).name})"
+        except ValueError:
+            name = ""
+        return f"killed by signal {number}{name}"
+    return f"exited with status {os.WEXITSTATUS(status)}"
+
+
 def _refers_to(pid: int, repo: str) -> bool:
     """Whether process ``pid`` serves from ``repo``: its command line, working directory or PYTHONPATH name it."""
     args = cmdline(pid)

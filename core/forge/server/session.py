@@ -1,8 +1,11 @@
 """One ``forge serve``: tritonserver, its supervisor and the OpenAI front, kept running and stopped gracefully.
 
-The policy lives here, the command only parses and prints: when a model process dies the server restarts
-(``--restart on-failure``: at most RESTARTS times in RESTART_WINDOW_S, then the session ends with the
-reason), a dead rank of a multi-rank world ends the world and is handled the same way, and SIGTERM or
+The policy lives here, the command only parses and prints. When a model process dies (``--restart
+on-failure``: at most RESTARTS recoveries in RESTART_WINDOW_S, then the session ends with the reason), its
+model is loaded again alone while the others serve, unless requests that only the dead process could
+answer were left in it (see forge_glue.InFlight) or the load fails: then tritonserver restarts, which
+releases them. The OpenAI API fails its own requests on the dead model at once and holds new ones until
+it is back. A dead rank of a multi-rank world ends the world and is handled by a restart. SIGTERM or
 Ctrl-C drains (no new requests, those in flight finish for up to ``--drain-timeout``) before every
 process stops; a second signal stops at once.
 """
@@ -42,17 +45,24 @@ class Restarts:
         self.times: list[float] = []
         self.gave_up: list[str] = []
 
-    def attempt(self, what: str) -> bool:
-        """Restart after ``what`` (one line: what died); False (and ``gave_up`` set, which ``Session.run`` raises as
-        the one error line) when the policy says no."""
+    def allowed(self, what: str, doing: str = "restarting") -> bool:
+        """Whether one more recovery after ``what`` (one line: what died) is allowed, counting it; False (and
+        ``gave_up`` set, which ``Session.run`` raises as the one error line) when the policy says no."""
         now = time.monotonic()
         self.times[:] = [t for t in self.times if now - t < RESTART_WINDOW_S]
         if self.policy == "never" or len(self.times) >= RESTARTS:
             why = "--restart never" if self.policy == "never" else (
-                f"{RESTARTS} restarts within {RESTART_WINDOW_S // 60} minutes already")
-            self.gave_up.append(f"{what}; not restarting ({why})")
+                f"{RESTARTS} recoveries within {RESTART_WINDOW_S // 60} minutes already")
+            self.gave_up.append(f"{what}; not {doing} ({why})")
             return False
         self.times.append(now)
+        return True
+
+    def attempt(self, what: str, counted: bool = False) -> bool:
+        """Restart after ``what``; False when the policy says no (``counted``: ``allowed`` already said yes)."""
+        now = time.monotonic()
+        if not counted and not self.allowed(what):
+            return False
         print(f"forge: {what}; restarting tritonserver (requests in flight fail, new ones are served once its "
               "models are READY)", file=sys.stderr, flush=True)
 
@@ -70,29 +80,72 @@ class Restarts:
         return True
 
 
-def supervise(server, restarts: Restarts):
-    """A supervisor of ``server``'s model processes: restart it when one dies (while ``restarts`` allows).
+def supervise(server, restarts: Restarts, front: Callable[[], object] = lambda: None):
+    """A supervisor of ``server``'s model processes: bring a dead one's model back (while ``restarts`` allows),
+    telling the OpenAI API (``front()``, None without one) what is coming back.
 
     In a multi-rank world a dead rank makes mpirun end every rank, rank 0's model processes with them: when
     the server itself ends within RANK_GRACE_S of their deaths, the session handles that end (naming the rank)."""
+    from . import recovery
     from .supervisor import Supervisor
 
     def on_dead(models: list[str]) -> None:
         line = server.log_line()  # what the dead process and the server said is above this line
-        pids = [str(pid) for pid, _model in supervisor.last_deaths if pid]
+        deaths = list(supervisor.last_deaths)
         process = server.process
-        if server.world is not None and server.world.world_size > 1 and process is not None:
+        several = server.world is not None and server.world.world_size > 1
+        if several and process is not None:
             try:
                 process.wait(RANK_GRACE_S)
                 return  # the world ended: the session's server.wait() returns and says which rank
             except subprocess.TimeoutExpired:
                 pass
-        died = (f"the process of model {', '.join(repr(m) for m in models)}"
-                + (f" (pid {', '.join(pids)})" if pids else "") + " died")
+        ends = [("engine process, " if pid in supervisor.engine_deaths else "") + f"pid {pid}"
+                + (f", {supervisor.causes[pid]}" if supervisor.causes.get(pid) else "") for pid, _model in deaths if pid]
+        names = ", ".join(repr(m) for m in models)
+        died = f"the process of model {names}" + (f" ({'; '.join(ends)})" if ends else "") + " died"
+        # a dead engine process's model process lives on and has answered its requests with the error
+        engine_only = ({m for pid, m in deaths if pid in supervisor.engine_deaths}
+                       - {m for pid, m in deaths if pid not in supervisor.engine_deaths})
         print(f"forge: what tritonserver logged before the death ends at line {line} of {server.log_file} "
               "(the log keeps every start's lines)", file=sys.stderr, flush=True)
-        if not restarts.attempt(died):
-            server.stop(timeout=5)
+        api = front()
+        stranded = {model: 0 if model in engine_only else recovery.stranded(
+            server, model, [pid for pid, m in deaths if m == model and pid not in supervisor.engine_deaths])
+            for model in models}
+        held = {model: n for model, n in stranded.items() if n}
+        unknown = [model for model, n in stranded.items() if n is None]
+        try:
+            if api is not None:
+                api.recovering(models, f"the process of model {models[0]!r} died while serving this request; "
+                                       "it is being brought back: retry")
+            if several or held or unknown:
+                why = ("its ranks run in other processes" if several else
+                       f"{sum(held.values())} request(s) from clients other than the OpenAI API were waiting in it, "
+                       "and only a restart answers them" if held else
+                       f"model {unknown[0]!r} answers through response senders without counting its requests")
+                if not restarts.attempt(f"{died}; {why}"):
+                    server.stop(timeout=5)
+                return
+            if not restarts.allowed(died, "loading it again"):
+                server.stop(timeout=5)
+                return
+            print(f"forge: {died}; loading model {names} again alone (the other models keep serving)",
+                  file=sys.stderr, flush=True)
+            started = time.monotonic()
+            try:
+                for model in models:
+                    supervisor.retire(model)  # a living model process ends when the new one serves
+                    recovery.reload(server, model, living=model in engine_only)
+            except ForgeError as exc:
+                if not restarts.attempt(f"{exc}", counted=True):
+                    server.stop(timeout=5)
+                return
+            print(f"forge: model {names} is back after {time.monotonic() - started:.1f} s", file=sys.stderr,
+                  flush=True)
+        finally:
+            if api is not None:
+                api.recovered(models)
 
     supervisor = Supervisor(server, on_dead=on_dead)
     return supervisor
@@ -162,7 +215,7 @@ class Session:
         previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             server.start()
-            self.supervisor = supervise(server, self.restarts).start()
+            self.supervisor = supervise(server, self.restarts, lambda: self.front).start()
             on_ready(self._start_front(self._endpoints()))
             while True:
                 server.wait()

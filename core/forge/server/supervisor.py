@@ -1,25 +1,27 @@
 """Watch a running tritonserver's python model processes and act when one dies.
 
-tritonserver 2.51 (nvidia-pytriton 0.7) does not notice that a python backend stub died (a crash,
-``kill -9``, the OOM killer): the model stays READY, requests in flight on it never get an answer, and
-only requests sent afterwards fail ("Stub process ... is not healthy"). Unloading the model through the
-model-control API (``--model-control-mode=explicit``) answers no pending request either; loading it
-again serves new requests, but the old ones still hang. Only the end of tritonserver closes their
-connections. So a :class:`Supervisor` polls the stubs of a :class:`~forge.server.triton_server.TritonServer`
-by pid through /proc, and when one dies it calls ``on_dead`` with the models whose process is gone;
-the default, :func:`restart_server`, restarts tritonserver on the same ports: every request in flight
-gets a connection error at once, and requests are served again once the models are READY.
+tritonserver 2.51 (nvidia-pytriton 0.7) does not bring back a python backend stub that died (a crash,
+``kill -9``, the OOM killer): the model stays READY and every later request fails ("Stub process ... is
+not healthy"). The requests the dead process held get that error too, except those the model answers
+through a response sender (every decoupled model): they never get an answer, even after the model is
+loaded again through the model-control API (which serves new requests), and only the end of tritonserver
+closes their connections. So a :class:`Supervisor` polls the stubs of a
+:class:`~forge.server.triton_server.TritonServer` by pid through /proc, and when one dies it calls
+``on_dead`` with the models whose process is gone. The default, :func:`restart_server`, restarts
+tritonserver on the same ports; ``forge serve`` (:mod:`.session`) loads the dead model again alone when
+no request is stranded in it.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from .processes import cmdline, proc_stat, session_processes
+from .processes import cmdline, engine_processes, how_it_ended, proc_stat, session_processes
 from .triton_server import TritonServer
 
 STUB = "triton_python_backend_stub"
@@ -55,6 +57,16 @@ def restart_server(server: TritonServer, grace: float = 1.0,
     return act
 
 
+def _ended(pid: int, wait: float = 0.3) -> str | None:
+    """How ``pid`` ended; a process caught while it exits (its command line already gone) is given ``wait`` s."""
+    deadline = time.monotonic() + wait
+    while True:
+        how = how_it_ended(pid)
+        if how is not None or proc_stat(pid) is None or time.monotonic() > deadline:
+            return how
+        time.sleep(0.01)
+
+
 class Supervisor:
     """Polls the python stubs of a running ``server``; ``on_dead(models)`` runs when one dies.
 
@@ -69,6 +81,10 @@ class Supervisor:
         self.interval = interval
         self.deaths: list[tuple[int, str]] = []  # (pid, model) of every death reported
         self.last_deaths: list[tuple[int, str]] = []  # those of the last poll that found any (pid 0: counted short)
+        self.causes: dict[int, str | None] = {}  # pid → how it ended ("killed by signal 9 (SIGKILL)"), where known
+        self.engine_deaths: set[int] = set()  # the pids among ``deaths`` that were engine processes
+        self._engines: dict[int, tuple[str, int]] = {}  # engine process → (its model, its model process)
+        self._retired: set[int] = set()  # processes of models being loaded again: they end on purpose
         self._known: dict[int, str] = {}
         self._session: int | None = None
         self._wanted: dict[str, int] | None = None  # python model → its processes (the repository's configs)
@@ -82,13 +98,25 @@ class Supervisor:
         session = None if process is None else process.pid
         if process is None or process.poll() is not None or self.server.stopping or session != self._session:
             self._known, self._session, self._complete = {}, session, False  # stopped, exited or restarted
+            self._retired, self._engines = set(), {}
             if process is None or process.poll() is not None or self.server.stopping:
                 return []
-        current = stub_processes(self.server)
+        current = {pid: model for pid, model in stub_processes(self.server).items() if pid not in self._retired}
         if self.server.stopping or process.poll() is not None:  # stopped while we looked
             self._known = {}
             return []
         dead = [(pid, model) for pid, model in self._known.items() if pid not in current]
+        for pid, _model in dead:  # tritonserver reaps a dead stub only later: its exit status is still there
+            self.causes[pid] = _ended(pid)
+        # an engine process (-o engine_process) whose model process lives on: its model serves nothing more
+        engines = {engine: (current[stub], stub) for engine, stub in
+                   engine_processes(session_processes(process.pid)).items() if stub in current}
+        for engine, (model, stub) in self._engines.items():
+            if engine not in engines and stub in current:
+                self.causes[engine] = _ended(engine)
+                self.engine_deaths.add(engine)
+                dead.append((engine, model))
+        self._engines = engines
         self._known = current
         # and by count: a model with fewer processes than its instances, once this session had them all (a
         # death between two polls of a process no poll had listed yet, say, is not missed)
@@ -103,6 +131,12 @@ class Supervisor:
         if dead:
             self.last_deaths = dead
         return sorted({model for _pid, model in dead})
+
+    def retire(self, model: str) -> None:
+        """``model`` is being loaded again: its processes of now end on purpose (not reported as deaths)."""
+        self._retired |= {pid for pid, m in self._known.items() if m == model}
+        self._known = {pid: m for pid, m in self._known.items() if m != model}
+        self._engines = {pid: seen for pid, seen in self._engines.items() if seen[0] != model}
 
     def watching(self) -> dict[int, str]:
         """The processes the last poll saw: pid → model."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ForgeError, ToolMissingError
+from ..in_triton.forge_glue import IN_FLIGHT_DIR
 from . import launch
 from .install import backend_directory, server_environment, tritonserver_binary
 from .processes import free_port, free_ports, kill_session, leftover_processes, spawn
@@ -82,6 +83,7 @@ class TritonServer:
     _guard: socket.socket | None = field(default=None, init=False, repr=False, compare=False)
     starts: int = field(default=0, init=False)  # how many times a tritonserver was started (restarts included)
     _log_start: int = field(default=0, init=False, repr=False)  # where the running server's lines begin
+    in_flight_dir: str = field(default="", init=False, repr=False)  # the model processes' counts (forge_glue.InFlight)
 
     @property
     def http_url(self) -> str:
@@ -118,7 +120,10 @@ class TritonServer:
                 mpirun=launch.find_mpirun() or "mpirun", python=sys.executable,
                 options=["--oversubscribe", "--bind-to", "none", "--noprefix"],
                 rendezvous=(self._client_host, self.rendezvous_port))
-        return [str(tritonserver_binary()), f"--model-repository={repo}",
+        # explicit model control: one model whose process died is loaded again alone (``reload``)
+        control = [] if any(a.startswith("--model-control-mode") for a in self.extra_args) else [
+            "--model-control-mode=explicit", "--load-model=*"]
+        return [str(tritonserver_binary()), f"--model-repository={repo}", *control,
                 f"--backend-directory={backend_directory()}",
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
@@ -181,8 +186,12 @@ class TritonServer:
         # gets SIGTERM, which it passes on to every rank before it exits.
         several = self.world is not None and self.world.world_size > 1
         self._stopping = False
+        env = server_environment()
+        self.in_flight_dir = tempfile.mkdtemp(prefix="forge-inflight-",
+                                               dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+        env[IN_FLIGHT_DIR] = self.in_flight_dir
         self.process = spawn(self.command(), signal.SIGTERM if several else signal.SIGKILL, stdout=log,
-                              stderr=subprocess.STDOUT, env=server_environment(), start_new_session=True)
+                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         try:
             self._wait_ready()
@@ -221,17 +230,19 @@ class TritonServer:
         except (OSError, TypeError):
             return 0
 
-    def _get(self, path: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
+    def request(self, path: str, method: str = "GET", body: bytes | None = None,
+                timeout: float = 5.0) -> tuple[int, bytes]:
+        """One HTTP request to the server: (status, body); an HTTP error status is returned, not raised."""
         request = urllib.request.Request(f"http://{self.http_url}{path}", data=body, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=5) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
 
     def models(self) -> list[dict]:
         """The repository index: name, version, state and reason of every model."""
-        status, body = self._get("/v2/repository/index", "POST", b"{}")
+        status, body = self.request("/v2/repository/index", "POST", b"{}")
         return json.loads(body) if status == 200 else []
 
     def _wait_ready(self) -> None:
@@ -240,7 +251,7 @@ class TritonServer:
             if self.process.poll() is not None:
                 raise ForgeError(self.exit_message(), hint=f"full log: {self.log_file}")
             try:
-                status, _ = self._get("/v2/health/ready")
+                status, _ = self.request("/v2/health/ready")
             except (urllib.error.URLError, ConnectionError, OSError):
                 status = 0
             if status == 200:
@@ -420,6 +431,11 @@ class TritonServer:
             # MPI ranks have process groups of their own and outlive a killed mpirun; they stay in its session.
             kill_session(self.process.pid)
             self._remove_shm()
+            if self.in_flight_dir:
+                import shutil
+
+                shutil.rmtree(self.in_flight_dir, ignore_errors=True)
+                self.in_flight_dir = ""
         finally:
             if getattr(self, "_restore_sigterm", False) and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -42,11 +42,15 @@ class TritonPythonModel:
         self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
         self.inputs = {t["name"] for t in config["input"]}
         self.outputs = {t["name"]: pb_utils.triton_string_to_numpy(t["data_type"]) for t in config["output"]}
+        if self.decoupled:  # answered through response senders: counted for forge serve (see forge_glue.InFlight)
+            forge_glue.in_flight.track()
 
     # -- Triton entry points ---------------------------------------------------------------
     def execute(self, requests):
         responses = []
-        for request in requests:
+        # every request of the batch waits in this process until its final flag is sent
+        counted = [forge_glue.in_flight.opened(r.request_id()) if self.decoupled else False for r in requests]
+        for request, count in zip(requests, counted):
             sender = request.get_response_sender() if self.decoupled else None
             wanted = forge_glue.requested(request)
             try:
@@ -59,6 +63,7 @@ class TritonPythonModel:
                 if failure is not None or result is not None:
                     forge_glue.send(sender, result, wanted=wanted, exc=failure)
                 sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                forge_glue.in_flight.closed(count)
             elif failure is not None:
                 responses.append(forge_glue.error_response(failure))
             else:

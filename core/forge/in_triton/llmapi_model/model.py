@@ -46,6 +46,7 @@ class _Pending:
         self.request_id, self.sender, self.wanted = request_id, sender, wanted
         self.generation = None
         self.done = False
+        self.counted = forge_glue.in_flight.opened(request_id)  # until its final response (see forge_glue.InFlight)
         # held around the final response and ``done``: a request is never asked whether its client went away once
         # its final response is out (tritonserver frees its response factory then; asking crashes it)
         self.finishing = threading.Lock()
@@ -57,7 +58,8 @@ class _Pending:
                 return False
             forge_glue.send(self.sender, *args, flags=FINAL, **kwargs)
             self.done = True
-            return True
+        forge_glue.in_flight.closed(self.counted)
+        return True
 
     def client_gone(self) -> bool:
         with self.finishing:
@@ -68,6 +70,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = forge_glue.model_config(args)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        forge_glue.in_flight.track()  # every answer goes through a response sender
         self.outputs = {o["name"]: np.dtype(pb_utils.triton_string_to_numpy(o["data_type"])) for o in config["output"]}
         engine_args, triton = forge_llmapi.engine_arguments(CONFIG, HERE)
         if bool(triton["decoupled"]) != self.decoupled:

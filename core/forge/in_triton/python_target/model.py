@@ -62,6 +62,7 @@ class _Request:
         self.ended: set = set()  # rows whose last update the sender delivered
         self.outbox = model.outboxes[next(model.turns) % len(model.outboxes)]  # its updates' sender, in order
         self.done = False
+        self.counted = False  # in forge_glue.in_flight, until the final response is sent
         self.stopped = False  # a TensorRT-LLM ``stop`` request ended it: answer with what was generated
         self.lock = threading.Lock()
         self.finishing = threading.Lock()  # held around the final response and ``done``, see is_cancelled
@@ -89,6 +90,8 @@ class _Request:
         with self.finishing:
             self._respond(results, final, error)
             self.done = True
+            counted, self.counted = self.counted, False
+        forge_glue.in_flight.closed(counted)
         self.model.forget(self)
 
     def _respond(self, results: list[RowResult] | None, final: bool, error: str | None) -> None:
@@ -190,6 +193,7 @@ class TritonPythonModel:
         config = forge_glue.model_config(args)
         self.name = args["model_name"]
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        forge_glue.in_flight.track()  # every answer goes through a response sender (see forge_glue.InFlight)
         self.output_specs = {
             o["name"]: OutputSpec(np.dtype(pb_utils.triton_string_to_numpy(o["data_type"])), len(o["dims"]))
             for o in config["output"]}
@@ -405,6 +409,7 @@ class TritonPythonModel:
                                carried(rows, self.output_specs, wanted, self.asked_only), text)
             pending.sequences = [Sequence(row, pending.on_update, pending.is_cancelled, pending)
                                  for row in rows]
+            pending.counted = forge_glue.in_flight.opened(request_id)
             with self.lock:
                 self.requests[id(pending)] = pending
             self.engine.submit(pending.sequences)

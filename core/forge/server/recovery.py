@@ -1,0 +1,75 @@
+"""Bring back one model whose process died, leaving the repository's other models serving.
+
+tritonserver 2.51 answers the requests a dead python model process held with an error ("Stub process ...
+is not healthy"), except those the model answers through a response sender (every decoupled model): they
+stay pending until tritonserver itself ends. Loading the model again through the model-control API
+(tritonserver runs with ``--model-control-mode=explicit``) starts a new process for it while the other
+models serve. So :func:`stranded` reads how many requests the dead process left that way (the count
+forge_glue.InFlight keeps in each model process), and ``forge serve`` (:mod:`.session`) reloads the model
+alone (:func:`reload`) when that is 0, and restarts tritonserver otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+from pathlib import Path
+
+from ..errors import ForgeError
+from .processes import how_it_ended, proc_stat
+from .triton_server import TritonServer, _first_line
+
+
+def reload(server: TritonServer, model: str, living: bool = False) -> None:
+    """Load ``model`` again (a new process for it) while the other models serve; ForgeError when it fails.
+
+    tritonserver loads a model whose process died again on a load request, but takes one for a model whose
+    process lives (``living``: its engine process died) as loaded already: that one is unloaded first (which
+    returns at once; the old process ends once it answered what it held).
+    """
+    if server.world is not None and server.world.world_size > 1:
+        raise ForgeError(f"model {model!r} has ranks in other processes: only a restart brings it back")
+    try:
+        if living:
+            server.request(f"/v2/repository/models/{model}/unload", "POST", b"{}", timeout=30)
+        status, body = server.request(f"/v2/repository/models/{model}/load", "POST", b"{}",
+                                      timeout=server.startup_timeout)
+    except (OSError, urllib.error.URLError) as exc:
+        raise ForgeError(f"could not load model {model!r} again: {exc}") from None
+    if status != 200:
+        try:
+            reason = json.loads(body).get("error", "")
+        except ValueError:
+            reason = body.decode(errors="replace")
+        raise ForgeError(f"could not load model {model!r} again: {_first_line(reason) or f'HTTP {status}'}")
+
+
+def stranded(server: TritonServer, model: str, pids: list[int]) -> int | None:
+    """How many requests the dead processes ``pids`` of ``model`` held that tritonserver will never answer: 0
+    when they answered none through a response sender, or only the OpenAI API's (which fails them itself);
+    None when unknown (a decoupled model that kept no count, or a death whose pid was not seen). The counts
+    of processes no longer running are removed."""
+    counts = []
+    for path in (Path(server.in_flight_dir or "/nonexistent") / model).glob("*"):
+        pid = int(path.name) if path.name.isdigit() else 0
+        if pid not in pids and proc_stat(pid) is not None and how_it_ended(pid) is None:
+            continue  # a living process of the model (another instance)
+        try:
+            data = path.read_bytes()
+            path.unlink()
+        except OSError:
+            continue
+        if pid in pids:
+            tracked = len(data) >= 16 and int.from_bytes(data[:8], "little")
+            counts.append(max(int.from_bytes(data[8:16], "little", signed=True), 0) if tracked else None)
+    if any(counts) or (len(counts) == len(pids) and None not in counts):
+        return sum(count or 0 for count in counts)
+    # kept no count: a model answering by returning its responses (tritonserver answers them), unless it is
+    # decoupled (it answers through senders)
+    from ..checks import load_configs
+
+    try:
+        config = load_configs(Path(server.repo))[0].get(model)
+    except Exception:  # noqa: BLE001 - an unreadable config: unknown
+        config = None
+    return None if config is None or config.model_transaction_policy.decoupled else 0

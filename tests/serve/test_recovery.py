@@ -1,0 +1,282 @@
+"""forge serve brings back the one model whose process died while the repository's other models serve on.
+
+One ``forge serve`` (real tritonserver, the OpenAI API in front) of a repository of three builds of the tiny
+GPT-2: ``p_`` (the ensemble the OpenAI API serves, its decoder's engine in a process of its own), ``s_`` (a
+decoupled ensemble) and ``l_`` (an LLM-API model, not decoupled). Clients load ``l_tensorrt_llm`` straight
+through Triton's HTTP endpoint throughout, and must see no error at all. In order:
+
+1. kill -9 of ``p_tensorrt_llm``'s process under streamed OpenAI load: the API's requests on it fail at
+   once with a 503, only that model is loaded again, and the API answers again within seconds;
+2. kill -9 of its engine process: the same, through the model process that outlived it;
+3. kill -9 of ``s_tensorrt_llm``'s process while a client streams from it through Triton itself: that request
+   can only be released by a restart of tritonserver, so forge serve restarts it (the direct load then sees
+   the restart), and the log keeps the first server's lines under their own header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from forge.server.processes import engine_processes, python_stubs, session_processes
+
+PROMPT = "hello world"
+
+
+def _post(url: str, body: dict, timeout: float = 30.0) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+class Served:
+    """``forge serve`` of the repository, with the OpenAI API and a log file."""
+
+    def __init__(self, repo: Path, log: Path):
+        self.repo, self.log = repo, log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from forge.cli import run; run()", "serve", str(repo), "--http-port", "0",
+             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0", "--served-model-name", "tiny",
+             "--json", "--log-file", str(log)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        lines = [self.proc.stdout.readline()]
+        while lines[-1] and lines[-1].rstrip() != "}":
+            lines.append(self.proc.stdout.readline())
+        assert lines[-1], f"forge serve printed nothing: {self.proc.stderr.read()}"
+        self.info = json.loads("".join(lines))
+        self.http, self.api = self.info["http"], self.info["openai"].removesuffix("/v1")
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def tritonserver(self) -> int:
+        # a restarted one is the child of the supervisor's thread
+        children = [pid for task in Path(f"/proc/{self.proc.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        return next(int(pid) for pid in children if "tritonserver" in Path(f"/proc/{pid}/comm").read_text())
+
+    def stub(self, model: str) -> int:
+        return python_stubs(session_processes(self.tritonserver()))[model]
+
+    def said(self, text: str, since: int = 0, timeout: float = 60.0) -> str:
+        """The last line forge serve printed with ``text`` in it, from line ``since`` on."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.stderr[since:] if text in line]
+            if found:
+                return found[-1]
+            time.sleep(0.1)
+        raise AssertionError(f"forge serve did not say {text!r}: {''.join(self.stderr)[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class Direct:
+    """Clients of ``l_tensorrt_llm`` through Triton's HTTP generate endpoint, back to back until stopped."""
+
+    def __init__(self, served: Served, n: int = 2):
+        self.served = served
+        self.halt = threading.Event()
+        self.answered = 0
+        self.failures: list[tuple[float, str]] = []
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(n)]
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self) -> None:
+        while not self.halt.is_set():
+            try:
+                status, body = _post(f"{self.served.http}/v2/models/l_tensorrt_llm/generate",
+                                     {"text_input": PROMPT, "sampling_param_max_tokens": 8})
+            except OSError as exc:
+                status, body = 0, str(exc).encode()
+            if status == 200 and json.loads(body)["text_output"]:
+                self.answered += 1
+            else:
+                self.failures.append((time.monotonic(), f"{status}: {body[:200]!r}"))
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.halt.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+class Streams:
+    """``n`` streamed OpenAI completions of the served model, each as long as the model allows."""
+
+    def __init__(self, served: Served, n: int = 3):
+        import openai
+
+        self.client = openai.OpenAI(base_url=served.info["openai"], api_key="unused", max_retries=0, timeout=120)
+        self.chunks = [0] * n
+        self.ended: list[tuple[float, str]] = []  # (when, how) of each stream
+        self.threads = [threading.Thread(target=self._stream, args=(i,), daemon=True) for i in range(n)]
+        for thread in self.threads:
+            thread.start()
+
+    def _stream(self, index: int) -> None:
+        try:
+            for _chunk in self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=100, stream=True,
+                                                         extra_body={"ignore_eos": True}):
+                self.chunks[index] += 1
+                time.sleep(0.05)  # a slow reader: the stream is still open when its model's process dies
+            self.ended.append((time.monotonic(), "finished"))
+        except Exception as exc:  # noqa: BLE001 - how the client learns its model died
+            self.ended.append((time.monotonic(), f"{type(exc).__name__}: {exc}"))
+
+    def wait_streaming(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(self.chunks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(self.chunks), f"not every stream started: {self.chunks} {self.ended}"
+
+    def wait_ended(self, timeout: float) -> None:
+        for thread in self.threads:
+            thread.join(timeout)
+
+
+@pytest.fixture(scope="module")
+def served(repos, tmp_path_factory):
+    from forge.testing import merge_repositories
+
+    root = tmp_path_factory.mktemp("recovery")
+    repo = merge_repositories([repos["p_"], repos["s_"], repos["l_"]], root / "repo")
+    shutil.copy(repos["p_"] / "forge-manifest.json", repo / "forge-manifest.json")
+    server = Served(repo, root / "triton.log")
+    yield server
+    server.stop()
+
+
+def _complete(served: Served) -> tuple[int, bytes]:
+    return _post(f"{served.api}/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}, timeout=120)
+
+
+def _recover(served: Served, kill, what: str, error: str = "died while serving this request") -> None:
+    direct = Direct(served)
+    streams = Streams(served)
+    try:
+        streams.wait_streaming()
+        assert direct.answered, direct.failures
+        since = len(served.stderr)
+        killed = kill()
+        streams.wait_ended(30)
+        assert len(streams.ended) == 3 and all(error in how or how == "finished"
+                                               for _, how in streams.ended), streams.ended
+        failed = [when - killed for when, how in streams.ended if how != "finished"]
+        line = served.said("again alone", since)
+        assert what in line, line
+        reloaded = served.said("is back after", since)
+        back = time.monotonic()
+        assert _complete(served)[0] == 200 and _status(f"{served.api}/health/ready") == 200, \
+            (_complete(served), "".join(served.stderr[since:])[-3000:])
+        answered_before = direct.answered
+        time.sleep(1.0)
+        assert direct.answered > answered_before
+        print(f"{what}: the API's streams on it ended {max(failed, default=0):.1f} s after the kill (read slowly); "
+              f"it answered again {back - killed:.1f} s after ({reloaded.strip()}); the direct clients answered "
+              f"{direct.answered} requests meanwhile")
+    finally:
+        direct.stop()
+        streams.wait_ended(60)
+    assert not direct.failures, (f"the model that did not die failed: {direct.failures[:3]}; forge serve said: "
+                                 f"{''.join(served.stderr[since:])[-3000:]}")
+
+
+def test_a_dead_model_process_comes_back_alone_while_the_other_models_serve(served):
+    def kill() -> float:
+        os.kill(served.stub("p_tensorrt_llm"), signal.SIGKILL)
+        return time.monotonic()
+
+    _recover(served, kill, "killed by signal 9 (SIGKILL)")
+    log = served.log.read_text()
+    assert log.count("==== forge: tritonserver start") == 1, "tritonserver was restarted"
+
+
+def test_a_dead_engine_process_brings_its_model_back_the_same_way(served):
+    def kill() -> float:
+        stub = served.stub("p_tensorrt_llm")
+        (engine,) = [pid for pid, parent in engine_processes(session_processes(served.tritonserver())).items()
+                     if parent == stub]
+        os.kill(engine, signal.SIGKILL)
+        return time.monotonic()
+
+    # the model process answers its requests itself
+    _recover(served, kill, "engine process", "the engine process exited with status -9")
+    assert served.log.read_text().count("==== forge: tritonserver start") == 1, "tritonserver was restarted"
+
+
+def test_a_request_only_the_dead_process_could_answer_restarts_tritonserver(served):
+    """Clients streaming from s_ensemble through Triton itself: tritonserver never answers a request a dead
+    decoupled model held, so forge serve restarts it (which closes their connections) instead of a reload."""
+    first = served.tritonserver()
+    halt = threading.Event()
+    ended: list[str] = []
+
+    def client() -> None:
+        while not halt.is_set():
+            request = urllib.request.Request(
+                f"{served.http}/v2/models/s_ensemble/generate_stream",
+                data=json.dumps({"text_input": PROMPT, "max_tokens": 100, "bad_words": "", "stop_words": "",
+                                 "stream": True}).encode())
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    response.read()
+            except Exception as exc:  # noqa: BLE001 - the restart closes the connection
+                ended.append(f"{type(exc).__name__}: {exc}")
+                return
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for thread in clients:
+        thread.start()
+    time.sleep(2.0)
+    since = len(served.stderr)
+    os.kill(served.stub("s_tensorrt_llm"), signal.SIGKILL)
+    killed = time.monotonic()
+    for thread in clients:
+        thread.join(30)
+    halt.set()
+    assert len(ended) == 4, f"{4 - len(ended)} requests hung: {ended}"
+    print(f"every direct stream ended within {time.monotonic() - killed:.1f} s of the kill: {ended[0]}")
+    line = served.said("only a restart answers them", since)
+    assert "s_tensorrt_llm" in line and "request(s) from clients other than the OpenAI API" in line, line
+    served.said("tritonserver is back after", since, timeout=300)
+    assert served.tritonserver() != first
+    assert _complete(served)[0] == 200
+    log = served.log.read_text()
+    assert log.count("==== forge: tritonserver start") == 2  # the crashed generation's lines are kept
