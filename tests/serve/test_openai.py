@@ -602,8 +602,8 @@ def _ready(base: str) -> int:
 
 def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tmp_path):
     """The CLI: --json names the API and its model ids (--served-model-name renames the model); kill -9 of the
-    decoder's process → /health/ready answers 503, then 200 within a second or two of tritonserver's own
-    readiness, and chat answers again; --log-file keeps both servers' lines, each start under a header."""
+    decoder's process (no request in flight) → /health/ready answers 503 until the model is loaded again alone
+    (tritonserver is not restarted), then 200, and chat answers again; the death is named with its signal."""
     import shutil
     import signal
 
@@ -627,24 +627,23 @@ def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tm
         assert "Paris" in answer.choices[0].message.content and _ready(base) == 200
 
         os.kill(_stub_of(repo.resolve(), "tensorrt_llm"), signal.SIGKILL)
-        deadline = time.monotonic() + 30
+        killed = time.monotonic()
+        deadline = killed + 30
         while _ready(base) == 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
         assert _ready(base) == 503
         deadline = time.monotonic() + 300
-        while _triton_ready(info["http"]) != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        triton_back = time.monotonic()
         while _ready(base) != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _ready(base) == 200
-        assert time.monotonic() - triton_back < 3.0, "the API's readiness lagged tritonserver's"
+            time.sleep(0.05)
+        assert _ready(base) == 200 and _triton_ready(info["http"]) == 200
+        print(f"ready again {time.monotonic() - killed:.1f} s after the kill")
         again = api.chat.completions.create(model="smol", messages=QUESTION, temperature=0, max_tokens=6)
         assert again.choices[0].message.content == answer.choices[0].message.content
     finally:
         serve.terminate()
         assert serve.wait(60) == 0
     stderr = serve.stderr.read()
-    assert "died; restarting tritonserver" in stderr and f"of {tmp_path / 'triton.log'}" in stderr
+    assert "killed by signal 9 (SIGKILL)) died; loading model 'tensorrt_llm' again alone" in stderr, stderr
+    assert f"of {tmp_path / 'triton.log'}" in stderr and "model 'tensorrt_llm' is back after" in stderr
     log = (tmp_path / "triton.log").read_text()
-    assert log.count("==== forge: tritonserver start") == 2 and "start 2 at" in log
+    assert log.count("==== forge: tritonserver start") == 1, (stderr, [l for l in log.splitlines() if "====" in l])

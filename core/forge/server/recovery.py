@@ -20,18 +20,17 @@ from .processes import how_it_ended, proc_stat
 from .triton_server import TritonServer, _first_line
 
 
-def reload(server: TritonServer, model: str, living: bool = False) -> None:
+def reload(server: TritonServer, model: str) -> None:
     """Load ``model`` again (a new process for it) while the other models serve; ForgeError when it fails.
 
-    tritonserver loads a model whose process died again on a load request, but takes one for a model whose
-    process lives (``living``: its engine process died) as loaded already: that one is unloaded first (which
-    returns at once; the old process ends once it answered what it held).
+    tritonserver takes a load request for a loaded model whose files did not change as done, even when its
+    process is dead (until a request found it so): the model is unloaded first, which returns at once (an old
+    process that lives ends once it answered what it held).
     """
     if server.world is not None and server.world.world_size > 1:
         raise ForgeError(f"model {model!r} has ranks in other processes: only a restart brings it back")
     try:
-        if living:
-            server.request(f"/v2/repository/models/{model}/unload", "POST", b"{}", timeout=30)
+        server.request(f"/v2/repository/models/{model}/unload", "POST", b"{}", timeout=30)
         status, body = server.request(f"/v2/repository/models/{model}/load", "POST", b"{}",
                                       timeout=server.startup_timeout)
     except (OSError, urllib.error.URLError) as exc:

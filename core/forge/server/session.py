@@ -136,7 +136,7 @@ def supervise(server, restarts: Restarts, front: Callable[[], object] = lambda: 
             try:
                 for model in models:
                     supervisor.retire(model)  # a living model process ends when the new one serves
-                    recovery.reload(server, model, living=model in engine_only)
+                    recovery.reload(server, model)
             except ForgeError as exc:
                 if not restarts.attempt(f"{exc}", counted=True):
                     server.stop(timeout=5)

@@ -120,10 +120,11 @@ class TritonServer:
                 mpirun=launch.find_mpirun() or "mpirun", python=sys.executable,
                 options=["--oversubscribe", "--bind-to", "none", "--noprefix"],
                 rendezvous=(self._client_host, self.rendezvous_port))
-        # explicit model control: one model whose process died is loaded again alone (``reload``)
+        # explicit model control: one model whose process died is loaded again alone (recovery.reload); forge's
+        # configs are complete, and completing them starts one more python process per model, importing its code
         control = [] if any(a.startswith("--model-control-mode") for a in self.extra_args) else [
             "--model-control-mode=explicit", "--load-model=*"]
-        return [str(tritonserver_binary()), f"--model-repository={repo}", *control,
+        return [str(tritonserver_binary()), f"--model-repository={repo}", *control, "--disable-auto-complete-config",
                 f"--backend-directory={backend_directory()}",
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
