@@ -1,0 +1,195 @@
+"""Recovery: one model of a repository killed while another serves; how long until it answers again.
+
+Two default builds (``--target python``) of one decoder, ``a_`` and ``b_``, in one repository served by
+``forge serve --no-openai``. Clients of ``b_`` (Triton ``generate_stream``, back to back) run throughout; every
+error they see is counted. Faults on ``a_``, in turn:
+
+1. ``kill -9`` of ``a_tensorrt_llm``'s process, no request on it: forge serve loads the model again alone;
+2. ``kill -9`` of its engine process (builds with ``-o engine_process=true``, the GPU default): the same;
+3. ``kill -9`` of its process while clients stream from it through Triton itself: tritonserver never answers
+   those, so forge serve restarts tritonserver (and ``b_``'s clients see it).
+
+Per fault: what forge serve did, seconds from the kill until ``a_`` answered again, ``b_``'s requests and errors
+meanwhile, GPU memory in use before and after (``nvidia-smi``).
+
+    python benchmarks/recovery.py --model SMOLLM2_DIR --out benchmarks/experiments/recovery-$(date +%F).json
+    python benchmarks/recovery.py --shape smollm2 --tokenizer SMOLLM2_DIR ...   # a GPU: random weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_servers import Serve  # noqa: E402
+
+BACK_S = 300.0  # a model not answering by then is reported so
+
+
+def _forge(*argv: str) -> None:
+    from forge.cli import main
+
+    if main(list(argv)) != 0:
+        sys.exit(f"benchmark: forge {' '.join(argv)} failed")
+
+
+def build(model: Path, root: Path) -> Path:
+    from forge.testing import merge_repositories
+
+    for prefix in ("a_", "b_"):
+        _forge("build", "--family", "llama", "--target", "python", "--model", str(model), "--name-prefix", prefix,
+               "--out", str(root / prefix))
+    repo = merge_repositories([root / "a_", root / "b_"], root / "repo")
+    shutil.copy(root / "a_" / "forge-manifest.json", repo / "forge-manifest.json")
+    return repo
+
+
+def stream(http: str, model: str, tokens: int, timeout: float = 120.0) -> str | None:
+    """One generate_stream to its end: None, or the error."""
+    body = json.dumps({"text_input": "The capital of France is", "sampling_param_max_tokens": tokens,
+                       "streaming": True}).encode()
+    request = urllib.request.Request(f"{http}/v2/models/{model}/generate_stream", data=body)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:200]!r}"
+    except Exception as exc:  # noqa: BLE001 - a closed connection is an answer here
+        return f"{type(exc).__name__}: {exc}"
+    return text[text.index('"error"'):][:200] if '"error"' in text else None
+
+
+class Clients:
+    """``n`` clients of ``model`` streaming back to back until stopped."""
+
+    def __init__(self, http: str, model: str, n: int, tokens: int):
+        self.http, self.model, self.tokens = http, model, tokens
+        self.halt = threading.Event()
+        self.sent = 0
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while not self.halt.is_set():
+            self.sent += 1
+            error = stream(self.http, self.model, self.tokens)
+            if error is not None:
+                self.errors.append(error)
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.halt.set()
+        for thread in self.threads:
+            thread.join(150)
+
+
+def gpu_used_mib() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return sum(int(v) for v in out) if out else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def engine_of(serve: Serve, model: str) -> int | None:
+    from forge.server.processes import engine_processes, repository_processes
+
+    stub = serve.stubs().get(model)
+    return next((pid for pid, parent in engine_processes(repository_processes(serve.repo)).items() if parent == stub),
+                None)
+
+
+def fault(serve: Serve, name: str, kill, *, load_a: int, clients: int, tokens: int) -> dict:
+    http = serve.info["http"]
+    said = len(serve.log.read_text().splitlines())
+    before = gpu_used_mib()
+    others = Clients(http, "b_tensorrt_llm", clients, tokens)
+    on_a = Clients(http, "a_tensorrt_llm", load_a, 512) if load_a else None
+    time.sleep(3.0)
+    killed = time.monotonic()
+    kill()
+    if on_a is not None:
+        on_a.stop()
+    back = None
+    while time.monotonic() - killed < BACK_S:
+        if stream(http, "a_tensorrt_llm", 4, timeout=60) is None:
+            back = time.monotonic() - killed
+            break
+        time.sleep(0.1)
+    time.sleep(2.0)
+    others.stop()
+    lines = serve.log.read_text().splitlines()[said:]
+    did = ("restarted tritonserver" if any("restarting tritonserver" in line for line in lines) else
+           "reloaded the model alone" if any("again alone" in line for line in lines) else "nothing")
+    row = {"fault": name, "forge serve": did, "answering again after s": None if back is None else round(back, 1),
+           "other model requests": others.sent, "other model errors": len(others.errors),
+           "stranded requests on it": on_a.sent if on_a else 0,
+           "gpu MiB before": before, "gpu MiB after": gpu_used_mib(),
+           "lines": [line for line in lines if line.startswith("forge:")]}
+    print(json.dumps({k: v for k, v in row.items() if k != "lines"}), flush=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, help="HF decoder directory (e.g. SmolLM2-135M-Instruct)")
+    parser.add_argument("--shape", help="random weights of this gpu_shapes shape instead (with --tokenizer)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for --shape")
+    parser.add_argument("--clients", type=int, default=8, help="clients of the other model (default 8)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per request of the other model")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    root = args.work_dir or Path(tempfile.mkdtemp(prefix="forge-recovery-"))
+    if args.shape:
+        from gpu_shapes import make_model
+
+        model = make_model(args.shape, args.tokenizer, root / args.shape)
+    elif args.model:
+        model = args.model
+    else:
+        sys.exit("benchmark: pass --model DIR or --shape NAME --tokenizer DIR")
+    repo = build(model, root)
+    serve = Serve(repo, root / "serve.log", ("--no-openai", "--log-file", str(root / "triton.log"))).start()
+    rows = []
+    try:
+        def kill_stub() -> None:
+            os.kill(serve.stubs()["a_tensorrt_llm"], signal.SIGKILL)
+
+        rows.append(fault(serve, "kill -9 of the model process, idle", kill_stub, load_a=0, clients=args.clients,
+                          tokens=args.tokens))
+        if engine_of(serve, "a_tensorrt_llm") is not None:
+            rows.append(fault(serve, "kill -9 of its engine process", lambda: os.kill(
+                engine_of(serve, "a_tensorrt_llm"), signal.SIGKILL), load_a=0, clients=args.clients,
+                tokens=args.tokens))
+        rows.append(fault(serve, "kill -9 of the model process, streamed to by Triton clients", kill_stub, load_a=4,
+                          clients=args.clients, tokens=args.tokens))
+    finally:
+        status = serve.stop()
+    result = {"repository": str(repo), "model": str(model), "clients": args.clients, "rows": rows,
+              "forge serve exit status": status, "left": serve.left()}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
