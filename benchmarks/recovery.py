@@ -12,7 +12,7 @@ error they see is counted. Faults on ``a_``, in turn:
 Per fault: what forge serve did, seconds from the kill until ``a_`` answered again, ``b_``'s requests and errors
 meanwhile, GPU memory in use before and after (``nvidia-smi``).
 
-    python benchmarks/recovery.py --model SMOLLM2_DIR --out benchmarks/experiments/recovery-$(date +%F).json
+    python benchmarks/recovery.py --model SMOLLM2_DIR
     python benchmarks/recovery.py --shape smollm2 --tokenizer SMOLLM2_DIR ...   # a GPU: random weights
 """
 
@@ -33,7 +33,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import gen_docs  # noqa: E402 - the results file shape the docs read
 from soak_servers import Serve  # noqa: E402
 
 BACK_S = 300.0  # a model not answering by then is reported so
@@ -154,8 +156,9 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8, help="clients of the other model (default 8)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request of the other model")
     parser.add_argument("--work-dir", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    gen_docs.add_results_arguments(parser, "recovery")
     args = parser.parse_args()
+    load = os.getloadavg()
     root = args.work_dir or Path(tempfile.mkdtemp(prefix="forge-recovery-"))
     if args.shape:
         from gpu_shapes import make_model
@@ -182,13 +185,29 @@ def main() -> int:
                           clients=args.clients, tokens=args.tokens))
     finally:
         status = serve.stop()
-    result = {"repository": str(repo), "model": str(model), "clients": args.clients, "rows": rows,
-              "forge serve exit status": status, "left": serve.left()}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    left = serve.left()
+    print(json.dumps({"forge serve exit status": status, "left": left}))
+    write(args, rows, status, left, load)
     return 0
+
+
+def write(args: argparse.Namespace, rows: list[dict], status: int, left: list[str], load) -> None:
+    columns = ["fault", "forge serve", "answering again after s", "other model requests", "other model errors",
+               "gpu MiB before", "gpu MiB after"]
+    what = (f"random-weight {args.shape}-shape model (float16)" if args.shape else args.model.name)
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - no torch: a CPU line
+        device = None
+    machine = gen_docs.machine(", ".join(x for x in (device, args.machine_note) if x), load)
+    gen_docs.write_results(
+        "recovery", out=args.json_out, machine_line=machine, title="One model killed while another serves",
+        description=f"Two default builds (`--target python`) of {what} in one repository under `forge serve "
+                    f"--no-openai`; {args.clients} clients stream from the other model throughout.",
+        columns=columns, rows=[[row[c] if row[c] is not None else "—" for c in columns] for row in rows],
+        notes=f"forge serve exit status after SIGTERM: {status}; processes left: {len(left)}.", faults=rows)
 
 
 if __name__ == "__main__":
