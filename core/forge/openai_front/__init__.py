@@ -17,12 +17,14 @@ DEFAULT_PORT = 9000
 
 
 class OpenAIServer:
-    """uvicorn serving the OpenAI API of ``repo`` on ``host:port`` (0: a free port), in a background thread."""
+    """uvicorn serving the OpenAI API of ``repo`` on ``host:port`` (0: a free port), in a background thread;
+    ``metrics_url`` (tritonserver's metrics endpoint) gives ``/metrics`` the requests waiting and running."""
 
     def __init__(self, repo: Path, grpc_url: str, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 served_model_name: str | None = None, api_key: str | None = None):
+                 served_model_name: str | None = None, api_key: str | None = None, metrics_url: str | None = None):
         self.repo = Path(repo)
         self.grpc_url = grpc_url
+        self.metrics_url = metrics_url
         self.host = host
         self.port = port
         self.served_model_name = served_model_name
@@ -61,7 +63,7 @@ class OpenAIServer:
 
         self.catalog = catalog_mod.load(self.repo, self.served_model_name)
         self._socket = self._bind()
-        self.front = Front(self.catalog, self.grpc_url, self.api_key)
+        self.front = Front(self.catalog, self.grpc_url, self.api_key, self.metrics_url)
         app = create_app(self.front)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=5)

@@ -247,9 +247,11 @@ def create_app(front: Front) -> FastAPI:
         return JSONResponse({"status": reason}, 200 if ok else 503)
 
     @app.get("/metrics", response_class=Response, description="Prometheus text exposition: vLLM's metric names "
-                                                               "for what the front counts, forge_openai_requests_total")
+                                                               "for what the front counts and for the served models' "
+                                                               "requests waiting and running (read from tritonserver's "
+                                                               "metrics), forge_openai_requests_total")
     async def metrics():
-        return Response(front.metrics.exposition(), media_type=CONTENT_TYPE)
+        return Response(await front.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/version", response_model=Version)
     async def version():

@@ -3,6 +3,7 @@ the metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import numpy as np
@@ -12,13 +13,14 @@ from ..clients.lora_requests import LoraRequests, ServedAdapter
 from .catalog import Catalog, TextModel
 from .metrics import Metrics
 from .protocol import APIError
+from .scheduler_stats import SchedulerStats
 from .upstream import Triton
 
 
 class Front:
     """State shared by the routes: the catalog, the Triton client, the adapters already sent."""
 
-    def __init__(self, catalog: Catalog, grpc_url: str, api_key: str | None = None):
+    def __init__(self, catalog: Catalog, grpc_url: str, api_key: str | None = None, metrics_url: str | None = None):
         self.catalog = catalog
         self.grpc_url = grpc_url
         self.api_key = api_key
@@ -29,6 +31,14 @@ class Front:
         self.idle = threading.Event()
         self.idle.set()
         self.metrics = Metrics(catalog.model_id)  # this front's own registry: several fronts may share a process
+        # tritonserver's metrics endpoint (None: unknown, and no requests read as waiting)
+        self.stats = SchedulerStats(metrics_url, self.models_behind(), self.metrics.read_errors.inc)
+
+    async def exposition(self) -> bytes:
+        """The ``/metrics`` text, the served models' requests waiting and running read from tritonserver first."""
+        if self.stats.metrics_url is not None:
+            self.metrics.scheduled = await asyncio.to_thread(self.stats.refresh)
+        return self.metrics.exposition()
 
     def models_behind(self) -> list[str]:
         names = []

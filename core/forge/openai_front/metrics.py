@@ -1,5 +1,6 @@
 """The Prometheus metrics of the OpenAI front (``GET /metrics``): vLLM's names and bucket boundaries for what
-the front sees of each generation, and forge's own count of HTTP requests by route and status.
+the front sees of each generation, the served models' requests waiting and running as tritonserver's metrics
+tell them (``scheduler_stats``), and forge's own count of HTTP requests by route and status.
 
 Each front has a registry of its own (several fronts may run in one process). What a generation costs here:
 a clock read per response from tritonserver and a handful of counter and histogram updates when it ends.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .scheduler_stats import CACHE_S, Figures
 
 #: vLLM's boundaries (vllm/v1/metrics/buckets.py), so dashboards and alerts written for vLLM read these as they are
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -30,13 +33,23 @@ class Metrics:
     def __init__(self, model_name: str):
         self.registry = registry = CollectorRegistry(auto_describe=False)
         model = ["model_name"]
+        self.generations = 0  # the front's own count: generations sent to tritonserver and not finished yet
+        self.scheduled = Figures()  # tritonserver's figures for the served models, as of the last scrape
         self.running = Gauge(
-            "vllm:num_requests_running", "Generations sent to tritonserver and not finished yet (the front's count).",
-            model, registry=registry).labels(model_name)
+            "vllm:num_requests_running", "Requests decoding: the sequences the served model's forge decoder "
+            "(--target python) has in its decoding batch, every client's, from tritonserver's forge_decoder_sequences "
+            "less forge_decoder_waiting; for other targets the generations this front sent to tritonserver and not "
+            "finished yet.", model, registry=registry).labels(model_name)
+        self.running.set_function(self._running)
         self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Always 0: requests queue inside tritonserver, which the front cannot see "
-            "(Triton's own metrics port has nv_inference_pending_request_count).", model,
-            registry=registry).labels(model_name)
+            "vllm:num_requests_waiting", "Requests waiting, every client's: those tritonserver queues for the served "
+            "model and its ensemble steps (nv_inference_pending_request_count) plus the sequences its forge decoder "
+            f"queued and not admitted to a decoding batch yet (forge_decoder_waiting); read at most {CACHE_S:g} s "
+            "before the scrape.", model, registry=registry).labels(model_name)
+        self.waiting.set_function(lambda: self.scheduled.waiting)
+        self.read_errors = Counter(
+            "forge_openai_metrics_read_errors", "Reads of tritonserver's metrics endpoint that failed or timed out "
+            "(vllm:num_requests_waiting and vllm:num_requests_running kept their values).", registry=registry)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed (the prompt tokens of finished generations, "
             "as their usage counts them).", model, registry=registry).labels(model_name)
@@ -67,6 +80,10 @@ class Metrics:
                                 "(its path template; 'unmatched' for requests answered before routing) and status.",
                                 ["route", "status"], registry=registry)
 
+    def _running(self) -> float:
+        running = self.scheduled.running
+        return self.generations if running is None else running
+
     def exposition(self) -> bytes:
         """The Prometheus text exposition of every metric of this front."""
         return generate_latest(self.registry)
@@ -86,7 +103,7 @@ class Clock:
         self.streamed = streamed
         self.start = time.perf_counter()
         self.last: float | None = None
-        metrics.running.inc()
+        metrics.generations += 1
 
     def response(self) -> None:
         """A response of tritonserver arrived (streamed: the first gives the time to first token)."""
@@ -104,7 +121,7 @@ class Clock:
     def finished(self, reason: str, prompt_tokens: int | None, completion_tokens: int | None) -> None:
         """The generation ended with ``reason`` (``stop``, ``length``) and these counts (``None``: unknown)."""
         metrics = self.metrics
-        metrics.running.dec()
+        metrics.generations -= 1
         metrics.e2e_latency.observe(time.perf_counter() - self.start)
         metrics.success[reason].inc()
         if prompt_tokens:
@@ -114,13 +131,13 @@ class Clock:
 
     def aborted(self) -> None:
         """The client went away before the end (vLLM's ``abort``)."""
-        self.metrics.running.dec()
+        self.metrics.generations -= 1
         self.metrics.e2e_latency.observe(time.perf_counter() - self.start)
         self.metrics.success["abort"].inc()
 
     def failed(self) -> None:
         """The generation ended in an error: no longer running, counted nowhere else."""
-        self.metrics.running.dec()
+        self.metrics.generations -= 1
 
 
 class Counted:

@@ -259,7 +259,8 @@ class Session:
         from ..openai_front import OpenAIServer
 
         try:
-            self.front = OpenAIServer(self.server.repo, self.server.grpc_url, **self.openai).start()
+            self.front = OpenAIServer(self.server.repo, self.server.grpc_url, metrics_url=self.server.metrics_url,
+                                      **self.openai).start()
         except UsageError as exc:  # nothing it can serve here: Triton's endpoints still are
             print(f"forge: the OpenAI API is off: {exc}", file=sys.stderr, flush=True)
         else:

@@ -269,6 +269,9 @@ class TritonPythonModel:
         self.metric_sequences = pb_utils.MetricFamily(
             name="forge_decoder_sequences", description="sequences waiting for or in generation",
             kind=pb_utils.MetricFamily.GAUGE)
+        self.metric_waiting = pb_utils.MetricFamily(
+            name="forge_decoder_waiting", description="sequences waiting: queued for the engine, not admitted to its "
+            "decoding batch yet (part of forge_decoder_sequences)", kind=pb_utils.MetricFamily.GAUGE)
         self.metric_finished = pb_utils.MetricFamily(
             name="forge_decoder_finished_total", description="sequences finished, by reason",
             kind=pb_utils.MetricFamily.COUNTER)
@@ -286,7 +289,7 @@ class TritonPythonModel:
         kinds = ENGINE_COUNTERS + (DEVICE_COUNTERS if self.engine.timed else ())
         self.engine_counters = {kind: self.metric_engine.Metric(labels={**labels, "kind": kind}) for kind in kinds}
         self.published_engine = {kind: 0.0 for kind in self.engine_counters}
-        self.published_busy = -1
+        self.published_busy = self.published_waiting = -1
         self.unpublished_tokens = 0
         self.metric_responses = pb_utils.MetricFamily(
             name="forge_decoder_responses_total", description="the sender threads: responses sent (kind=responses), "
@@ -296,6 +299,7 @@ class TritonPythonModel:
                                   for kind in RESPONSE_COUNTERS}
         self.unpublished_responses = dict.fromkeys(RESPONSE_COUNTERS, 0.0)
         self.busy_gauge = self.metric_sequences.Metric(labels=labels)
+        self.waiting_gauge = self.metric_waiting.Metric(labels=labels)
         self.token_counter = self.metric_tokens.Metric(labels=labels)
         self.finished = {reason: self.metric_finished.Metric(labels={**labels, "reason": reason})
                          for reason in ("length", "end_id", "stop_words", "cancelled", "error")}
@@ -333,10 +337,13 @@ class TritonPythonModel:
     def _publish(self) -> None:
         """(count_lock held) What was counted locally since the last time, and the engine's counters, to the
         metrics endpoint (only what changed: each is an IPC call)."""
-        busy = self.engine.busy
+        waiting, busy = self.engine.waiting, self.engine.busy
         if busy != self.published_busy:
             self.busy_gauge.set(busy)
             self.published_busy = busy
+        if waiting != self.published_waiting:
+            self.waiting_gauge.set(waiting)
+            self.published_waiting = waiting
         if self.unpublished_tokens:
             self.token_counter.increment(self.unpublished_tokens)
             self.unpublished_tokens = 0
@@ -446,6 +453,7 @@ class TritonPythonModel:
                 request.lock.release()
         if ended:  # nothing left that counts: release the metrics while their channel is open
             self.busy_gauge = self.token_counter = self.finished = self.engine_counters = self.response_counters = None
+            self.waiting_gauge = self.metric_waiting = None
             self.metric_sequences = self.metric_finished = self.metric_tokens = self.metric_engine = None
             self.metric_responses = None
         # Finished requests are cycles (request → sequence → its callback → request) that only the cyclic

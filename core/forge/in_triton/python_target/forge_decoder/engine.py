@@ -143,6 +143,7 @@ class Engine(Scheduler, GraphSteps):
         self.vocab = model.get_input_embeddings().num_embeddings  # prompt ids from here on select prompt-table rows
         self._pending: deque[Sequence] = deque()
         self._active: list[Sequence] = []
+        self._admitting: list[Sequence] = []  # taken from the queue by this step, until its prefill has run
         self._batch: kvcache.BatchCache | None = None
         self._cond = threading.Condition()
         self._running = False
@@ -211,8 +212,19 @@ class Engine(Scheduler, GraphSteps):
 
     @property
     def busy(self) -> int:
-        """Sequences waiting or running (a finished one still in the batch until the step ends is not)."""
-        return len(self._pending) + sum(not s.finished for s in list(self._active))
+        """Sequences waiting or running: one in its prefill counts, a finished one still in the batch until the
+        step ends does not (read from any thread)."""
+        with self._cond:  # the queue and the admission taken from it, as one
+            waiting, admitting = len(self._pending), list(self._admitting)
+        rows = list(self._active)  # after the admission: a sequence leaves it only once it is in the batch
+        batched = {id(s) for s in rows}
+        return waiting + sum(not s.finished for s in rows) + sum(
+            not s.finished and id(s) not in batched for s in admitting)
+
+    @property
+    def waiting(self) -> int:
+        """Sequences submitted and not admitted to the decoding batch yet (part of ``busy``)."""
+        return len(self._pending)
 
     # -- the loop -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -252,6 +264,7 @@ class Engine(Scheduler, GraphSteps):
             self.queued_ns += sum(now - s.arrival_ns for s in admitted)
             self._prefill(admitted)
             self.prefill_ns += time.perf_counter_ns() - begun
+            self._admitting = []
         if self._active:
             self.decoded_rows += len(self._active)
             self.decode_steps += 1
@@ -462,6 +475,6 @@ class Engine(Scheduler, GraphSteps):
                 self._pending.clear()
         for seq in victims:
             self._finish(seq, Update([], [], [], True, "error", message))
-        self._active, self._batch, self._ahead = [], None, None
+        self._active, self._batch, self._ahead, self._admitting = [], None, None, []
         if self.graphs is not None:
             self.graphs.reset()

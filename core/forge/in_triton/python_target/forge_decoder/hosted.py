@@ -8,7 +8,8 @@ model and runs the engine. They talk over a socket pair, pickled messages:
 
 * stub → child: ``config`` (once), ``submit`` (a request's rows), ``cancel`` (sequence keys), ``stop``;
 * child → stub: ``ready`` or ``failed`` (after loading), ``log``, ``batch`` (every update of one engine step,
-  with the engine's counters), ``stopped``;
+  with the engine's counters and its queue's length; a step that changed that length and has no update sends
+  one too: a request that does not stream has no update before its last), ``stopped``;
 * stub → child: ``ack`` for each batch, once the responses waiting for the stub's sender threads are few again.
   The engine runs at most WINDOW batches ahead of the acks: where the stub cannot send responses as fast as
   the engine makes tokens (streaming, one response per token), the engine waits for it, as it did inside the
@@ -40,7 +41,7 @@ CANCEL_POLL_S = 0.005  # how often the host looks for sequences the stub cancell
 WINDOW = 2  # batches the engine process may send ahead of the stub's acks
 BACKLOG_POLL_S = 0.0005  # how often the stub looks whether its senders' backlog went down before an ack
 COUNTERS = ("step_ns", "prefill_ns", "decode_steps", "decoded_rows", "admitted", "queued_ns", "prefills", "device_ns",
-            "wait_ns")
+            "wait_ns", "waiting")  # waiting: a gauge, the engine's queue as of its last step
 
 
 def python() -> str:
@@ -54,7 +55,8 @@ def python() -> str:
 
 
 class EngineHost:
-    """The stub's side: what ``model.py`` calls the engine (``submit``, ``busy``, the counters, ``stop``)."""
+    """The stub's side: what ``model.py`` calls the engine (``submit``, ``busy``, ``waiting``, the counters,
+    ``stop``)."""
 
     def __init__(self, config: dict, here: Path, *, name: str, info: Callable[[str], None],
                  warn: Callable[[str], None], error: Callable[[str], None], cancel_check_ms: float = 100.0,
@@ -184,6 +186,7 @@ class EngineHost:
                 left = list(self.live.values())
                 self.live.clear()
                 self.dead = self.dead or "the engine process is gone"
+                self.waiting = 0  # nothing queues any more
             for seq in left:
                 seq.on_update(seq, Update([], [], [], True, "error", self.dead))
             self.stopped.set()
@@ -262,6 +265,7 @@ class Hosted:
         self.outbox_lock = threading.Lock()
         self.sequences: dict[int, Sequence] = {}
         self.loaded = None
+        self.shipped_waiting = 0  # the engine's queue length as the stub last heard it
         self.acks = threading.Condition()
         self.unacked = 0  # batches sent that the stub has not acked
         self.open = True  # False once the stub stops us or is gone: nobody acks any more
@@ -370,12 +374,16 @@ class Hosted:
             self.outbox.append((seq.owner, update, figures))
 
     def flush(self) -> None:
-        """Engine hook after each step: its updates in one message, with the engine's counters."""
+        """Engine hook after each step: its updates in one message, with the engine's counters (also without
+        updates where its queue's length changed, so that ``waiting`` holds while requests that do not stream
+        run)."""
         with self.outbox_lock:
             records, self.outbox = self.outbox, []
-        if records:
-            engine = self.engine
-            self._batch(records, {c: getattr(engine, c) for c in COUNTERS}, wait=True)
+        engine = self.engine
+        if records or engine.waiting != self.shipped_waiting:
+            counters = {c: getattr(engine, c) for c in COUNTERS}
+            self.shipped_waiting = counters["waiting"]
+            self._batch(records, counters, wait=True)
 
 
 def main() -> None:

@@ -104,4 +104,5 @@ class Scheduler:
                 longest = width
                 needs.append(need)
                 admitted.append(self._pending.popleft())
+            self._admitting = admitted  # still busy while its prefill runs (see Engine.busy)
         return admitted
