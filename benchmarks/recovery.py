@@ -128,11 +128,14 @@ def fault(serve: Serve, name: str, kill, *, load_a: int, clients: int, tokens: i
     kill()
     if on_a is not None:
         on_a.stop()
-    back = None
+    back, probes = None, []  # (seconds after the kill it was sent, how long it took, its error) of failed probes
     while time.monotonic() - killed < BACK_S:
-        if stream(http, "a_tensorrt_llm", 4, timeout=60) is None:
+        sent = time.monotonic()
+        error = stream(http, "a_tensorrt_llm", 4, timeout=60)
+        if error is None:
             back = time.monotonic() - killed
             break
+        probes.append((round(sent - killed, 1), round(time.monotonic() - sent, 1), error[:160]))
         time.sleep(0.1)
     time.sleep(2.0)
     others.stop()
@@ -143,6 +146,9 @@ def fault(serve: Serve, name: str, kill, *, load_a: int, clients: int, tokens: i
            "other model requests": others.sent, "other model errors": len(others.errors),
            "stranded requests on it": on_a.sent if on_a else 0,
            "gpu MiB before": before, "gpu MiB after": gpu_used_mib(),
+           "other model error kinds": sorted({e[:160] for e in others.errors})[:5],
+           "failed probes": len(probes), "slowest failed probe s": max((p[1] for p in probes), default=0),
+           "probes": probes[:3] + probes[-2:],
            "lines": [line for line in lines if line.startswith("forge:")]}
     print(json.dumps({k: v for k, v in row.items() if k != "lines"}), flush=True)
     return row
