@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, tritonconfig
 from ..errors import UsageError
 from ..server import launch
 
@@ -157,6 +157,20 @@ def _repository_bytes(repo: Path) -> int:
     return sum(p.stat().st_size for p in repo.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def _refuse_local_store(repo: Path) -> None:
+    """A retriever reads its Milvus store's URI from the repository; a Milvus Lite file is on this machine only."""
+    from ..checks import load_configs
+
+    configs, _, _ = load_configs(repo)
+    for name, config in configs.items():
+        uri = tritonconfig.parameter(config, "store") or ""
+        # forge_store.is_lite's rule (k8s imports nothing of the served code): a path ending in .db, not a URI
+        lite = "://" not in uri and uri.rstrip("/").endswith(".db")
+        if lite and tritonconfig.parameter(config, "collection"):
+            raise UsageError(f"model {name} searches the Milvus Lite file {uri}, which is on this machine and in no "
+                             "pod", hint="rebuild with --store http://HOST:19530, a Milvus server the pods reach")
+
+
 def _refuse_unused(o: Options) -> None:
     """Flags that would change nothing in what is written are errors, never silently dropped."""
     unused = []
@@ -195,6 +209,7 @@ def make_plan(repo: Path, options: Options) -> Plan:
     launch.check_servable(repo)
     repo = repo.resolve()
     world = launch.layout(repo)
+    _refuse_local_store(repo)
     if world.llm_models:
         raise UsageError(f"model {world.llm_models[0]} runs on the tensorrtllm backend (the engine layout), which only "
                          "the NGC container's own tritonserver serves; the pods run forge serve",
