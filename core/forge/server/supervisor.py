@@ -27,13 +27,13 @@ from .triton_server import TritonServer
 STUB = "triton_python_backend_stub"
 
 
-def stub_processes(server: TritonServer) -> dict[int, str]:
-    """The live python stubs of ``server`` (its session): pid → model name."""
+def stub_processes(server: TritonServer, pids: list[int] | None = None) -> dict[int, str]:
+    """The live python stubs of ``server`` (among ``pids``, default its session): pid → model name."""
     process = server.process
     if process is None or process.poll() is not None:
         return {}
     stubs = {}
-    for pid in session_processes(process.pid):
+    for pid in session_processes(process.pid) if pids is None else pids:
         args = cmdline(pid)
         stat = proc_stat(pid)
         if len(args) > 1 and Path(args[0]).name == STUB and stat is not None:
@@ -75,7 +75,7 @@ class Supervisor:
     """
 
     def __init__(self, server: TritonServer, on_dead: Callable[[list[str]], None] | None = None,
-                 interval: float = 0.5):
+                 interval: float = 0.2):
         self.server = server
         self.on_dead = on_dead if on_dead is not None else restart_server(server)
         self.interval = interval
@@ -101,7 +101,8 @@ class Supervisor:
             self._retired, self._engines = set(), {}
             if process is None or process.poll() is not None or self.server.stopping:
                 return []
-        current = {pid: model for pid, model in stub_processes(self.server).items() if pid not in self._retired}
+        pids = session_processes(process.pid)
+        current = {pid: model for pid, model in stub_processes(self.server, pids).items() if pid not in self._retired}
         if self.server.stopping or process.poll() is not None:  # stopped while we looked
             self._known = {}
             return []
@@ -110,7 +111,7 @@ class Supervisor:
             self.causes[pid] = _ended(pid)
         # an engine process (-o engine_process) whose model process lives on: its model serves nothing more
         engines = {engine: (current[stub], stub) for engine, stub in
-                   engine_processes(session_processes(process.pid)).items() if stub in current}
+                   engine_processes(pids).items() if stub in current}
         for engine, (model, stub) in self._engines.items():
             if engine not in engines and stub in current:
                 self.causes[engine] = _ended(engine)

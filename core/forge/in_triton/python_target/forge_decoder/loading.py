@@ -112,7 +112,7 @@ def _guides(config: dict, here: Path, weights: Path, threads: int, limits: Limit
     candidates += [weights, model_dir.parent / f"{prefix}preprocessing" / "1" / "tokenizer"]
     found = next((d for d in candidates if any((d / f).is_file() for f in forge_glue.TOKENIZER_CORE)), None)
     guides = guided.Guides(found, limits.vocab_size, threads=threads)
-    reason = guides.unavailable()
+    reason = guides.unavailable(load=False)  # imported by the first guided request
     info(f"forge python target {name!r}: guided decoding " + (
         f"available (xgrammar {guided.version()}, tokenizer {found})" if reason is None
         else f"unavailable: {reason}; guided requests get an error"))
