@@ -385,9 +385,8 @@ class TritonServer:
     def in_flight(self) -> int | None:
         """Requests waiting in the server's queues (None: unknown).
 
-        Not the generations running: forge decoders' ``forge_decoder_sequences`` gauge would say, but it
-        stays above 0 after several sequences finish in one engine step (it is set to ``busy - 1`` on
-        each), so a drain that waited for it would run to its timeout.
+        Not the generations running (forge decoders' ``forge_decoder_sequences`` gauge): the drain waits for
+        the OpenAI API's requests itself, and Triton clients' requests keep their HTTP connections open.
         """
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
