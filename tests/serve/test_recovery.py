@@ -8,9 +8,9 @@ through Triton's HTTP endpoint throughout, and must see no error at all. In orde
 1. kill -9 of ``p_tensorrt_llm``'s process under streamed OpenAI load: the API's requests on it fail at
    once with a 503, only that model is loaded again, and the API answers again within seconds;
 2. kill -9 of its engine process: the same, through the model process that outlived it;
-3. kill -9 of ``s_tensorrt_llm``'s process while a client streams from it through Triton itself: that request
-   can only be released by a restart of tritonserver, so forge serve restarts it (the direct load then sees
-   the restart), and the log keeps the first server's lines under their own header.
+3. kill -9 of ``s_tensorrt_llm``'s process while clients stream from it through Triton itself: those requests
+   can only be released by a restart of tritonserver, so forge serve restarts it; the API is ready within a
+   second of tritonserver, and the log keeps the first server's lines under their own header.
 """
 
 from __future__ import annotations
@@ -277,6 +277,10 @@ def test_a_request_only_the_dead_process_could_answer_restarts_tritonserver(serv
     line = served.said("only a restart answers them", since)
     assert "s_tensorrt_llm" in line and "request(s) from clients other than the OpenAI API" in line, line
     served.said("tritonserver is back after", since, timeout=300)
+    back = time.monotonic()  # tritonserver's models are READY: the API is ready within a second of that
+    while _status(f"{served.api}/health/ready") != 200 and time.monotonic() - back < 1.0:
+        time.sleep(0.05)
+    assert _status(f"{served.api}/health/ready") == 200, "the API's readiness lagged tritonserver's"
     assert served.tritonserver() != first
     assert _complete(served)[0] == 200
     log = served.log.read_text()
