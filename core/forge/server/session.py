@@ -23,6 +23,7 @@ from ..errors import ForgeError, UsageError
 RESTARTS, RESTART_WINDOW_S = 5, 600
 START_ATTEMPTS = 3  # tries of each restart's start: one can fail under load (a model process slow to come up)
 RANK_GRACE_S = 3.0  # a multi-rank world whose model processes died ends within this when a rank died
+RANK_ENGINE_GRACE_S = 30.0  # and one whose engine process died (its followers notice, then mpirun ends the world)
 
 
 class Stop(Exception):
@@ -95,8 +96,10 @@ def supervise(server, restarts: Restarts, front: Callable[[], object] = lambda: 
         process = server.process
         several = server.world is not None and server.world.world_size > 1
         if several and process is not None:
+            # a dead engine process takes its follower ranks with it, and mpirun then ends the world (seconds later)
+            engine_only = all(pid in supervisor.engine_deaths for pid, _model in deaths)
             try:
-                process.wait(RANK_GRACE_S)
+                process.wait(RANK_ENGINE_GRACE_S if engine_only else RANK_GRACE_S)
                 return  # the world ended: the session's server.wait() returns and says which rank
             except subprocess.TimeoutExpired:
                 pass
