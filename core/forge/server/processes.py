@@ -32,6 +32,29 @@ def session_processes(sid: int) -> list[int]:
     return pids
 
 
+def descendants(pid: int) -> list[int]:
+    """The living processes under ``pid`` (children, theirs, …) through /proc's children lists: a few reads
+    where ``session_processes`` reads every process of the machine. A kernel without the lists: the session's."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = (task / "children").read_text().split()
+            except FileNotFoundError:
+                return session_processes(pid) if parent == pid else found
+            except OSError:
+                continue
+            for child in map(int, children):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
 def kill_session(sid: int) -> None:
     """SIGKILL whatever is left of session ``sid`` (the server was started as its leader)."""
     for pid in session_processes(sid):

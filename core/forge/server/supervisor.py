@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from .processes import cmdline, engine_processes, how_it_ended, proc_stat, session_processes
+from .processes import cmdline, descendants, engine_processes, how_it_ended, proc_stat, session_processes
 from .triton_server import TritonServer
 
 STUB = "triton_python_backend_stub"
@@ -101,7 +101,7 @@ class Supervisor:
             self._retired, self._engines = set(), {}
             if process is None or process.poll() is not None or self.server.stopping:
                 return []
-        pids = session_processes(process.pid)
+        pids = descendants(process.pid)
         current = {pid: model for pid, model in stub_processes(self.server, pids).items() if pid not in self._retired}
         if self.server.stopping or process.poll() is not None:  # stopped while we looked
             self._known = {}
