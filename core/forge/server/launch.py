@@ -235,16 +235,33 @@ def check_servable(repo: Path) -> None:
 
 
 def recorded_container(repo: Path) -> tuple[str, str] | None:
-    """(image, backend version) the build recorded in the manifest (decoder emit notes ``backend``)."""
+    """(image, backend version) the build recorded in the manifest (decoder emit notes ``backend``); the image is
+    "" where no NGC container ships that TensorRT-LLM yet."""
     for component in manifest(repo).get("components", []):
         for stage in component.get("stages", []):
             backend = (stage.get("notes") or {}).get("backend")
             if isinstance(backend, dict) and "container" in backend:
-                if not backend["container"]:
-                    raise ForgeError(f"no NGC tritonserver container ships TensorRT-LLM {backend.get('version')} "
-                                     "yet", hint="name one with --image (a tritonserver image with this TensorRT-LLM)")
-                return backend["container"], backend.get("version", "")
+                return backend["container"] or "", backend.get("version", "")
     return None
+
+
+def _without_trtllm(repo: Path, version: str) -> tuple[str, str]:
+    """The container for a repository whose backend version no NGC container ships yet: where no model runs on
+    TensorRT-LLM (forge's python target, encoders), the newest tritonserver trtllm container (python backend,
+    torch and transformers inside); else the one-line error."""
+    from .. import profiles
+
+    try:
+        world = layout(repo)
+        needs = bool(world.llm_models or world.llmapi_models)
+    except ForgeError:
+        needs = True
+    newest = max((p for p in profiles.PROFILES.values() if p.container), key=lambda p: p.triton)
+    if needs:
+        raise ForgeError(f"no NGC tritonserver container ships TensorRT-LLM {version} yet",
+                         hint="name one with --image (a tritonserver image with this TensorRT-LLM), or build "
+                              f"--backend-version {newest.version} for the {newest.triton} container")
+    return newest.container, newest.version
 
 
 def container_image(repo: Path, version: str | None = None) -> tuple[str, str]:
@@ -255,14 +272,12 @@ def container_image(repo: Path, version: str | None = None) -> tuple[str, str]:
     """
     recorded = None if version else recorded_container(repo)
     if recorded is not None:
-        return recorded
+        return recorded if recorded[0] else _without_trtllm(repo, recorded[1])
     from .. import profiles  # the one table of backend-version knowledge
 
     profile = profiles.resolve(version or backend_version(repo))
     if profile.container is None:
-        raise ForgeError(f"no NGC tritonserver container ships TensorRT-LLM {profile.version} yet",
-                         hint="name one with --image (a tritonserver image with this TensorRT-LLM), or build "
-                              "--backend-version 1.2.1 for the 26.07 container")
+        return _without_trtllm(repo, profile.version)
     return profile.container, profile.version
 
 
