@@ -338,6 +338,18 @@ def test_deploy_gives_the_llm_api_its_gpus_on_one_node(tiny_gpt2, tmp_path, caps
     assert "no NGC tritonserver container ships TensorRT-LLM v1.3.0rc29" in capsys.readouterr().err
 
 
+def test_deploy_of_a_python_target_build_takes_the_newest_container(tiny_gpt2, tmp_path, capsys):
+    """The python target records the newest LLM-API release, which no NGC container ships, but runs on no
+    TensorRT-LLM: deploy takes the newest tritonserver container of the profile table, where the tensorrtllm
+    target's build (above) is refused."""
+    out = tmp_path / "repo"
+    assert build(tiny_gpt2, out, "--target", "python") == 0
+    newest = max((p for p in profiles.PROFILES.values() if p.container), key=lambda p: p.triton)
+    compose = tmp_path / "compose.yaml"
+    assert main(["deploy", "compose", str(out), "--out", str(compose)]) == 0
+    assert newest.container in compose.read_text() and newest.container in capsys.readouterr().out
+
+
 def test_dynamic_batching_options_are_refused_on_the_python_targets_llmapi_model(tiny_gpt2, tmp_path, capsys):
     """Bad input: -o max_queue_delay_microseconds on a model without a batch dimension (nothing would read it)."""
     assert build(tiny_gpt2, tmp_path / "repo", "--target", "python", "-o", "max_queue_delay_microseconds=100") == 2
