@@ -187,15 +187,22 @@ def exit_if_orphaned() -> None:
             exit_now(reason)
 
 
-def _stub_shm_region() -> str | None:
-    """The shared-memory region tritonserver made for this stub (the stub's 2nd argument), if this is a stub."""
+def _stub_args() -> list[str]:
+    """This process's arguments when it is tritonserver's python stub (``model.py`` path, shared-memory region,
+    …), else []."""
     try:
         args = open("/proc/self/cmdline", "rb").read().split(b"\0")
     except OSError:
-        return None
+        return []
     if len(args) > 2 and os.path.basename(args[0]) == b"triton_python_backend_stub":
-        return args[2].decode(errors="replace")
-    return None
+        return [arg.decode(errors="replace") for arg in args[1:]]
+    return []
+
+
+def _stub_shm_region() -> str | None:
+    """The shared-memory region tritonserver made for this stub (the stub's 2nd argument), if this is a stub."""
+    args = _stub_args()
+    return args[1] if args else None
 
 
 def exit_with_parent(also: Iterable[int] = (), interval: float = WATCH_INTERVAL, what: str = "") -> threading.Thread | None:
@@ -303,16 +310,27 @@ class InFlight:
         self.count = 0
         if path is None:
             return
+        import mmap
+
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as handle:
+            with open(path, "w+b") as handle:
                 handle.write(bytes(16))
-            import mmap
-
-            with open(path, "r+b") as handle:
+                handle.flush()
                 self._map = mmap.mmap(handle.fileno(), 16)
         except (OSError, ValueError):  # nowhere to count: forge serve then restarts tritonserver on a death
             self._map = None
+
+    @staticmethod
+    def read(path) -> int | None:
+        """The count a model process left in ``path``; None when it never tracked (or the file is not one)."""
+        try:
+            data = open(path, "rb").read()
+        except OSError:
+            return None
+        if len(data) < 16 or not int.from_bytes(data[:8], "little"):
+            return None
+        return max(int.from_bytes(data[8:16], "little", signed=True), 0)
 
     def track(self) -> None:
         if self._map is not None:
@@ -338,14 +356,10 @@ class InFlight:
 
 def _in_flight() -> InFlight:
     """The process's InFlight: counted in a file when this is a python stub forge serve started."""
-    directory = os.environ.get(IN_FLIGHT_DIR)
-    try:
-        args = open("/proc/self/cmdline", "rb").read().split(b"\0")
-    except OSError:
-        args = []
-    if not directory or len(args) < 2 or os.path.basename(args[0]) != b"triton_python_backend_stub":
+    directory, args = os.environ.get(IN_FLIGHT_DIR), _stub_args()
+    if not directory or not args:
         return InFlight()
-    model = os.path.basename(os.path.dirname(os.path.dirname(args[1].decode(errors="replace"))))
+    model = os.path.basename(os.path.dirname(os.path.dirname(args[0])))  # <repo>/<model>/<version>/model.py
     return InFlight(os.path.join(directory, model, str(os.getpid())))
 
 

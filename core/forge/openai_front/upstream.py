@@ -38,8 +38,12 @@ def api_error(exc: Exception, model: str) -> APIError:
         status = 503  # "Stub process ... is not healthy": the model's process died and is being brought back
     if status == 499:
         status = 503
-    return APIError(status, message, code="triton_error" if status != 503 else "model_unavailable",
-                    headers={"Retry-After": "5"} if status == 503 else None)
+    return unavailable(message) if status == 503 else APIError(status, message, code="triton_error")
+
+
+def unavailable(message: str) -> APIError:
+    """A 503 for a model that cannot answer now (tritonserver unreachable, the model coming back): retry soon."""
+    return APIError(503, message, code="model_unavailable", headers={"Retry-After": "5"})
 
 
 #: gRPC's reconnect back-off grows to minutes; bounded, the front sees a restarted tritonserver within a second
@@ -103,8 +107,7 @@ class Triton:
             try:
                 await asyncio.wait_for(event.wait(), RECOVERY_WAIT_S)
             except asyncio.TimeoutError:
-                raise APIError(503, f"model {name!r} is not back {RECOVERY_WAIT_S:g} s after its process died",
-                               code="model_unavailable", headers={"Retry-After": "5"}) from None
+                raise unavailable(f"model {name!r} is not back {RECOVERY_WAIT_S:g} s after its process died") from None
 
     def _watch(self, model: ModelInputs, cancel) -> "_Call":
         call = _Call(cancel, [model.name, *model.steps], self._calls)
@@ -277,7 +280,7 @@ class _Call:
 
     def raise_failure(self) -> None:
         if self.reason is not None:
-            raise APIError(503, self.reason, code="model_unavailable", headers={"Retry-After": "5"})
+            raise unavailable(self.reason)
 
     def done(self) -> None:
         for name in self.names:

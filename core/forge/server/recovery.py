@@ -16,6 +16,7 @@ import urllib.error
 from pathlib import Path
 
 from ..errors import ForgeError
+from ..in_triton.forge_glue import InFlight
 from .processes import how_it_ended, proc_stat
 from .triton_server import TritonServer, _first_line
 
@@ -27,8 +28,6 @@ def reload(server: TritonServer, model: str) -> None:
     process is dead (until a request found it so): the model is unloaded first, which returns at once (an old
     process that lives ends once it answered what it held).
     """
-    if server.world is not None and server.world.world_size > 1:
-        raise ForgeError(f"model {model!r} has ranks in other processes: only a restart brings it back")
     try:
         server.request(f"/v2/repository/models/{model}/unload", "POST", b"{}", timeout=30)
         status, body = server.request(f"/v2/repository/models/{model}/load", "POST", b"{}",
@@ -43,24 +42,43 @@ def reload(server: TritonServer, model: str) -> None:
         raise ForgeError(f"could not load model {model!r} again: {_first_line(reason) or f'HTTP {status}'}")
 
 
+def restart_reason(server: TritonServer, deaths: list[tuple[int, str]], engine_deaths: set[int]) -> str | None:
+    """Why only a restart of tritonserver brings back the models of ``deaths`` ((pid, model); pid 0: a death
+    counted, not seen; ``engine_deaths``: the pids that were engine processes); None: reloading them alone will."""
+    if server.world is not None and server.world.world_size > 1:
+        return "its ranks run in other processes"
+    # a dead engine process's model process lives on and has answered its requests with the error
+    stubs: dict[str, list[int]] = {}
+    for pid, model in deaths:
+        if pid not in engine_deaths:
+            stubs.setdefault(model, []).append(pid)
+    held, unknown = 0, []
+    for model, pids in stubs.items():
+        count = stranded(server, model, pids)
+        if count is None:
+            unknown.append(model)
+        held += count or 0
+    if held:
+        return f"{held} request(s) from clients other than the OpenAI API were waiting in it, and only a restart " \
+               "answers them"
+    if unknown:
+        return f"model {unknown[0]!r} answers through response senders without counting its requests"
+    return None
+
+
 def stranded(server: TritonServer, model: str, pids: list[int]) -> int | None:
-    """How many requests the dead processes ``pids`` of ``model`` held that tritonserver will never answer: 0
-    when they answered none through a response sender, or only the OpenAI API's (which fails them itself);
-    None when unknown (a decoupled model that kept no count, or a death whose pid was not seen). The counts
-    of processes no longer running are removed."""
+    """How many requests the dead processes ``pids`` of ``model`` held that tritonserver will never answer (the
+    counts forge_glue.InFlight kept): 0 when they answered none through a response sender, or only the OpenAI
+    API's (which fails them itself); None when unknown (a decoupled model that kept no count, or a death whose
+    pid was not seen). The counts of processes no longer running are removed."""
     counts = []
     for path in (Path(server.in_flight_dir or "/nonexistent") / model).glob("*"):
         pid = int(path.name) if path.name.isdigit() else 0
         if pid not in pids and proc_stat(pid) is not None and how_it_ended(pid) is None:
             continue  # a living process of the model (another instance)
-        try:
-            data = path.read_bytes()
-            path.unlink()
-        except OSError:
-            continue
         if pid in pids:
-            tracked = len(data) >= 16 and int.from_bytes(data[:8], "little")
-            counts.append(max(int.from_bytes(data[8:16], "little", signed=True), 0) if tracked else None)
+            counts.append(InFlight.read(path))
+        path.unlink(missing_ok=True)
     if any(counts) or (len(counts) == len(pids) and None not in counts):
         return sum(count or 0 for count in counts)
     # kept no count: a model answering by returning its responses (tritonserver answers them), unless it is

@@ -92,47 +92,32 @@ def supervise(server, restarts: Restarts, front: Callable[[], object] = lambda: 
 
     def on_dead(models: list[str]) -> None:
         line = server.log_line()  # what the dead process and the server said is above this line
-        deaths = list(supervisor.last_deaths)
-        process = server.process
-        several = server.world is not None and server.world.world_size > 1
-        if several and process is not None:
+        deaths, process = list(supervisor.last_deaths), server.process
+        if server.world is not None and server.world.world_size > 1 and process is not None:
             # a dead engine process takes its follower ranks with it, and mpirun then ends the world (seconds later)
-            engine_only = all(pid in supervisor.engine_deaths for pid, _model in deaths)
+            engines = all(pid in supervisor.engine_deaths for pid, _model in deaths)
             try:
-                process.wait(RANK_ENGINE_GRACE_S if engine_only else RANK_GRACE_S)
+                process.wait(RANK_ENGINE_GRACE_S if engines else RANK_GRACE_S)
                 return  # the world ended: the session's server.wait() returns and says which rank
             except subprocess.TimeoutExpired:
                 pass
-        ends = [("engine process, " if pid in supervisor.engine_deaths else "") + f"pid {pid}"
-                + (f", {supervisor.causes[pid]}" if supervisor.causes.get(pid) else "") for pid, _model in deaths if pid]
-        names = ", ".join(repr(m) for m in models)
-        died = f"the process of model {names}" + (f" ({'; '.join(ends)})" if ends else "") + " died"
-        # a dead engine process's model process lives on and has answered its requests with the error
-        engine_only = ({m for pid, m in deaths if pid in supervisor.engine_deaths}
-                       - {m for pid, m in deaths if pid not in supervisor.engine_deaths})
+        died = supervisor.describe(models)
         print(f"forge: what tritonserver logged before the death ends at line {line} of {server.log_file} "
               "(the log keeps every start's lines)", file=sys.stderr, flush=True)
         api = front()
-        stranded = {model: 0 if model in engine_only else recovery.stranded(
-            server, model, [pid for pid, m in deaths if m == model and pid not in supervisor.engine_deaths])
-            for model in models}
-        held = {model: n for model, n in stranded.items() if n}
-        unknown = [model for model, n in stranded.items() if n is None]
+        if api is not None:
+            api.recovering(models, f"the process of model {models[0]!r} died while serving this request; it is "
+                                   "being brought back: retry")
         try:
-            if api is not None:
-                api.recovering(models, f"the process of model {models[0]!r} died while serving this request; "
-                                       "it is being brought back: retry")
-            if several or held or unknown:
-                why = ("its ranks run in other processes" if several else
-                       f"{sum(held.values())} request(s) from clients other than the OpenAI API were waiting in it, "
-                       "and only a restart answers them" if held else
-                       f"model {unknown[0]!r} answers through response senders without counting its requests")
+            why = recovery.restart_reason(server, deaths, supervisor.engine_deaths)
+            if why is not None:
                 if not restarts.attempt(f"{died}; {why}"):
                     server.stop(timeout=5)
                 return
             if not restarts.allowed(died, "loading it again"):
                 server.stop(timeout=5)
                 return
+            names = ", ".join(repr(m) for m in models)
             print(f"forge: {died}; loading model {names} again alone (the other models keep serving)",
                   file=sys.stderr, flush=True)
             started = time.monotonic()

@@ -133,6 +133,13 @@ class Supervisor:
             self.last_deaths = dead
         return sorted({model for _pid, model in dead})
 
+    def describe(self, models: list[str]) -> str:
+        """The last deaths in one line: "the process of model 'm' (pid 12, killed by signal 9 (SIGKILL)) died"."""
+        ends = [("engine process, " if pid in self.engine_deaths else "") + f"pid {pid}"
+                + (f", {self.causes[pid]}" if self.causes.get(pid) else "") for pid, _model in self.last_deaths if pid]
+        return (f"the process of model {', '.join(repr(m) for m in models)}" + (f" ({'; '.join(ends)})" if ends else "")
+                + " died")
+
     def retire(self, model: str) -> None:
         """``model`` is being loaded again: its processes of now end on purpose (not reported as deaths)."""
         self._retired |= {pid for pid, m in self._known.items() if m == model}
