@@ -37,15 +37,15 @@ class Figures(NamedTuple):
     running: float | None = None
 
 
-def figures(text: str, models: set[str]) -> Figures:
-    """The figures of ``models`` in tritonserver's metrics text (Prometheus exposition)."""
+def figures(text: str, models: set[str] | None) -> Figures:
+    """The figures of ``models`` (None: every model) in tritonserver's metrics text (Prometheus exposition)."""
     names = (PENDING, DECODER_WAITING, DECODER_SEQUENCES)
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(names)) + "\n"
     sums = dict.fromkeys(names, 0.0)
     seen = set()
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
-            if sample.name in sums and sample.labels.get("model") in models:
+            if sample.name in sums and (models is None or sample.labels.get("model") in models):
                 sums[sample.name] += sample.value
                 seen.add(sample.name)
     running = max(0.0, sums[DECODER_SEQUENCES] - sums[DECODER_WAITING]) if DECODER_SEQUENCES in seen else None

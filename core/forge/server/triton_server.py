@@ -383,24 +383,19 @@ class TritonServer:
         return True
 
     def in_flight(self) -> int | None:
-        """Requests waiting in the server's queues (None: unknown).
+        """Requests waiting in the server's queues and forge decoders' (None: unknown), as the OpenAI API's
+        ``vllm:num_requests_waiting`` counts them for every model.
 
         Not the generations running (forge decoders' ``forge_decoder_sequences`` gauge): the drain waits for
         the OpenAI API's requests itself, and Triton clients' requests keep their HTTP connections open.
         """
+        from ..openai_front.scheduler_stats import figures
+
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
-                text = response.read().decode(errors="replace")
+                return int(figures(response.read().decode(errors="replace"), None).waiting)
         except (OSError, ValueError):
             return None
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("nv_inference_pending_request_count{"):
-                try:
-                    total += float(line.rsplit(" ", 1)[1])
-                except (IndexError, ValueError):
-                    pass
-        return int(total)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the server and every process it started (python stubs, MPI ranks)."""
