@@ -105,9 +105,12 @@ def supervise(server, restarts: Restarts, front: Callable[[], object] = lambda: 
         print(f"forge: what tritonserver logged before the death ends at line {line} of {server.log_file} "
               "(the log keeps every start's lines)", file=sys.stderr, flush=True)
         api = front()
-        if api is not None:
-            api.recovering(models, f"the process of model {models[0]!r} died while serving this request; it is "
-                                   "being brought back: retry")
+        failed = 0 if api is None else api.recovering(
+            models, f"the process of model {models[0]!r} died while serving this request; it is being brought back: "
+                    "retry")
+        if failed:
+            print(f"forge: the OpenAI API answered its {failed} request(s) in flight on it with 503", file=sys.stderr,
+                  flush=True)
         try:
             why = recovery.restart_reason(server, deaths, supervisor.engine_deaths)
             if why is not None:
