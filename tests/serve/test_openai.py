@@ -641,8 +641,9 @@ def test_forge_serve_heals_a_dead_model_process_behind_the_openai_api(served, tm
         assert again.choices[0].message.content == answer.choices[0].message.content
     finally:
         serve.terminate()
-        assert serve.wait(60) == 0
+        status = serve.wait(60)
     stderr = serve.stderr.read()
+    assert status == 0, stderr[-3000:]
     assert "killed by signal 9 (SIGKILL)) died; loading model 'tensorrt_llm' again alone" in stderr, stderr
     assert f"of {tmp_path / 'triton.log'}" in stderr and "model 'tensorrt_llm' is back after" in stderr
     log = (tmp_path / "triton.log").read_text()

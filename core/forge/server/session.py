@@ -178,7 +178,7 @@ def drain(server, front, supervisor, timeout: float) -> int:
     took = time.monotonic() - started
     if left or status:
         why = f"{left} request(s) still in flight after --drain-timeout {timeout:g} s" if left else (
-            f"tritonserver exited with status {status}")
+            server.exit_message())
         print(f"forge: error: the drain was not clean: {why}; stopped after {took:.1f} s", file=sys.stderr,
               flush=True)
         return 1
