@@ -1,14 +1,14 @@
 """GPU serving benchmark: forge's DEFAULT python-target build vs seed 000's model (``--target hf-pipeline``).
 
 For each model shape (random weights, seeded; the tokenizer of SmolLM2):
-  1. ``forge build --target python`` (nothing else) and ``forge build --target hf-pipeline`` (float16),
-     served together by one real tritonserver through ``forge serve``'s launcher;
-  2. correctness: greedy ids of the served ``tensorrt_llm`` model vs transformers ``generate`` on the
-     same GPU in the served dtype (first divergence reported);
-  3. closed-loop load through each ensemble: ~32-token prompts, 64 new tokens, concurrency 1 / 16 / 64
-     (the pipeline at 1 and 16), generated tokens counted with the tokenizer in the returned text;
-     and streamed through a ``--decoupled`` build of the same model at 16 and 64 (time to first token,
-     inter-token latency);
+  1. ``forge build --target python`` (nothing else: one decoupled ``tensorrt_llm`` model with TensorRT-LLM's
+     LLM-API interface) and ``forge build --target hf-pipeline`` (float16), served together by one real
+     tritonserver through ``forge serve``'s launcher;
+  2. correctness: the served ``tensorrt_llm`` model's greedy text vs transformers ``generate`` on the same GPU
+     in the served dtype (the number of reference tokens whose text the served answer starts with);
+  3. closed-loop load on the ``tensorrt_llm`` model (the pipeline's ensemble): ~32-token prompts, 64 new tokens,
+     concurrency 1 / 16 / 64 (the pipeline at 1 and 16), generated tokens counted with the tokenizer in the
+     returned text; and streamed (``streaming`` true) at 16 and 64 (time to first token, inter-token latency);
   4. the engine alone (no Triton): decode ms/step at 1 / 16 / 64 rows, per step form (Hugging Face forward;
      CUDA graphs with each attention form), the distance to the memory-bandwidth limit (weight bytes per
      step / the GPU's bandwidth), kernels per decoding step, and prefill ms (16 and 64 prompts of 32 tokens,
@@ -72,32 +72,33 @@ def prompts(tokenizer, count: int, length: int = 32) -> list[str]:
 
 
 def check_greedy(server, model_dir: Path, tokenizer, dtype: str, n: int = 32) -> dict:
-    """Served greedy ids vs transformers generate on this GPU, same prompt, same dtype."""
-    import numpy as np
+    """The served model's greedy text vs transformers generate on this GPU, same prompt ids, same dtype: how many of
+    the reference's tokens the served text starts with (decoded the same way)."""
     import torch
-    import tritonclient.grpc as grpc
     from transformers import AutoModelForCausalLM
 
+    from forge.clients.inference import GrpcSession, text_of
+
     ids = tokenizer.encode(prompts(tokenizer, 1)[0], add_special_tokens=True)
-    client = grpc.InferenceServerClient(server.grpc_url)
-    inputs = []
-    for name, value in (("input_ids", np.array([ids], np.int32)), ("input_lengths", np.array([[len(ids)]], np.int32)),
-                        ("request_output_len", np.array([[n]], np.int32))):
-        tensor = grpc.InferInput(name, list(value.shape), "INT32")
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    served = client.infer("tensorrt_llm", inputs).as_numpy("output_ids").reshape(-1).tolist()[len(ids):]
-    client.close()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).cuda().eval()
+    with GrpcSession(server.grpc_url) as session:
+        inputs = session.config("tensorrt_llm")
+        request = {"text_input": "", "prompt_token_ids": ids, "sampling_param_max_tokens": n,
+                   "sampling_param_top_k": 1, "sampling_param_ignore_eos": True,
+                   "sampling_param_exclude_input_from_output": True}
+        answer = "".join(text_of(event.outputs.get("text_output", "")) for event in
+                         session.stream("tensorrt_llm", {k: inputs.array(k, v) for k, v in request.items()}))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU runs the served cells too (a smoke test)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(device).eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"), pad_token_id=0)
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device), pad_token_id=0)
     reference = out[0, len(ids):].tolist()
-    same = next((i for i, (a, b) in enumerate(zip(served, reference)) if a != b), min(len(served), len(reference)))
+    same = next((i for i in range(1, n + 1) if not answer.startswith(tokenizer.decode(reference[:i]))), n + 1) - 1
     del model
     torch.cuda.empty_cache()
-    return {"dtype": dtype, "tokens": n, "equal_prefix": same, "served": served[:8], "transformers": reference[:8]}
+    return {"dtype": dtype, "tokens": n, "equal_prefix": same, "served": answer[:80],
+            "transformers": tokenizer.decode(reference)[:80]}
 
 
 def load(server, model: str, tokenizer, concurrency: int, requests: int, max_tokens: int,
@@ -142,7 +143,7 @@ def _target(url: str, model: str, tokenizer, stream: bool):
 
     with GrpcSession(url) as session:
         inputs = session.config(model)
-    return runner.Target(inputs, stream=stream, extra={"exclude_input_in_output": True},
+    return runner.Target(inputs, stream=stream, extra={"exclude_input": True},
                         count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
 
 
@@ -222,8 +223,8 @@ def main() -> int:
                         "non-streamed load: each thread's share of the GIL and the functions holding it (0: none)")
     parser.add_argument("--profile-of", type=lambda text: tuple(text.split(",")), default=("stub",),
                         help="--profile-gil: what is sampled, comma-separated: stub (default), engine (its engine "
-                        "process), both under c=64 non-streamed load, or stub-streamed / engine-streamed (the "
-                        "--decoupled build's, under c=16 streamed load)")
+                        "process), both under c=64 non-streamed load, or stub-streamed / engine-streamed (under c=16 "
+                        "streamed load)")
     parser.add_argument("--stream-levels", type=lambda text: tuple(int(c) for c in text.split(",")),
                         help="the streamed cells' concurrencies (default 16,64)")
     parser.add_argument("--levels", type=lambda text: tuple(int(c) for c in text.split(",") if c),
@@ -259,7 +260,7 @@ def main() -> int:
     import torch
 
     report = {"command": "python benchmarks/serve_gpu.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-              "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": {}}
+              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)", "torch": torch.__version__, "shapes": {}}
     print(json.dumps({k: report[k] for k in ("gpu", "torch")}), flush=True)
     if args.soak:
         report["soak"] = soak(args)
@@ -298,11 +299,6 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
                      *args.forge_args.split())
     repo = root / "repo"
     shutil.copytree(root / "default", repo, ignore=shutil.ignore_patterns("forge-manifest.json"))
-    build(model_dir, root / "stream", "--target", "python", "--dtype", args.dtype, "--decoupled", "--name-prefix", "d_",
-          *args.forge_args.split())
-    for part in (root / "stream").iterdir():
-        if part.is_dir():
-            shutil.copytree(part, repo / part.name)
     if not args.no_seed:
         build(model_dir, root / "seed", "--target", "hf-pipeline", "--dtype", args.dtype, "--name-prefix", "seed_")
         shutil.copytree(root / "seed" / "seed_ensemble", repo / "seed_ensemble")
@@ -315,11 +311,11 @@ def serve(shape: str, model_dir: Path, root: Path, args) -> dict:
               flush=True)
         greedy = check_greedy(server, model_dir, tokenizer, served_dtype)
         print(f"{shape}: served greedy ids vs transformers ({served_dtype}): {json.dumps(greedy)}", flush=True)
-        for name, model, levels, stream in (("forge default build", "ensemble", args.levels, False),
-                                            ("forge --decoupled build, streamed", "d_ensemble", args.stream_levels, True),
+        for name, model, levels, stream in (("forge default build", "tensorrt_llm", args.levels, False),
+                                            ("forge default build, streamed", "tensorrt_llm", args.stream_levels, True),
                                             ("seed-000 hf-pipeline", "seed_ensemble", () if args.no_seed else (1, 16),
                                              False)):
-            engine_model = None if name.startswith("seed") else model.replace("ensemble", "tensorrt_llm")
+            engine_model = None if name.startswith("seed") else model
             for c in levels:
                 count = max(2 * c, 8) if name.startswith("seed") else args.waves * c
                 summary = load(server, model, tokenizer, c, count, args.max_tokens, stream=stream,
@@ -362,12 +358,12 @@ def _thread_kind(frames: list[str]) -> str:
     return "execute" if any(".execute (" in f for f in frames) else name or "other"
 
 
-#: What ``--profile-of`` samples: the process (the tensorrt_llm model's stub or its engine process) of which
-#: build, under which closed-loop load (model, concurrency, streamed)
-PROFILES = {"stub": ("tensorrt_llm", False, "ensemble", 64, False),
-            "engine": ("tensorrt_llm", True, "ensemble", 64, False),
-            "stub-streamed": ("d_tensorrt_llm", False, "d_ensemble", 16, True),
-            "engine-streamed": ("d_tensorrt_llm", True, "d_ensemble", 16, True)}
+#: What ``--profile-of`` samples: the process (the tensorrt_llm model's stub or its engine process), under which
+#: closed-loop load (model, concurrency, streamed)
+PROFILES = {"stub": ("tensorrt_llm", False, "tensorrt_llm", 64, False),
+            "engine": ("tensorrt_llm", True, "tensorrt_llm", 64, False),
+            "stub-streamed": ("tensorrt_llm", False, "tensorrt_llm", 16, True),
+            "engine-streamed": ("tensorrt_llm", True, "tensorrt_llm", 16, True)}
 
 
 def profile_gil(server, tokenizer, args, of: str = "stub", top: int = 25) -> dict:
@@ -385,7 +381,7 @@ def profile_gil(server, tokenizer, args, of: str = "stub", top: int = 25) -> dic
     if pid is None:
         raise RuntimeError(f"no python-backend process serves {model}")
     if engine:  # the stub's child running the engine (-o engine_process)
-        from forge.server.triton_server import engine_processes, session_processes
+        from forge.server.processes import engine_processes, session_processes
 
         pid = next((engine for engine, stub in engine_processes(session_processes(server.process.pid)).items()
                     if stub == pid), None)
@@ -479,8 +475,8 @@ def soak(args) -> dict:
 
         def drive(shape: str) -> None:
             with GrpcSession(server.grpc_url) as session:
-                inputs = session.config(f"{shape}_ensemble")
-            target = runner.Target(inputs, stream=False, extra={"exclude_input_in_output": True},
+                inputs = session.config(f"{shape}_tensorrt_llm")
+            target = runner.Target(inputs, stream=False, extra={"exclude_input": True},
                                   count_text=lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
             samples, rounds, started = [], 0, time.perf_counter()
             while time.monotonic() < end:

@@ -11,7 +11,7 @@ def process_cpu(server) -> dict[tuple, float]:
     """CPU seconds used so far by each thread of the server's session (Linux /proc), keyed (role, thread id,
     thread name); roles: ``tritonserver``, each python model's stub (its model name), ``<model> engine`` (an engine
     process, by its stub's model), ``other``."""
-    from forge.server.triton_server import engine_processes, session_processes
+    from forge.server.processes import engine_processes, session_processes
     from forge.server.supervisor import stub_processes
 
     if server.process is None:
