@@ -151,9 +151,10 @@ def test_decoder_options_are_made_when_first_read(tmp_path):
     the same options as the ones made directly."""
     code = ("import sys\nfrom forge.registry import load_registry\nfamilies = load_registry().families\n"
             "assert 'forge.profiles' not in sys.modules\n"
-            "from forge.llm.decoder_options import LORA, decoder_options\n"
+            "from forge.llm.decoder_options import decoder_options\n"
+            "from forge.llm.plugin import family_options\n"
             "from forge_llava import VISION_OPTIONS\n"
-            "assert tuple(families['llama'].options) == decoder_options() + (LORA,)\n"
+            "assert tuple(families['llama'].options) == family_options()\n"
             "assert tuple(families['llava'].options) == decoder_options() + VISION_OPTIONS\n"
             "assert families['gpt'].option('instances').kind == 'int'\n"
             "assert families['llama'].options == families['gpt'].options and len(families['llama'].options) > 10\n")

@@ -11,14 +11,19 @@ from forge.errors import UsageError
 
 from .adapter import DecoderAdapter
 
-TARGETS = ("tensorrtllm", "python", "hf-pipeline")
+TARGETS = ("tensorrtllm", "python", "hf-pipeline", "vllm")
 QUANTS = ("w8a16", "w4a16", "int4_awq", "fp8", "int8_kv")
 
 
-def _options():
-    from .decoder_options import LORA, decoder_options
+def family_options():
+    """Every option of a decoder family: the decoder options, --lora, the vllm target's engine arguments."""
+    from dataclasses import replace
 
-    return decoder_options() + (LORA,)
+    from .decoder_options import LORA, decoder_options
+    from .vllm_target import OPTIONS, SHARED, TARGET
+
+    options = [replace(o, targets=o.targets + (TARGET,)) if o.name in SHARED else o for o in decoder_options() + (LORA,)]
+    return tuple(options) + OPTIONS
 
 
 class DecoderPlugin:
@@ -33,6 +38,8 @@ class DecoderPlugin:
     def _components(self, spec) -> list[Component]:
         from .decoder_options import check_options, has_trtllm_build, no_trtllm_build
 
+        if spec.target == "vllm":  # Triton's vLLM backend: its own releases, none of TensorRT-LLM's parameters
+            return self._vllm_components(spec)
         profile = check_options(spec)  # bad -o values / --backend-version fail before any stage runs
         target = spec.target or "tensorrtllm"
         if profile.llmapi:
@@ -63,13 +70,26 @@ class DecoderPlugin:
                           source=spec.source_for(family), prefix=spec.name_prefix,
                           ensemble=f"{spec.name_prefix}ensemble", options=options)]
 
+    def _vllm_components(self, spec) -> list[Component]:
+        from .vllm_target import check_spec
+
+        check_spec(spec)
+        family, options = self.adapter.family, {}
+        if spec.options.get("lora"):
+            from .lora_format import for_build, summary
+
+            options["lora"] = summary(for_build(self.adapter, spec, spec.source_for(family)))
+        return [Component(name=f"{spec.name_prefix}{family}", family=family, role="llm",
+                          source=spec.source_for(family), prefix=spec.name_prefix,
+                          ensemble=f"{spec.name_prefix}ensemble", options=options)]
+
     @hookimpl
     def forge_register_families(self, register):
         a = self.adapter
         register(Family(name=a.family, kind="decoder", description=a.description,
                         architectures=a.architectures, targets=TARGETS, default_target="tensorrtllm",
-                        components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm", "python"),
-                        options=DeferredOptions(_options)))
+                        components=self._components, quants=QUANTS, parallel_targets=("tensorrtllm", "python", "vllm"),
+                        options=DeferredOptions(family_options)))
 
     @hookimpl
     def forge_export(self, component, ctx):
@@ -79,6 +99,10 @@ class DecoderPlugin:
             from . import hfpipeline
 
             return hfpipeline.export(component.source, ctx)
+        if ctx.target == "vllm":
+            from . import vllm_target
+
+            return vllm_target.export(component.source, ctx)
         if ctx.target == "tensorrtllm" and _llmapi(ctx):  # the LLM API loads the checkpoint as it is
             from . import llmapi
 
@@ -117,6 +141,10 @@ class DecoderPlugin:
             from . import hfpipeline
 
             return hfpipeline.emit(component, ctx)
+        if ctx.target == "vllm":
+            from . import vllm_target
+
+            return vllm_target.emit(component, artifact, ctx)
         from . import decoder_models
 
         return decoder_models.emit(self.adapter, component, artifact, ctx)
@@ -125,7 +153,7 @@ class DecoderPlugin:
     def forge_ensemble_edges(self, components, models, ctx):
         from . import decoder_models
 
-        return [edge for c in components if self._mine(c) and ctx.spec.target != "hf-pipeline"
+        return [edge for c in components if self._mine(c) and ctx.spec.target not in ("hf-pipeline", "vllm")
                 for edge in decoder_models.edges(c, models, ctx)]
 
 
