@@ -54,6 +54,16 @@ def _layouts() -> list[dict[str, str | None]]:
     return rows
 
 
+def _vllm_row() -> dict[str, str | None]:
+    """The vLLM environment that serves --target vllm repositories here (FORGE_VLLM_PYTHON)."""
+    from ..server import vllm_runtime
+
+    python = vllm_runtime.vllm_python()
+    version = vllm_runtime.vllm_version(python) if python else None
+    return {"name": f"vllm ({vllm_runtime.PYTHON_ENV})", "version": f"{version} ({python})" if version else None,
+            "enables": "forge serve of --target vllm repositories on this machine"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print as json")
 
@@ -78,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     for tool in toolchain.TOOLS:
         rows.append({"name": tool.name, "version": toolchain.version(tool.name, tool.version_args),
                      "enables": tool.enables})
+    rows.append(_vllm_row())
     rows += _layouts()
     if args.json:
         emit_json(rows)

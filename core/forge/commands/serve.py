@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if args.run or args.image:
         raise UsageError(f"{'--run' if args.run else '--image'} only goes with --docker")
     launch.check_llmapi_runtime(world)
+    from ..server.vllm_runtime import check_runtime
+
+    check_runtime(args.repo)
     api_key = args.api_key if args.api_key is not None else (os.environ.get("FORGE_API_KEY") or None)
     if not args.no_openai and not 0 <= args.openai_port <= 65535:
         raise UsageError(f"--openai-port {args.openai_port} is not a port (0-65535)")

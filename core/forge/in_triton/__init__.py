@@ -9,6 +9,7 @@ ship ``forge_text.py``. The build imports these files for parity checks, never t
     llmapi_model/         the LLM-API layout's tensorrt_llm model on TensorRT-LLM's LLM API (--target tensorrtllm)
     forge_llmapi.py       the LLM-API interface's requests and responses, shipped with both targets' model
     hf_pipeline.py        --target hf-pipeline: the Hugging Face text-generation pipeline per request
+    vllm_backend/         the python-based backend named vllm (--target vllm), placed in tritonserver's backends
     encoder_models/       tokenizer, image preprocessing, ONNX Runtime encoder
     multimodal_encoders/  images → the decoder's prompt table (llava)
     retriever/            the retriever model and forge_store.py (Milvus access, also used by forge index/search)

