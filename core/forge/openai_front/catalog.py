@@ -17,6 +17,7 @@ from ..errors import UsageError
 from ..clients.inference import ModelInputs, is_text_generator
 from ..clients.lora_requests import ServedAdapter, repository_adapters
 from .schema import ModelCard
+from .vllm_interface import with_virtual_inputs
 
 LLAVA_TURN = "USER: {user} ASSISTANT:"  # LLaVA-1.5's conversation format, for tokenizers without a template
 
@@ -126,7 +127,7 @@ def _configs(repo: Path) -> dict[str, _Config]:
             continue
         as_dict = json_format.MessageToDict(config, preserving_proto_field_name=True)
         as_dict.setdefault("name", config_file.parent.name)
-        inputs = ModelInputs.from_config(as_dict)
+        inputs = with_virtual_inputs(ModelInputs.from_config(as_dict))  # vLLM-backend models' sampling
         dims = {o["name"]: [int(d) for d in o.get("dims", [])] for o in as_dict.get("output", [])}
         found[inputs.name] = _Config(inputs, config.platform or config.backend, config_file.parent, dims)
     return found

@@ -20,6 +20,7 @@ import numpy as np
 from ..clients.inference import EXCLUDE_INPUT, MAX_TOKENS, SAMPLING_INPUTS, STREAM, TRITON_TO_NUMPY, first_input
 from .catalog import LLAVA_TURN, Catalog, TextModel
 from .protocol import APIError, ChatRequest, Message, _ChatTemplate, _Sampling, is_unicode, valid_text
+from .vllm_interface import fold
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 GUIDE_TYPE, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
@@ -361,6 +362,7 @@ def tensors(model: TextModel, generation: Generation, *, stream: bool) -> dict[s
     payload.update(generation.sampling)
     for name, value in payload.items():
         _fits(inputs.inputs[name][0], name, value)
+    payload = fold(inputs, payload, stream=stream)  # a vLLM-backend model: its sampling_param_* as one JSON
     return {name: inputs.array(name, value) for name, value in payload.items()}
 
 

@@ -1,0 +1,61 @@
+"""The interface of Triton's vLLM backend, seen by the front as the LLM-API model's ``sampling_param_*`` inputs.
+
+A vLLM-backend model takes every sampling setting in one JSON input, ``sampling_parameters`` (vLLM's
+``SamplingParams`` fields). The catalog gives such a model one virtual input per field the front sends,
+named as the LLM-API interface names them (``sampling_param_max_tokens``, ``sampling_param_stop`` …), so the
+requests are translated once for every target; :func:`fold` turns them back into the JSON before sending.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from ..clients.inference import ModelInputs
+
+SAMPLING = "sampling_parameters"
+PREFIX = "sampling_param_"
+#: the SamplingParams fields the front sends, as (Triton dtype, dims) of their virtual input
+FIELDS = {"max_tokens": ("INT32", [1]), "temperature": ("FP32", [1]), "top_k": ("INT32", [1]), "top_p": ("FP32", [1]),
+          "seed": ("UINT64", [1]), "presence_penalty": ("FP32", [1]), "frequency_penalty": ("FP32", [1]),
+          "repetition_penalty": ("FP32", [1]), "min_p": ("FP32", [1]), "min_tokens": ("INT32", [1]),
+          "ignore_eos": ("BOOL", [1]), "stop": ("STRING", [-1]), "stop_token_ids": ("INT32", [-1]),
+          "include_stop_str_in_output": ("BOOL", [1]), "skip_special_tokens": ("BOOL", [1]),
+          "spaces_between_special_tokens": ("BOOL", [1])}
+
+
+def is_vllm(inputs: ModelInputs) -> bool:
+    """Whether the model takes the vLLM backend's interface (text and one JSON of sampling parameters)."""
+    return "text_input" in inputs.inputs and SAMPLING in inputs.inputs
+
+
+def with_virtual_inputs(inputs: ModelInputs) -> ModelInputs:
+    """``inputs`` with a virtual ``sampling_param_<field>`` input per field (vLLM-backend models only)."""
+    if not is_vllm(inputs):
+        return inputs
+    virtual = {f"{PREFIX}{name}": typed for name, typed in FIELDS.items() if f"{PREFIX}{name}" not in inputs.inputs}
+    return replace(inputs, inputs={**inputs.inputs, **virtual})
+
+
+def fold(inputs: ModelInputs, payload: dict[str, Any], *, stream: bool) -> dict[str, Any]:
+    """The virtual inputs of ``payload`` as the one JSON ``sampling_parameters`` (vLLM-backend models only).
+
+    Streamed, the vLLM backend counts ``num_output_tokens`` per response, not in total: the front counts the
+    answer's tokens itself then."""
+    if not is_vllm(inputs):
+        return payload
+    values = {name[len(PREFIX):]: _plain(value) for name, value in payload.items()
+              if name.startswith(PREFIX) and name[len(PREFIX):] in FIELDS}
+    kept = {name: value for name, value in payload.items() if not (name.startswith(PREFIX)
+                                                                   and name[len(PREFIX):] in FIELDS)}
+    if stream:
+        kept.pop("return_num_output_tokens", None)
+    kept[SAMPLING] = json.dumps(values)
+    return kept
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if hasattr(value, "item") else value

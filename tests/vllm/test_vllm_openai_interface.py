@@ -1,0 +1,50 @@
+"""The OpenAI front on a vLLM-backend model: its sampling settings as the one ``sampling_parameters`` JSON."""
+
+from __future__ import annotations
+
+import json
+
+from forge.clients.inference import ModelInputs, is_text_generator
+from forge.openai_front import translate as rq
+from forge.openai_front.catalog import TextModel
+from forge.openai_front.vllm_interface import fold, with_virtual_inputs
+
+VLLM_CONFIG = {"name": "ensemble", "backend": "vllm", "model_transaction_policy": {"decoupled": True},
+               "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+                         {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1]},
+                         {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1]},
+                         {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1]},
+                         {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": [1]},
+                         {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1]},
+                         {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1]}],
+               "output": [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}]}
+
+
+def _model() -> TextModel:
+    return TextModel(with_virtual_inputs(ModelInputs.from_config(VLLM_CONFIG)))
+
+
+def test_a_vllm_backend_model_is_a_text_generator_through_its_virtual_inputs():
+    plain = ModelInputs.from_config(VLLM_CONFIG)
+    assert not is_text_generator(plain)
+    assert is_text_generator(_model().inputs)
+
+
+def test_the_request_is_sent_as_text_flags_and_one_sampling_json():
+    generation = rq.Generation("Hello", max_tokens=7, stops=["\n"],
+                               sampling={"sampling_param_top_k": 1, "sampling_param_seed": 5})
+    tensors = rq.tensors(_model(), generation, stream=False)
+    assert set(tensors) == {"text_input", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
+                            "return_num_input_tokens", "return_num_output_tokens"}
+    sent = json.loads(tensors["sampling_parameters"][0])
+    assert sent == {"max_tokens": 7, "stop": ["\n"], "top_k": 1, "seed": 5}
+    streamed = rq.tensors(_model(), generation, stream=True)
+    assert bool(streamed["stream"][0]) and "return_num_output_tokens" not in streamed  # counted per response
+
+
+def test_other_models_pass_unchanged():
+    config = {"name": "m", "input": [{"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+                                     {"name": "max_tokens", "data_type": "TYPE_INT32", "dims": [1]}]}
+    inputs = ModelInputs.from_config(config)
+    assert with_virtual_inputs(inputs) is inputs
+    assert fold(inputs, {"text_input": "x", "max_tokens": 3}, stream=False) == {"text_input": "x", "max_tokens": 3}
