@@ -12,7 +12,7 @@ PY312 ?= $(shell for p in $$(command -v python3.12) /usr/bin/python3.12 /usr/loc
 
 .PHONY: demo test docs clean
 
-ENVS := core,gpt,llama,clip,minilm,llava,serve312,multirank,docs
+ENVS := core,gpt,llama,clip,minilm,llava,serve312,multirank,vllm,docs
 NO_PY312 := make test: no runnable python3.12, so the serve312 env (the serving tests under 3.12) is skipped; \
 install it (apt-get install python3.12, pyenv install 3.12) or set PY312=/path/to/python3.12
 
