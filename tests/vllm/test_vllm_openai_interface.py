@@ -37,7 +37,7 @@ def test_the_request_is_sent_as_text_flags_and_one_sampling_json():
     assert set(tensors) == {"text_input", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
                             "return_num_input_tokens", "return_num_output_tokens"}
     sent = json.loads(tensors["sampling_parameters"][0])
-    assert sent == {"max_tokens": 7, "stop": ["\n"], "top_k": 1, "seed": 5}
+    assert sent == {"max_tokens": 7, "stop": ["\n"], "seed": 5, "temperature": 0}  # greedy as vLLM's greedy
     streamed = rq.tensors(_model(), generation, stream=True)
     assert bool(streamed["stream"][0]) and "return_num_output_tokens" not in streamed  # counted per response
 

@@ -45,11 +45,21 @@ print("RESULT " + json.dumps([o.outputs[0].text for o in outputs]))
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
+    """SmolLM2 for the vllm target, with one LoRA adapter (random weights: it changes the answers)."""
     sys.path.insert(0, str(SCRIPTS))
     import smollm2
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
-    return build(smollm2.hf_dir(), tmp_path_factory.mktemp("vllm") / "smollm2", "-o", "enforce_eager=true",
-                 "-o", "max_model_len=1024", "-o", "kv_cache_memory_bytes=536870912")
+    model = smollm2.hf_dir()
+    adapter = tmp_path_factory.mktemp("adapter")
+    torch.manual_seed(0)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model), LoraConfig(
+        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(adapter, safe_serialization=True)
+    return build(model, tmp_path_factory.mktemp("vllm") / "smollm2", "-o", "enforce_eager=true",
+                 "-o", "max_model_len=1024", "-o", "kv_cache_memory_bytes=536870912", "--lora", f"alpha={adapter}")
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +182,24 @@ def test_streaming_sends_the_answer_in_pieces(server, offline):
     ("{not json", "sampling_parameters is not JSON"),
     ('{"temperature": 0, "no_such_parameter": 1}', "unknown sampling parameter no_such_parameter"),
     ('{"temperature": -1}', "temperature"),
-    ('{"lora_name": "absent"}', "LoRA feature is not enabled"),
+    ('{"lora_name": "absent"}', "LoRA absent is not supported, we currently support ['alpha']"),
 ])
 def test_a_bad_request_gets_an_error_and_the_server_keeps_serving(server, offline, parameters, message):
     status, body = server.generate({"text_input": "Hello", "sampling_parameters": parameters})
     assert status >= 400 and message in body["error"], body
     status, body = server.generate(_greedy(PROMPTS[1]))
     assert status == 200 and body["text_output"] == offline[1]
+
+
+def test_a_lora_adapter_is_chosen_by_its_name(server, offline):
+    status, body = server.generate({**_greedy(PROMPTS[1]), "sampling_parameters": json.dumps(
+        {"temperature": 0, "max_tokens": MAX_TOKENS, "lora_name": "alpha"})})
+    assert status == 200, body
+    assert body["text_output"] != offline[1]  # the adapter's random weights change the answer
+    status, answer = server.post(f"http://127.0.0.1:{server.openai}/v1/completions",  # the adapter as a model id
+                                 {"model": "alpha", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == body["text_output"]
 
 
 def test_a_killed_engine_process_is_recovered(server, offline):

@@ -183,7 +183,10 @@ def emit(component: Component, artifact: Artifact, ctx) -> list[TritonModel]:
                 files[f"1/{LORA_DIR}/{adapter}/{file}"] = Path(entry["source"]) / file
             adapters[adapter] = str(model_dir / "1" / LORA_DIR / adapter)
         files["1/multi_lora.json"] = (json.dumps(adapters, indent=2) + "\n").encode()
-        ctx.note("lora", {"model": name, "adapters": list(adapters)})
+        # the manifest's adapter list, as clients read it (the OpenAI API's model ids); a request names one by name
+        ctx.note("lora", {"model": name, "adapters": [
+            {"name": adapter, "task_id": entry["task_id"], "path": f"1/{LORA_DIR}/{adapter}", "rank": entry["rank"]}
+            for adapter, entry in lora.items()]})
     ctx.note("backend", {"version": chosen.version, "container": chosen.container, "layout": "vllm"})
     ctx.log(f"{name}: Triton's vLLM backend {chosen.version} ({', '.join(f'{k}={v}' for k, v in doc.items() if k != 'model')})")
     return [TritonModel(config, files)]

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..clients.lora_requests import LoraRequests, ServedAdapter
+from .vllm_interface import is_vllm
 from .catalog import Catalog, TextModel
 from .metrics import Metrics
 from .protocol import APIError
@@ -63,8 +64,8 @@ class Front:
 
     def lora_tensors(self, adapter: ServedAdapter | None, with_weights: bool) -> dict[str, np.ndarray]:
         """The adapter's tensors, as tensorrtllm_backend's cache protocol sends them (serving.lora)."""
-        if adapter is None:
-            return {}
+        if adapter is None or is_vllm(self.generator().inputs):
+            return {}  # a vLLM-backend model takes the adapter's name in sampling_parameters (with_adapter)
         try:
             return LoraRequests(self.generator().inputs).tensors(adapter, with_weights)
         except UsageError as exc:

@@ -20,6 +20,7 @@ from .metrics import Clock
 from .protocol import APIError
 from .schema import Usage
 from .upstream import first_int, strings
+from .vllm_interface import with_adapter
 
 
 class Outcome:
@@ -66,7 +67,8 @@ async def _pieces(front: Front, model: TextModel, generation: rq.Generation, ada
         first = adapter is not None and attempt == 1
         extra = front.lora_tensors(adapter, first)
         try:
-            async with aclosing(front.triton.generate(model.inputs, {**tensors, **extra}, request_id,
+            sent = with_adapter(model.inputs, {**tensors, **extra}, adapter)  # a vLLM-backend model's lora_name
+            async with aclosing(front.triton.generate(model.inputs, sent, request_id,
                                                       stopper=front.catalog.stopper)) as responses:
                 async for outputs in responses:
                     if clock is not None:

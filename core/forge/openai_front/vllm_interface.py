@@ -3,7 +3,8 @@
 A vLLM-backend model takes every sampling setting in one JSON input, ``sampling_parameters`` (vLLM's
 ``SamplingParams`` fields). The catalog gives such a model one virtual input per field the front sends,
 named as the LLM-API interface names them (``sampling_param_max_tokens``, ``sampling_param_stop`` …), so the
-requests are translated once for every target; :func:`fold` turns them back into the JSON before sending.
+requests are translated once for every target; :func:`fold` turns them back into the JSON before sending, and
+:func:`with_adapter` adds the LoRA adapter a model id names.
 """
 
 from __future__ import annotations
@@ -41,18 +42,31 @@ def with_virtual_inputs(inputs: ModelInputs) -> ModelInputs:
 def fold(inputs: ModelInputs, payload: dict[str, Any], *, stream: bool) -> dict[str, Any]:
     """The virtual inputs of ``payload`` as the one JSON ``sampling_parameters`` (vLLM-backend models only).
 
-    Streamed, the vLLM backend counts ``num_output_tokens`` per response, not in total: the front counts the
-    answer's tokens itself then."""
+    Greedy requests (``top_k`` 1, TensorRT-LLM's greedy) go as vLLM's greedy, ``temperature`` 0: with a LoRA
+    adapter vLLM's CPU sampler does not always pick the same token for the two. Streamed, the vLLM backend
+    counts ``num_output_tokens`` per response, not in total: the front counts the answer's tokens itself then."""
     if not is_vllm(inputs):
         return payload
     values = {name[len(PREFIX):]: _plain(value) for name, value in payload.items()
               if name.startswith(PREFIX) and name[len(PREFIX):] in FIELDS}
     kept = {name: value for name, value in payload.items() if not (name.startswith(PREFIX)
                                                                    and name[len(PREFIX):] in FIELDS)}
+    if values.get("top_k") == 1 and "temperature" not in values:  # greedy: vLLM's own greedy (temperature 0)
+        values = {**{k: v for k, v in values.items() if k != "top_k"}, "temperature": 0}
     if stream:
         kept.pop("return_num_output_tokens", None)
     kept[SAMPLING] = json.dumps(values)
     return kept
+
+
+def with_adapter(inputs: ModelInputs, tensors: dict[str, Any], adapter: Any) -> dict[str, Any]:
+    """A request's tensors asking for a LoRA adapter: a vLLM-backend model takes its name in
+    ``sampling_parameters`` (``lora_name``, a key of the model's ``multi_lora.json``)."""
+    if adapter is None or not is_vllm(inputs):
+        return tensors
+    raw = tensors[SAMPLING].reshape(-1)[0]
+    values = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return {**tensors, SAMPLING: inputs.array(SAMPLING, json.dumps({**values, "lora_name": adapter.name}))}
 
 
 def _plain(value: Any) -> Any:
