@@ -48,12 +48,12 @@ def _forge(*argv: str) -> None:
         sys.exit(f"benchmark: forge {' '.join(argv)} failed")
 
 
-def build(model: Path, root: Path) -> Path:
+def build(model: Path, root: Path, extra: list[str]) -> Path:
     from forge.testing import merge_repositories
 
     for prefix in ("a_", "b_"):
         _forge("build", "--family", "llama", "--target", "python", "--model", str(model), "--name-prefix", prefix,
-               "--out", str(root / prefix))
+               "--out", str(root / prefix), *extra)
     repo = merge_repositories([root / "a_", root / "b_"], root / "repo")
     shutil.copy(root / "a_" / "forge-manifest.json", repo / "forge-manifest.json")
     return repo
@@ -110,11 +110,13 @@ def gpu_used_mib() -> int | None:
 
 
 def engine_of(serve: Serve, model: str) -> int | None:
-    from forge.server.processes import engine_processes, repository_processes
+    """The engine process of ``model``: its stub's child, or the one a new stub took over (named by its model)."""
+    from forge.server.processes import engine_model, engine_processes, repository_processes
 
     stub = serve.stubs().get(model)
-    return next((pid for pid, parent in engine_processes(repository_processes(serve.repo)).items() if parent == stub),
-                None)
+    engines = engine_processes(repository_processes(serve.repo))
+    return next((pid for pid, parent in engines.items() if parent == stub), None) or next(
+        (pid for pid in engines if engine_model(pid) == model), None)
 
 
 def fault(serve: Serve, name: str, kill, *, load_a: int, clients: int, tokens: int) -> dict:
@@ -162,6 +164,8 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8, help="clients of the other model (default 8)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request of the other model")
     parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--forge-args", default="", help="more forge build arguments for both models "
+                                                         "(e.g. '-o engine_process=true')")
     gen_docs.add_results_arguments(parser, "recovery")
     args = parser.parse_args()
     load = os.getloadavg()
@@ -174,7 +178,7 @@ def main() -> int:
         model = args.model
     else:
         sys.exit("benchmark: pass --model DIR or --shape NAME --tokenizer DIR")
-    repo = build(model, root)
+    repo = build(model, root, args.forge_args.split())
     serve = Serve(repo, root / "serve.log", ("--no-openai", "--log-file", str(root / "triton.log"))).start()
     rows = []
     try:
@@ -210,7 +214,7 @@ def write(args: argparse.Namespace, rows: list[dict], status: int, left: list[st
     machine = gen_docs.machine(", ".join(x for x in (device, args.machine_note) if x), load)
     gen_docs.write_results(
         "recovery", out=args.json_out, machine_line=machine, title="One model killed while another serves",
-        description=f"Two default builds (`--target python`) of {what} in one repository under `forge serve "
+        description=f"Two {'builds (`--target python ' + args.forge_args + '`)' if args.forge_args else 'default builds (`--target python`)'} of {what} in one repository under `forge serve "
                     f"--no-openai`; {args.clients} clients stream from the other model throughout.",
         columns=columns, rows=[[row[c] if row[c] is not None else "—" for c in columns] for row in rows],
         notes=f"forge serve exit status after SIGTERM: {status}; processes left: {len(left)}.", faults=rows)

@@ -6,8 +6,9 @@ decoupled ensemble) and ``l_`` (an LLM-API model, not decoupled). Clients load `
 through Triton's HTTP endpoint throughout, and must see no error at all. In order:
 
 1. kill -9 of ``p_tensorrt_llm``'s process under streamed OpenAI load: the API's requests on it fail at
-   once with a 503, only that model is loaded again, and the API answers again within seconds;
-2. kill -9 of its engine process: the same, through the model process that outlived it;
+   once with a 503, only that model is loaded again, and the API answers again within seconds; its engine
+   process outlives it, and the model's new process takes it over loaded;
+2. kill -9 of that engine process: the same, through the model process that outlived it;
 3. kill -9 of ``s_tensorrt_llm``'s process while clients stream from it through Triton itself: those requests
    can only be released by a restart of tritonserver, so forge serve restarts it; the API is ready within a
    second of tritonserver, and the log keeps the first server's lines under their own header.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.server.processes import engine_processes, python_stubs, session_processes
+from forge.server.processes import engine_model, engine_processes, python_stubs, session_processes
 
 PROMPT = "hello world"
 
@@ -85,6 +86,13 @@ class Served:
 
     def stub(self, model: str) -> int:
         return python_stubs(session_processes(self.tritonserver()))[model]
+
+    def engine(self, model: str) -> int:
+        """The engine process of ``model``: its stub's child, or one its stub took over (tritonserver's child)."""
+        engines = engine_processes(session_processes(self.tritonserver()))
+        stub = self.stub(model)
+        (pid,) = [pid for pid, parent in engines.items() if parent == stub or engine_model(pid) == model]
+        return pid
 
     def said(self, text: str, since: int = 0, timeout: float = 60.0) -> str:
         """The last line forge serve printed with ``text`` in it, from line ``since`` on."""
@@ -219,6 +227,8 @@ def _recover(served: Served, kill, what: str, errors: tuple[str, ...] = ("died w
 
 
 def test_a_dead_model_process_comes_back_alone_while_the_other_models_serve(served):
+    engine = served.engine("p_tensorrt_llm")
+
     def kill() -> float:
         os.kill(served.stub("p_tensorrt_llm"), signal.SIGKILL)
         return time.monotonic()
@@ -226,14 +236,13 @@ def test_a_dead_model_process_comes_back_alone_while_the_other_models_serve(serv
     _recover(served, kill, "killed by signal 9 (SIGKILL)")
     log = served.log.read_text()
     assert log.count("==== forge: tritonserver start") == 1, "tritonserver was restarted"
+    assert f"took over engine process {engine}," in log and served.engine("p_tensorrt_llm") == engine, \
+        [line for line in log.splitlines() if "engine" in line][-5:]
 
 
 def test_a_dead_engine_process_brings_its_model_back_the_same_way(served):
     def kill() -> float:
-        stub = served.stub("p_tensorrt_llm")
-        (engine,) = [pid for pid, parent in engine_processes(session_processes(served.tritonserver())).items()
-                     if parent == stub]
-        os.kill(engine, signal.SIGKILL)
+        os.kill(served.engine("p_tensorrt_llm"), signal.SIGKILL)
         return time.monotonic()
 
     # the model process answers its requests itself, unless the OpenAI API failed them first

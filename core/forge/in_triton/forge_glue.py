@@ -187,6 +187,11 @@ def exit_if_orphaned() -> None:
             exit_now(reason)
 
 
+def in_stub() -> bool:
+    """Whether this process is a python model process of tritonserver (its python backend's stub)."""
+    return bool(_stub_args())
+
+
 def _stub_args() -> list[str]:
     """This process's arguments when it is tritonserver's python stub (``model.py`` path, shared-memory region,
     …), else []."""
@@ -205,8 +210,10 @@ def _stub_shm_region() -> str | None:
     return args[1] if args else None
 
 
-def exit_with_parent(also: Iterable[int] = (), interval: float = WATCH_INTERVAL, what: str = "") -> threading.Thread | None:
-    """End this process (``os._exit``) within ``interval`` once its parent (or a pid in ``also``) is gone.
+def exit_with_parent(also: Iterable[int] = (), interval: float = WATCH_INTERVAL, what: str = "",
+                     parent: bool = True) -> threading.Thread | None:
+    """End this process (``os._exit``) within ``interval`` once its parent (unless ``parent`` is False) or a pid
+    in ``also`` is gone.
 
     A daemon thread polls ``os.getppid()`` against the parent seen now: the stub's own check of its
     parent runs Python teardown (``finalize``, interpreter exit), which can wait forever on a thread
@@ -215,7 +222,7 @@ def exit_with_parent(also: Iterable[int] = (), interval: float = WATCH_INTERVAL,
     remove, is unlinked first. A parent that is pid 1 (tritonserver as a container's init) is not watched.
     Returns the thread (None when there is nothing to watch).
     """
-    parent = os.getppid()
+    parent = os.getppid() if parent else 0
     others = [int(pid) for pid in also if int(pid) > 0]
     if parent <= 1 and not others:
         return None
@@ -365,5 +372,5 @@ def _in_flight() -> InFlight:
 
 in_flight = _in_flight()
 
-if pb_utils is not None:  # inside tritonserver's python stub
+if pb_utils is not None and _stub_args():  # inside tritonserver's python stub (its engine process watches its own)
     exit_with_parent(what="python model process")

@@ -65,6 +65,7 @@ def kill_session(sid: int) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 _spawner = None  # the one thread that starts servers for other threads (see _spawn)
@@ -73,8 +74,10 @@ _spawner = None  # the one thread that starts servers for other threads (see _sp
 _spawner_lock = threading.Lock()
 
 
-def _die_with_parent(sig: int, parent: int):
-    """A ``preexec_fn``: the child gets ``sig`` when forge dies (Linux ``PR_SET_PDEATHSIG``).
+def _die_with_parent(sig: int, parent: int, subreaper: bool = False):
+    """A ``preexec_fn``: the child gets ``sig`` when forge dies (Linux ``PR_SET_PDEATHSIG``); with ``subreaper``
+    the processes orphaned under it become its children (``PR_SET_CHILD_SUBREAPER``, kept across exec), not
+    init's: an engine process whose python stub died stays in tritonserver's tree.
 
     The kernel sends it when the *thread* that forked the child exits, not the process; ``_spawn``
     therefore forks only on the main thread or on a thread that lives as long as forge.
@@ -86,24 +89,26 @@ def _die_with_parent(sig: int, parent: int):
 
     def arm() -> None:
         prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if subreaper:
+            prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         if os.getppid() != parent:  # forge died before the signal was armed
             os._exit(1)
 
     return arm
 
 
-def spawn(argv: list[str], sig: int, **kwargs) -> subprocess.Popen:
+def spawn(argv: list[str], sig: int, subreaper: bool = False, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen`` whose child dies with forge: forked on the main thread or on a lasting spawner thread."""
     global _spawner
     if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid()), **kwargs)
+        return subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid(), subreaper), **kwargs)
     with _spawner_lock:
         if _spawner is None:
             from concurrent.futures import ThreadPoolExecutor
 
             _spawner = ThreadPoolExecutor(1, thread_name_prefix="forge-spawn")  # its thread stays until forge exits
     return _spawner.submit(
-        lambda: subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid()), **kwargs)).result()
+        lambda: subprocess.Popen(argv, preexec_fn=_die_with_parent(sig, os.getpid(), subreaper), **kwargs)).result()
 
 
 def cmdline(pid: int) -> list[str]:
@@ -194,13 +199,20 @@ def python_stubs(pids: "list[int]") -> dict[str, int]:
 
 
 def engine_processes(pids: "list[int]") -> dict[int, int]:
-    """The python target's engine processes among ``pids`` (``-o engine_process``): engine pid → its stub's pid."""
+    """The python target's engine processes among ``pids`` (``-o engine_process``): engine pid → its parent's pid
+    (its stub's, or tritonserver's for one whose stub died: see forge_decoder/adoption.py)."""
     found = {}
     for pid in pids:
         stat = proc_stat(pid)
         if stat is not None and "forge_decoder.hosted" in cmdline(pid):
             found[pid] = stat[1]
     return found
+
+
+def engine_model(pid: int) -> str | None:
+    """The model an engine process serves (``python -m forge_decoder.hosted FD MODEL``)."""
+    args = cmdline(pid)
+    return args[4] if len(args) > 4 and args[2] == "forge_decoder.hosted" else None
 
 
 def _state(pid: int) -> str | None:

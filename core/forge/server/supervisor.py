@@ -21,7 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from .processes import cmdline, descendants, engine_processes, how_it_ended, proc_stat, session_processes
+from .processes import (cmdline, descendants, engine_model, engine_processes, how_it_ended, proc_stat,
+                        session_processes)
 from .triton_server import TritonServer
 
 STUB = "triton_python_backend_stub"
@@ -84,6 +85,7 @@ class Supervisor:
         self.causes: dict[int, str | None] = {}  # pid → how it ended ("killed by signal 9 (SIGKILL)"), where known
         self.engine_deaths: set[int] = set()  # the pids among ``deaths`` that were engine processes
         self._engines: dict[int, tuple[str, int]] = {}  # engine process → (its model, its model process)
+        self._taken_over: set[int] = set()  # engine processes a model's new stub found loaded (adoption.py)
         self._retired: set[int] = set()  # processes of models being loaded again: they end on purpose
         self._known: dict[int, str] = {}
         self._session: int | None = None
@@ -110,11 +112,12 @@ class Supervisor:
         for pid, _model in dead:  # tritonserver reaps a dead stub only later: its exit status is still there
             self.causes[pid] = _ended(pid)
         # an engine process (-o engine_process) whose model process lives on: its model serves nothing more
-        engines = {engine: (current[stub], stub) for engine, stub in
-                   engine_processes(pids).items() if stub in current}
+        engines = self._engine_owners(pids, current)
         for engine, (model, stub) in self._engines.items():
             if engine not in engines and stub in current:
                 self.causes[engine] = _ended(engine)
+                if engine in self._taken_over and self.causes[engine] == "exited with status 0":
+                    continue  # one left by a dead stub that the model's next stub did not take: it stopped
                 self.engine_deaths.add(engine)
                 dead.append((engine, model))
         self._engines = engines
@@ -132,6 +135,20 @@ class Supervisor:
         if dead:
             self.last_deaths = dead
         return sorted({model for _pid, model in dead})
+
+    def _engine_owners(self, pids: list[int], current: dict[int, str]) -> dict[int, tuple[str, int]]:
+        """Engine process → (its model, the model process it serves): its parent, or for an engine that a dead
+        stub left under tritonserver (forge_decoder/adoption.py), the model's current stub."""
+        stubs = {model: pid for pid, model in current.items()}
+        owners = {}
+        for engine, parent in engine_processes(pids).items():
+            if parent in current:
+                owners[engine] = (current[parent], parent)
+            elif stubs.get(engine_model(engine) or "") is not None:
+                model = engine_model(engine)
+                owners[engine] = (model, stubs[model])
+                self._taken_over.add(engine)
+        return owners
 
     def describe(self, models: list[str]) -> str:
         """The last deaths in one line: "the process of model 'm' (pid 12, killed by signal 9 (SIGKILL)) died"."""

@@ -191,8 +191,10 @@ class TritonServer:
         self.in_flight_dir = tempfile.mkdtemp(prefix="forge-inflight-",
                                                dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
         env[IN_FLIGHT_DIR] = self.in_flight_dir
+        if several:  # an engine process outlives its stub for the model's next one only where one rank reloads
+            env["FORGE_ENGINE_ADOPTION"] = "0"
         self.process = spawn(self.command(), signal.SIGTERM if several else signal.SIGKILL, stdout=log,
-                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                              stderr=subprocess.STDOUT, env=env, start_new_session=True, subreaper=not several)
         log.close()
         try:
             self._wait_ready()

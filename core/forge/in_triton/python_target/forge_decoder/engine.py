@@ -23,11 +23,13 @@ from typing import Any, Callable
 import torch
 
 from . import graphs, guided, kvcache, sampling, toplogprobs
+from . import device as where
 from .graph_steps import GraphSteps
 from .request import Limits
 from .scheduler import ADMIT_WAIT_S, Scheduler
 from .sequences import Sequence, Update
 
+choose_device = where.choose_device  # where the decoder runs (a module of its own: see device.py)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -38,12 +40,6 @@ def filled_holes(live: list[int]) -> list[int]:
     stay = {row for row in live if row < n}
     tail = iter(row for row in live if row >= n)
     return [slot if slot in stay else next(tail) for slot in range(n)]
-
-
-def choose_device(name: str = "auto") -> torch.device:
-    if name in ("", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def cpu_has_bf16() -> bool:

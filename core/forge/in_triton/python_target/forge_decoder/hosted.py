@@ -23,6 +23,7 @@ requests, with an error naming its exit status.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -35,6 +36,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
+from . import adoption
 from .sequences import Sequence, Update
 
 CANCEL_POLL_S = 0.005  # how often the host looks for sequences the stub cancelled (a stop request, an error)
@@ -71,17 +73,28 @@ class EngineHost:
         self.ended = False
         for counter in COUNTERS:
             setattr(self, counter, 0)
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here)] + [p for p in sys.path if p])}
-        self.process = subprocess.Popen([python(), "-m", "forge_decoder.hosted", str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.conn = Connection(ours.detach())
-        self.conn.send(("config", config, str(here), name))
         self.timed = False
         self.backlog: Callable[[], int] = lambda: 0  # responses waiting for the stub's senders (``throttle``)
         self.backlog_limit = 0
-        self._wait_ready(start_timeout)
+        path = adoption.socket_path(name)
+        adopted = adoption.adopt(path, config, str(here), name)
+        if adopted is not None:  # the engine our model's previous process left loaded (adoption.py)
+            self.conn, (self.limits, self.summary, self.graphs, self.timed, pid) = adopted
+            self.process = adoption.Adopted(pid)
+            info(f"forge python target {name!r}: took over engine process {pid}, which the model's previous "
+                 "process left loaded")
+        else:
+            ours, theirs = socket.socketpair()
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here)] + [p for p in sys.path if p]),
+                   adoption.SERVER_PID: str(os.getppid())}
+            if path is not None:
+                env[adoption.SOCKET] = path
+            self.process = subprocess.Popen([python(), "-m", "forge_decoder.hosted", str(theirs.fileno()), name],
+                                            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            theirs.close()
+            self.conn = Connection(ours.detach())
+            self.conn.send(("config", config, str(here), name))
+            self._wait_ready(start_timeout)
         self.receiver = threading.Thread(target=self._receive, name="forge-engine-host", daemon=True)
         self.receiver.start()
         self.watcher = threading.Thread(target=self._watch, name="forge-engine-cancels", daemon=True)
@@ -110,7 +123,7 @@ class EngineHost:
                 self.process.wait(timeout=30)
                 raise RuntimeError(message[1])
             elif kind == "ready":
-                self.limits, self.summary, self.graphs, self.timed = message[1:]
+                self.limits, self.summary, self.graphs, self.timed, _pid = message[1:]
                 return
 
     # -- what model.py calls -------------------------------------------------------------------------
@@ -269,11 +282,18 @@ class Hosted:
         self.acks = threading.Condition()
         self.unacked = 0  # batches sent that the stub has not acked
         self.open = True  # False once the stub stops us or is gone: nobody acks any more
+        self.listener: socket.socket | None = None  # where the model's next stub finds us (adoption.py)
+        self.identity: tuple | None = None  # (config, here) we were loaded with
 
     def send(self, message: Any) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self.send_lock:
-            self.conn.send_bytes(data)
+            try:
+                self.conn.send_bytes(data)
+            except OSError:
+                if self.listener is None:
+                    raise
+                # the stub is gone: what it held is failed by ``serve``, and the next stub hears nothing of it
 
     def log(self, level: str, message: str) -> None:
         self.send(("log", level, message))
@@ -286,7 +306,15 @@ class Hosted:
         self.engine = self.loaded.engine
         self.engine.on_step = self.flush
         self.engine.start()
-        self.send(("ready", self.loaded.limits, self.loaded.summary, self.loaded.graphs, self.engine.timed))
+        self.identity = (config, str(here))
+        path = os.environ.get(adoption.SOCKET)
+        if path:
+            self.listener = adoption.listen(path)
+        self.send(("ready", *self.figures()))
+
+    def figures(self) -> tuple:
+        """What the stub learns of the loaded engine (``ready``)."""
+        return self.loaded.limits, self.loaded.summary, self.loaded.graphs, self.engine.timed, os.getpid()
 
     def serve(self) -> None:
         """Until ``stop`` or the stub is gone."""
@@ -296,7 +324,8 @@ class Hosted:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):  # the stub is gone: nobody reads the results
-                self._close()
+                if self._orphaned():
+                    continue
                 self.engine.stop(timeout=5.0)
                 return
             kind = message[0]
@@ -340,6 +369,34 @@ class Hosted:
             self.open = False
             self.acks.notify_all()
 
+    def _orphaned(self) -> bool:
+        """The stub is gone: cancel what it held, then serve the model's next stub if one comes for us (True)."""
+        self._close()
+        held, self.sequences = list(self.sequences.values()), {}
+        for seq in held:
+            seq.cancel()
+        with self.outbox_lock:
+            self.outbox = []
+        if self.listener is None:
+            return False
+        self.log("info", f"forge decoder: engine process {os.getpid()} lost its model process; it cancelled "
+                         f"{len(held)} sequence(s) and waits up to {adoption.ADOPT_WAIT_S:g} s for the next one")
+        conn = adoption.wait_for_stub(self.listener, self._accept)
+        if conn is None:
+            return False
+        with self.send_lock:
+            self.conn = conn
+            with self.acks:
+                self.unacked, self.open = 0, True
+            self.conn.send_bytes(pickle.dumps(("ready", *self.figures()), protocol=pickle.HIGHEST_PROTOCOL))
+        return True
+
+    def _accept(self, config: dict, here: str, name: str) -> str | None:
+        """Why a stub that asks to take us over may not (None: it may)."""
+        if (config, here) != self.identity:
+            return f"engine process {os.getpid()} was loaded from another configuration of {name!r}"
+        return None
+
     def _batch(self, records: list, counters: dict, wait: bool) -> None:
         """Send one batch; with ``wait`` (the engine thread) wait until at most WINDOW are not acked."""
         with self.acks:
@@ -356,8 +413,8 @@ class Hosted:
     def _report(self, seq: Sequence, update: Update) -> None:
         """Engine callback: what the stub's sequence needs of this update (a sequence that does not stream
         sends nothing before its last)."""
-        if not (seq.request.streaming or update.finished):
-            return
+        if not (seq.request.streaming or update.finished) or self.sequences.get(seq.owner) is not seq:
+            return  # (not ours any more: a sequence of a stub that died)
         figures = {"cum_logprob": seq.cum_logprob, "first_token_ns": seq.first_token_ns,
                    "last_token_ns": seq.last_token_ns, "scheduled_ns": seq.scheduled_ns}
         if update.finished:
@@ -393,7 +450,11 @@ def main() -> None:
     try:
         import forge_glue
 
-        forge_glue.exit_with_parent(what="engine process")
+        server = int(os.environ.get(adoption.SERVER_PID) or 0)
+        if os.environ.get(adoption.SOCKET) and server > 1:  # outlives its stub (adoption.py), not tritonserver
+            forge_glue.exit_with_parent(also=[server], parent=False, what="engine process")
+        else:
+            forge_glue.exit_with_parent(what="engine process")
         hosted.load(config, Path(here), name)
     except Exception as exc:  # noqa: BLE001 - whatever stops the load: one line for the stub's error
         import traceback
@@ -402,6 +463,9 @@ def main() -> None:
         hosted.send(("failed", f"the engine process could not load the model: {type(exc).__name__}: {exc}"))
         return
     hosted.serve()
+    if hosted.listener is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(hosted.listener.getsockname())
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no interpreter teardown: an engine thread still inside a step must not hold the exit

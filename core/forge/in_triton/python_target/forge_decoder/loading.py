@@ -16,7 +16,6 @@ try:
 except ImportError:  # forge's own tree (tests)
     from ... import forge_glue
 
-from . import engine as engine_mod
 from . import guided
 from . import lora as lora_mod
 from .request import Limits, RequestError
@@ -51,7 +50,9 @@ class Loaded:
 
 
 def choose_device(config: dict):
-    return engine_mod.choose_device(os.environ.get("FORGE_PYTARGET_DEVICE") or parameter(config, "device", "auto"))
+    from .device import choose_device  # not the engine's module: a stub whose engine runs apart needs none of it
+
+    return choose_device(os.environ.get("FORGE_PYTARGET_DEVICE") or parameter(config, "device", "auto"))
 
 
 def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[str], None],
@@ -59,6 +60,8 @@ def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[
     """Load the model of ``here`` (the model version's directory) as ``config`` describes it; ``info`` /
     ``warn`` / ``error`` log."""
     import torch
+
+    from . import engine as engine_mod
 
     weights = here / parameter(config, "weights", "hf")
     device = choose_device(config)
