@@ -122,6 +122,10 @@ class Served:
         with urllib.request.urlopen(request, timeout=300) as response:
             return [json.loads(line[5:]) for line in response.read().decode().splitlines() if line.startswith("data:")]
 
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -189,6 +193,23 @@ def test_a_bad_request_gets_an_error_and_the_server_keeps_serving(server, offlin
     assert status >= 400 and message in body["error"], body
     status, body = server.generate(_greedy(PROMPTS[1]))
     assert status == 200 and body["text_output"] == offline[1]
+
+
+def test_a_client_that_goes_away_cancels_its_generation(server):
+    """The OpenAI API's stream is closed after three chunks: the model cancels the request in vLLM."""
+    import re
+
+    log = Path(re.search(r"log\s+(\S+tritonserver\S+\.log)", server.log_text()).group(1))
+    body = {"model": "smollm2", "prompt": PROMPTS[1], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{server.openai}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for _ in range(3):
+            response.readline()
+    deadline = time.monotonic() + 30
+    while "cancelled by its client" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "cancelled by its client" in log.read_text(errors="replace")
 
 
 def test_a_lora_adapter_is_chosen_by_its_name(server, offline):

@@ -187,11 +187,11 @@ class TritonPythonModel:
             self._send({"op": "abort", "id": rid})
         except OSError:
             pass
+        if state is None:
+            return
+        pb_utils.Logger.log_info(f"{self.name}: request {rid} cancelled by its client; vLLM stops generating it")
         if answer:
-            sender = (state or {}).get("sender")
-            if sender is None:
-                return
-            self._fail(sender, "Request was cancelled", pb_utils.TritonError.CANCELLED)
+            self._fail(state["sender"], "Request was cancelled", pb_utils.TritonError.CANCELLED)
 
     def _watch_cancellation(self) -> None:
         """Requests that are not streamed send nothing until they end: their clients are asked every
