@@ -97,7 +97,10 @@ class TritonPythonModel:
                 continue
             with self.lock:
                 self.requests[message["id"]] = {"sender": sender, "stream": message["stream"]}
-            self._send(message)
+            try:
+                self._send(message)
+            except OSError:  # the engine process is gone: _engine_gone answers every request it held
+                pass
         return None
 
     def _message(self, request) -> dict:
@@ -162,8 +165,14 @@ class TritonPythonModel:
             if state["stream"] and not final and sender.is_cancelled():
                 self._cancel(rid)
                 continue
-            outputs = [pb_utils.Tensor(name, np.asarray(values, dtype=OUTPUT_TYPES[name]))
-                       for name, values in message["outputs"].items()]
+            try:
+                outputs = [pb_utils.Tensor(name, np.asarray(values, dtype=OUTPUT_TYPES[name]))
+                           for name, values in message["outputs"].items()]
+            except (KeyError, TypeError, ValueError) as exc:  # this request fails; the others are served
+                self._fail(sender, f"model {self.name!r} could not make its response: {exc}")
+                if not final:
+                    self._cancel(rid, answer=False)
+                continue
             try:
                 sender.send(pb_utils.InferenceResponse(output_tensors=outputs),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)

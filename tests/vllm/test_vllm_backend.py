@@ -1,0 +1,106 @@
+"""forge's ``vllm`` backend in the real tritonserver, its engine process played by ``fake_engine.py`` (no vLLM):
+the tensor interface, per-request errors, a fatal start and a dead engine process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import build  # noqa: E402
+
+FAKE = Path(__file__).with_name("fake_engine.py")
+
+
+@pytest.fixture(scope="module")
+def fake_python(tmp_path_factory) -> Path:
+    """A ``FORGE_VLLM_PYTHON`` that runs fake_engine.py instead of forge_vllm_engine.py."""
+    path = tmp_path_factory.mktemp("fake") / "python"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE}" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, fake_python, tmp_path_factory):
+    from forge.server.triton_server import TritonServer
+    from forge.testing import serving_environment
+
+    root = tmp_path_factory.mktemp("served")
+    with serving_environment(root / "cache", FORGE_VLLM_PYTHON=str(fake_python)):
+        repo = build(tiny_llama, root / "repo")
+        with TritonServer(repo, startup_timeout=120) as server:
+            yield server
+
+
+def _generate(server, body: dict, route: str = "generate") -> tuple[int, object]:
+    status, data = server.request(f"/v2/models/ensemble/{route}", "POST", json.dumps(body).encode(), timeout=30)
+    if route == "generate_stream":
+        return status, [json.loads(line[5:]) for line in data.decode().splitlines() if line.startswith("data:")]
+    return status, json.loads(data)
+
+
+def test_an_answer_with_and_without_the_prompt_and_the_outputs_asked_for(served):
+    assert _generate(served, {"text_input": "abc"}) == (200, {"model_name": "ensemble", "model_version": "1",
+                                                             "text_output": "abcABC"})
+    status, body = _generate(served, {"text_input": "abc", "exclude_input_in_output": True,
+                                      "return_num_input_tokens": True, "sampling_parameters": '{"max_tokens": 4}'})
+    assert status == 200 and body["text_output"] == "ABC" and body["num_input_tokens"] == 3
+
+
+def test_streaming_answers_piece_by_piece(served):
+    status, events = _generate(served, {"text_input": "hello", "stream": True}, "generate_stream")
+    assert status == 200 and [e["text_output"] for e in events] == list("HELLO")
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"sampling_parameters": "{not json"}, "sampling_parameters is not JSON"),
+    ({"sampling_parameters": "[1, 2]"}, "sampling_parameters must be a JSON object"),
+    ({"sampling_parameters": '{"bogus": 1}'}, "unknown sampling parameter bogus"),
+    ({"sampling_parameters": '{"lora_name": "a"}'}, "LoRA feature is not enabled"),
+    ({"stream": True, "exclude_input_in_output": False}, "exclude_input_in_output = false is not allowed"),
+    ({"embedding_request": "{}"}, "answers no embedding_request"),
+], ids=["not-json", "not-object", "unknown-key", "lora", "stream-with-prompt", "embedding"])
+def test_a_bad_request_fails_alone(served, body, message):
+    status, answer = _generate(served, {"text_input": "abc", **body},
+                               "generate_stream" if body.get("stream") else "generate")
+    text = json.dumps(answer)
+    assert message in text, text
+    assert _generate(served, {"text_input": "ok", "exclude_input_in_output": True})[1]["text_output"] == "OK"
+
+
+def test_an_engine_that_does_not_start_fails_the_load_with_its_reason(tiny_llama, fake_python, tmp_path):
+    from forge.errors import ForgeError
+    from forge.server.triton_server import TritonServer
+    from forge.testing import serving_environment
+
+    with serving_environment(tmp_path / "cache", FORGE_VLLM_PYTHON=str(fake_python)):
+        repo = build(tiny_llama, tmp_path / "repo")
+        model_json = repo / "ensemble" / "1" / "model.json"
+        model_json.write_text(json.dumps({**json.loads(model_json.read_text()), "model": "/fail"}))
+        with pytest.raises(ForgeError, match="did not start: ValueError: no such model"):
+            TritonServer(repo, startup_timeout=60).start()
+    from forge.server.processes import repository_processes
+
+    assert not repository_processes(repo)
+
+
+def test_a_dead_engine_fails_its_requests_and_ends_the_model_process(served):
+    from forge.server.processes import cmdline, repository_processes
+
+    stubs = [p for p in repository_processes(served.repo) if "triton_python_backend_stub" in " ".join(cmdline(p))]
+    status, body = _generate(served, {"text_input": "die"})
+    assert status >= 400 and "the vLLM engine process of model 'ensemble' exited with status 3" in body["error"]
+    for _ in range(50):
+        if not any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+                   for pid in stubs):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the model process outlived its engine")
