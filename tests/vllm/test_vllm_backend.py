@@ -91,7 +91,29 @@ def test_an_engine_that_does_not_start_fails_the_load_with_its_reason(tiny_llama
     assert not repository_processes(repo)
 
 
-def test_a_dead_engine_fails_its_requests_and_ends_the_model_process(served):
+def test_forge_infer_asks_it(served, capsys):
+    from forge.cli import main
+
+    assert main(["infer", "abc", "--url", f"http://{served.http_url}", "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip() == "ABC"  # the answer alone, as from the other targets
+    assert main(["infer", "abc", "--url", f"http://{served.http_url}", "--grpc-url", served.grpc_url, "--max-tokens",
+                 "5", "--stream"]) == 0
+    assert "ABC" in capsys.readouterr().out
+
+
+def test_forge_bench_loads_it(served, capsys):
+    from forge.cli import main
+
+    code = main(["bench", served.grpc_url, "--concurrency", "2", "--warmup", "0", "--json", "token-norm-dist",
+                 "--num-requests", "4", "--input-mean", "8", "--input-stdev", "0", "--output-mean", "4",
+                 "--output-stdev", "0"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    result = json.loads(out.out)
+    assert result["succeeded"] == 4 and result["errors"] == 0 and result["output_tokens"] > 0, result
+
+
+def test_a_dead_engine_fails_its_requests_and_ends_the_model_process(served):  # last: the model is gone after
     from forge.server.processes import cmdline, repository_processes
 
     stubs = [p for p in repository_processes(served.repo) if "triton_python_backend_stub" in " ".join(cmdline(p))]

@@ -24,10 +24,9 @@ def _model() -> TextModel:
     return TextModel(with_virtual_inputs(ModelInputs.from_config(VLLM_CONFIG)))
 
 
-def test_a_vllm_backend_model_is_a_text_generator_through_its_virtual_inputs():
-    plain = ModelInputs.from_config(VLLM_CONFIG)
-    assert not is_text_generator(plain)
-    assert is_text_generator(_model().inputs)
+def test_a_vllm_backend_model_is_a_text_generator_with_virtual_inputs():
+    assert is_text_generator(ModelInputs.from_config(VLLM_CONFIG))
+    assert {"sampling_param_max_tokens", "sampling_param_stop", "sampling_param_seed"} <= set(_model().inputs.inputs)
 
 
 def test_the_request_is_sent_as_text_flags_and_one_sampling_json():

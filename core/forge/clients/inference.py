@@ -41,6 +41,11 @@ SAMPLING_INPUTS = {"temperature": ("temperature", "sampling_param_temperature"),
 MAX_TOKENS = ("max_tokens", "sampling_param_max_tokens")
 STREAM = ("stream", "streaming")
 EXCLUDE_INPUT = ("exclude_input_in_output", "sampling_param_exclude_input_from_output")
+SAMPLING_JSON = "sampling_parameters"  # Triton's vLLM backend: every sampling setting in one JSON input
+#: forge infer's sampling flags → vLLM's SamplingParams fields (for SAMPLING_JSON)
+VLLM_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+               "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+               "frequency_penalty": "frequency_penalty", "min_length": "min_tokens"}
 
 
 def first_input(inputs: "ModelInputs", names: tuple[str, ...]) -> str | None:
@@ -49,8 +54,10 @@ def first_input(inputs: "ModelInputs", names: tuple[str, ...]) -> str | None:
 
 
 def is_text_generator(inputs: "ModelInputs") -> bool:
-    """Whether the model takes a prompt as text and a token budget (an ensemble, BLS or LLM-API model)."""
-    return "text_input" in inputs.inputs and first_input(inputs, MAX_TOKENS) is not None
+    """Whether the model takes a prompt as text and a token budget (an ensemble, BLS or LLM-API model, or Triton's
+    vLLM backend: its budget is a key of ``sampling_parameters``)."""
+    return "text_input" in inputs.inputs and (first_input(inputs, MAX_TOKENS) is not None
+                                              or SAMPLING_JSON in inputs.inputs)
 
 
 def grpc_target(url: str) -> str:
@@ -115,6 +122,8 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
         missing = next(k for k in ("text_input", "max_tokens") if k not in inputs.inputs)
         raise UsageError(f"model {inputs.name!r} is not a text-generation model (no input {missing!r}); "
                          "point --model at the ensemble or the BLS model")
+    if first_input(inputs, MAX_TOKENS) is None:
+        return _sampling_json_payload(inputs, prompt, max_tokens, stop_words, bad_words, stream, image, sampling)
     payload: dict[str, Any] = {"text_input": prompt, first_input(inputs, MAX_TOKENS): max_tokens}
     if image is not None:
         if "image" not in inputs.inputs:
@@ -143,6 +152,40 @@ def generate_payload(inputs: ModelInputs, prompt: str, max_tokens: int, *, stop_
             raise UsageError(f"model {inputs.name!r} has no input {names[0]!r} for --{flag.replace('_', '-')}",
                              hint="its backend release lacks it" if flag == "exclude_input" else None)
         payload[name] = value
+    return payload
+
+
+def _sampling_json_payload(inputs: "ModelInputs", prompt: str, max_tokens: int, stop_words, bad_words, stream: bool,
+                           image: bytes | None, sampling: dict[str, Any]) -> dict[str, Any]:
+    """A generate request of Triton's vLLM backend: the settings as SamplingParams fields in one JSON, the answer
+    without the prompt unless ``exclude_input`` says otherwise."""
+    import json
+
+    if image is not None:
+        raise UsageError(f"model {inputs.name!r} takes images base64-encoded in its 'image' input, which forge infer "
+                         "does not send")
+    values: dict[str, Any] = {"max_tokens": max_tokens}
+    if stop_words:
+        values["stop"] = list(stop_words)
+    if bad_words:
+        values["bad_words"] = list(bad_words)
+    payload: dict[str, Any] = {"text_input": prompt}
+    if "exclude_input_in_output" in inputs.inputs:  # the answer only, as the ensembles give it
+        payload["exclude_input_in_output"] = True
+    for flag, value in sampling.items():
+        if value is None:
+            continue
+        if flag == "exclude_input":
+            payload["exclude_input_in_output"] = bool(value)
+        elif flag in VLLM_FIELDS:
+            values[VLLM_FIELDS[flag]] = value
+        else:
+            raise UsageError(f"model {inputs.name!r} takes no --{flag.replace('_', '-')}")
+    if values.get("top_k") == 1 and "temperature" not in values:  # greedy, as vLLM says it
+        values["temperature"] = 0
+    if stream and "stream" in inputs.inputs:
+        payload["stream"] = True
+    payload[SAMPLING_JSON] = json.dumps(values)
     return payload
 
 

@@ -216,7 +216,10 @@ class TritonPythonModel:
     def _engine_gone(self) -> None:
         if self.stopping:
             return
-        status = self.process.poll()
+        try:
+            status = self.process.wait(timeout=2)  # its socket closes as it exits
+        except subprocess.TimeoutExpired:
+            status = None
         why = f"exited with status {status}" if status is not None else "closed its socket"
         with self.lock:
             held, self.requests = list(self.requests.values()), {}
