@@ -27,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
                          f"its targets: {', '.join(family.targets)}")
     rows = describe(family, args.target)
     layout = ""
-    if family.kind == "decoder":
+    if family.kind == "decoder" and args.target == "vllm":
+        layout = "; Triton's vLLM backend (-o keys of model.json, vLLM's engine arguments)"
+    elif family.kind == "decoder":
         from .. import profiles
 
         profile = profiles.resolve(args.backend_version)

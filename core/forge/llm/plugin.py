@@ -22,7 +22,11 @@ def family_options():
     from .decoder_options import LORA, decoder_options
     from .vllm_target import OPTIONS, SHARED, TARGET
 
-    options = [replace(o, targets=o.targets + (TARGET,)) if o.name in SHARED else o for o in decoder_options() + (LORA,)]
+    def shared(o):
+        vllm = "" if o.name == "lora" else f"; --target vllm: vLLM's {o.name} in model.json"
+        return replace(o, targets=o.targets + (TARGET,), help=o.help + vllm)
+
+    options = [shared(o) if o.name in SHARED else o for o in decoder_options() + (LORA,)]
     return tuple(options) + OPTIONS
 
 
