@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
-import string
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "llama"))
+from llama_models import save_tokenizer  # noqa: E402  (the llama tests' character tokenizer)
 
 
 @pytest.fixture(autouse=True)
@@ -14,18 +17,6 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-
-
-def _tokenizer(path: Path) -> None:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = sorted(set(string.printable) - set(string.whitespace) | {" ", "\n"})
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +30,7 @@ def tiny_llama(tmp_path_factory) -> Path:
     LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=101, max_position_embeddings=128,
                                  bos_token_id=1, eos_token_id=2)).save_pretrained(path)
-    _tokenizer(path)
+    save_tokenizer(path)
     return path
 
 
