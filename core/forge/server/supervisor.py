@@ -100,7 +100,7 @@ class Supervisor:
         session = None if process is None else process.pid
         if process is None or process.poll() is not None or self.server.stopping or session != self._session:
             self._known, self._session, self._complete = {}, session, False  # stopped, exited or restarted
-            self._retired, self._engines = set(), {}
+            self._retired, self._engines, self._taken_over = set(), {}, set()
             if process is None or process.poll() is not None or self.server.stopping:
                 return []
         pids = descendants(process.pid)
@@ -144,8 +144,9 @@ class Supervisor:
         for engine, parent in engine_processes(pids).items():
             if parent in current:
                 owners[engine] = (current[parent], parent)
-            elif stubs.get(engine_model(engine) or "") is not None:
-                model = engine_model(engine)
+                continue
+            model = engine_model(engine)
+            if model in stubs:
                 owners[engine] = (model, stubs[model])
                 self._taken_over.add(engine)
         return owners
