@@ -293,4 +293,7 @@ def test_a_request_only_the_dead_process_could_answer_restarts_tritonserver(serv
     assert served.tritonserver() != first
     assert _complete(served)[0] == 200
     log = served.log.read_text()
-    assert log.count("==== forge: tritonserver start") == 2  # the crashed generation's lines are kept
+    # the crashed generation's lines are kept; a start that failed (a slow machine) and was tried again says why
+    retried = [line for line in served.stderr[since:] if "did not start again" in line]
+    assert log.count("==== forge: tritonserver start") == 2 + len(retried), "".join(served.stderr[since:])[-3000:]
+    print("".join(retried))
