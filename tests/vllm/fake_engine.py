@@ -3,7 +3,9 @@
 Run as ``python fake_engine.py ENGINE_SCRIPT --version-dir DIR --fd N`` (``FORGE_VLLM_PYTHON`` points at a
 wrapper that calls it). It answers the upper-cased prompt (streamed: one character a response), refuses the
 sampling key ``bogus``, exits with status 3 on the prompt ``die``, streams the prompt ``slow`` for a minute, and
-appends each ``abort`` it gets to ``DIR/aborts.txt``.
+appends each ``abort`` it gets to ``DIR/aborts.txt``. With ``--metrics``, each answered request is one engine
+step's statistics: its prompt's characters as prompt tokens, its answer's as generation tokens, a first token
+after 0.03 s, 2 s end to end, nothing running or waiting after it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def main() -> None:
     if "fail" in doc["model"]:
         send({"op": "fatal", "error": "ValueError: no such model"})
         return
-    send({"op": "ready", "vllm": "fake"})
+    send({"op": "ready", "vllm": "fake", "max_model_len": 64})
+    metrics = "--metrics" in args
 
     def generate(message: dict) -> None:
         params = json.loads(message["parameters"] or "{}")
@@ -55,6 +58,10 @@ def main() -> None:
             if "num_input_tokens" in message["returns"]:
                 outputs["num_input_tokens"] = [len(prompt)]
             send({"id": message["id"], "final": last, "outputs": outputs})
+            if last and metrics:
+                send({"op": "stats", "running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prompt_tokens": len(prompt),
+                      "generation_tokens": len(text), "ttft": [0.03], "tpot": [], "e2e": [2.0],
+                      "request_prompt_tokens": [len(prompt)], "request_generation_tokens": [len(text)], "n": [1]})
             if prompt == "slow":
                 time.sleep(0.2)
 

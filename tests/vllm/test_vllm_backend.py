@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,34 @@ def test_an_engine_that_does_not_start_fails_the_load_with_its_reason(tiny_llama
     from forge.server.processes import repository_processes
 
     assert not repository_processes(repo)
+
+
+def test_vllms_statistics_are_tritons_metrics_by_the_vllm_backends_names(served):
+    """The engine's statistics of each step (the fake engine: one per answer) on tritonserver's metrics port."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict[str, float]:
+        with urllib.request.urlopen(served.metrics_url, timeout=10) as response:
+            text = response.read().decode()
+        return {s.name + ("" if "le" not in s.labels else f"[{s.labels['le']}]"): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name.startswith("vllm:") and s.labels.get("model") == "ensemble" and s.labels.get("version") == "1"}
+
+    before = samples()
+    assert _generate(served, {"text_input": "metric", "exclude_input_in_output": True})[0] == 200
+    expected = {"vllm:prompt_tokens_total": 6, "vllm:generation_tokens_total": 6,
+                "vllm:time_to_first_token_seconds_count": 1, "vllm:time_to_first_token_seconds_bucket[0.04]": 1,
+                "vllm:time_to_first_token_seconds_bucket[0.02]": 0, "vllm:e2e_request_latency_seconds_sum": 2,
+                "vllm:request_prompt_tokens_bucket[10]": 1, "vllm:request_params_n_count": 1}
+    deadline = time.monotonic() + 10
+    while True:  # a scrape may come while the stub is adding the step's statistics: until all are there
+        after = samples()
+        grew = {name: after.get(name, 0) - before.get(name, 0) for name in expected}
+        if grew == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert grew == expected
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_forge_infer_asks_it(served, capsys):

@@ -33,7 +33,7 @@ def test_the_backend_directory_holds_forges_vllm_backend(tmp_path):
 
     target = install_backend(tmp_path)
     assert target == tmp_path / "vllm"
-    for name in ("model.py", "forge_vllm_engine.py", "forge_vllm_wire.py"):
+    for name in ("model.py", "forge_vllm_engine.py", "forge_vllm_wire.py", "forge_vllm_metrics.py"):
         assert (target / name).read_bytes() == (backend_sources() / name).read_bytes()
     (target / "model.py").write_text("stale")
     install_backend(tmp_path)

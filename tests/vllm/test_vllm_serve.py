@@ -40,6 +40,8 @@ doc = json.load(open(sys.argv[1]))
 llm = LLM(**doc)
 outputs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=int(sys.argv[3])))
 print("RESULT " + json.dumps([o.outputs[0].text for o in outputs]))
+scored = llm.generate(json.loads(sys.argv[2])[1:2], SamplingParams(temperature=0, max_tokens=8, logprobs=2))[0].outputs[0]
+print("LOGPROBS " + json.dumps([[t, step[t].logprob] for t, step in zip(scored.token_ids, scored.logprobs)]))
 """
 
 
@@ -63,13 +65,20 @@ def repo(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def offline(repo, vllm_python) -> list[str]:
-    """vLLM's own greedy answers (``LLM.generate``) on the repository's engine arguments."""
+def vllm_offline(repo, vllm_python) -> dict[str, list]:
+    """vLLM's own greedy answers (``LLM.generate``) on the repository's engine arguments, and the (token id,
+    log-prob) of each of the first 8 tokens it generates for ``PROMPTS[1]``."""
     run = subprocess.run([vllm_python, "-c", _OFFLINE, str(repo / "ensemble" / "1" / "model.json"),
                           json.dumps(PROMPTS), str(MAX_TOKENS)], capture_output=True, text=True, timeout=START_S)
     assert run.returncode == 0, run.stderr[-3000:]
-    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    found = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines()
+             if line.startswith(("RESULT ", "LOGPROBS "))}
+    return {"answers": found["RESULT"], "logprobs": found["LOGPROBS"]}
+
+
+@pytest.fixture(scope="module")
+def offline(vllm_offline) -> list[str]:
+    return vllm_offline["answers"]
 
 
 class Served:
@@ -174,6 +183,63 @@ def test_the_openai_api_answers_the_same_greedy_text(server, offline):
     assert status == 200, body
     assert body["choices"][0]["text"] == offline[1]
     assert body["usage"]["completion_tokens"] <= MAX_TOKENS
+
+
+def test_the_openai_api_answers_the_log_probs_vllm_computes(server, vllm_offline):
+    """Completions' legacy shape and chat's, streamed: the tokens and log-probs of vLLM's own generation."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai}/v1", api_key="unused", max_retries=0)
+    expected = vllm_offline["logprobs"]
+    answer = client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=2)
+    scores = answer.choices[0].logprobs
+    assert len(scores.tokens) == len(expected) == answer.usage.completion_tokens
+    assert "".join(scores.tokens) == answer.choices[0].text
+    for (_token, logprob), got, tops in zip(expected, scores.token_logprobs, scores.top_logprobs):
+        assert abs(got - logprob) < 0.05 and 1 <= len(tops) <= 2 and max(tops.values()) >= got
+    chunks = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    content = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+               for c in chunk.choices[0].logprobs.content]
+    assert len(content) == 6 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_json_schema_and_tool_calls_are_vllms_structured_outputs(server):
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.openai}/v1", api_key="unused", max_retries=0)
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Describe a person as JSON with a name and an age."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), person)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
+    called = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=60, tools=[weather],
+                                            tool_choice="required",
+                                            messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    (call,) = called.choices[0].message.tool_calls
+    assert called.choices[0].finish_reason == "tool_calls" and isinstance(json.loads(call.function.arguments)["city"], str)
+    with pytest.raises(openai.BadRequestError, match="prompt's log-probs"):  # vLLM's backend answers no prompt log-probs
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, logprobs=1, echo=True)
+
+
+def test_vllms_statistics_reach_tritons_metrics(server, offline):
+    """tritonserver's metrics port has vLLM's own counters and gauges (the vLLM backend's names)."""
+    status, _ = server.generate(_greedy(PROMPTS[1]))
+    assert status == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
+        triton = response.read().decode()
+    generated = [float(line.split()[-1]) for line in triton.splitlines()
+                 if line.startswith('vllm:generation_tokens_total{model="ensemble",version="1"}')]
+    assert generated and generated[0] >= MAX_TOKENS, triton[-2000:]
+    assert 'vllm:time_to_first_token_seconds_count{model="ensemble",version="1"}' in triton
+    assert 'vllm:num_requests_running{model="ensemble",version="1"} 0' in triton
 
 
 def test_streaming_sends_the_answer_in_pieces(server, offline):

@@ -41,6 +41,7 @@ SAMPLING_INPUTS = {"temperature": ("temperature", "sampling_param_temperature"),
 MAX_TOKENS = ("max_tokens", "sampling_param_max_tokens")
 STREAM = ("stream", "streaming")
 EXCLUDE_INPUT = ("exclude_input_in_output", "sampling_param_exclude_input_from_output")
+GUIDE_TYPE, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"  # the LLM-API layout's guided decoding
 SAMPLING_JSON = "sampling_parameters"  # Triton's vLLM backend: every sampling setting in one JSON input
 #: forge infer's sampling flags → vLLM's SamplingParams fields (for SAMPLING_JSON)
 VLLM_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",

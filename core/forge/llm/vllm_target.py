@@ -168,7 +168,8 @@ def emit(component: Component, artifact: Artifact, ctx) -> list[TritonModel]:
     outputs = [tc.model_output(n, dtype, list(dims)) for n, dtype, dims, _ in chosen.outputs]
     # parameters the vLLM backend does not read: what forge's clients and OpenAI front need to know
     longest = doc.get("max_model_len") or meta.get("max_position_embeddings")
-    parameters = {"forge_target": TARGET, "tokenizer_dir": CHECKPOINT_DIR, "max_seq_len": longest}
+    parameters = {"forge_target": TARGET, "tokenizer_dir": CHECKPOINT_DIR, "max_seq_len": longest,
+                  "REPORT_CUSTOM_METRICS": "true"}  # vLLM's statistics as Triton metrics (the backend's switch)
     config = tc.model_config(name, backend="vllm", max_batch_size=0, inputs=inputs, outputs=outputs,
                              parameters=parameters, instances=1, instance_kind="KIND_MODEL", decoupled=True)
     source = Path(artifact.path)

@@ -4,8 +4,9 @@ metrics endpoint when the front's ``/metrics`` is scraped.
 Waiting: the requests tritonserver queues for the served model and its ensemble steps
 (``nv_inference_pending_request_count``) plus the sequences a forge decoder (the python target) queued and has not
 admitted to its decoding batch yet (``forge_decoder_waiting``). Running: the sequences forge decoders are decoding
-(``forge_decoder_sequences`` less ``forge_decoder_waiting``); unknown where no forge decoder serves the models.
-Every client's requests count, not only the front's, as vLLM counts them.
+(``forge_decoder_sequences`` less ``forge_decoder_waiting``). A model of forge's ``vllm`` backend reports vLLM's
+own scheduler (``vllm:num_requests_waiting``, ``vllm:num_requests_running``), which count too. Running is unknown
+where neither serves the models. Every client's requests count, not only the front's, as vLLM counts them.
 
 A read waits at most about READ_TIMEOUT_S and serves the scrapes of the next CACHE_S. One that fails leaves the
 figures as they were and is counted: a scrape never fails for it.
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 PENDING = "nv_inference_pending_request_count"
 DECODER_WAITING = "forge_decoder_waiting"
 DECODER_SEQUENCES = "forge_decoder_sequences"
+VLLM_WAITING, VLLM_RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"  # forge's vllm backend
 READ_TIMEOUT_S = 2.0  # well inside Prometheus's default scrape timeout (10 s)
 CACHE_S = 1.0  # several scrapers (Prometheus replicas, KEDA, a dashboard) cost one read of tritonserver a second
 
@@ -39,7 +41,7 @@ class Figures(NamedTuple):
 
 def figures(text: str, models: set[str] | None) -> Figures:
     """The figures of ``models`` (None: every model) in tritonserver's metrics text (Prometheus exposition)."""
-    names = (PENDING, DECODER_WAITING, DECODER_SEQUENCES)
+    names = (PENDING, DECODER_WAITING, DECODER_SEQUENCES, VLLM_WAITING, VLLM_RUNNING)
     wanted = "\n".join(line for line in text.splitlines() if line.startswith(names)) + "\n"
     sums = dict.fromkeys(names, 0.0)
     seen = set()
@@ -48,8 +50,12 @@ def figures(text: str, models: set[str] | None) -> Figures:
             if sample.name in sums and (models is None or sample.labels.get("model") in models):
                 sums[sample.name] += sample.value
                 seen.add(sample.name)
-    running = max(0.0, sums[DECODER_SEQUENCES] - sums[DECODER_WAITING]) if DECODER_SEQUENCES in seen else None
-    return Figures(sums[PENDING] + sums[DECODER_WAITING], running)
+    running = None
+    if DECODER_SEQUENCES in seen:
+        running = max(0.0, sums[DECODER_SEQUENCES] - sums[DECODER_WAITING])
+    if VLLM_RUNNING in seen:
+        running = (running or 0.0) + sums[VLLM_RUNNING]
+    return Figures(sums[PENDING] + sums[DECODER_WAITING] + sums[VLLM_WAITING], running)
 
 
 class SchedulerStats:

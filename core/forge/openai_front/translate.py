@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from ..clients.inference import EXCLUDE_INPUT, MAX_TOKENS, SAMPLING_INPUTS, STREAM, TRITON_TO_NUMPY, first_input
+from ..clients.inference import (EXCLUDE_INPUT, GUIDE, GUIDE_TYPE, MAX_TOKENS, SAMPLING_INPUTS, STREAM, TRITON_TO_NUMPY,
+                                 first_input)
 from .catalog import LLAVA_TURN, Catalog, TextModel
 from .protocol import APIError, ChatRequest, Message, _ChatTemplate, _Sampling, is_unicode, valid_text
-from .vllm_interface import fold
+from .vllm_interface import fold, is_vllm
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
-GUIDE_TYPE, GUIDE = "guided_decoding_guide_type", "guided_decoding_guide"
 # forge's additions to the LLM-API interface (forge_llmapi.EXTENSION_INPUTS), which both targets declare
 PROMPT_IDS, LOGPROBS, PROMPT_LOGPROBS = "prompt_token_ids", "sampling_param_logprobs", "sampling_param_prompt_logprobs"
 #: a token-level request parameter → the input it is sent in, the output it is answered in, and what it asks for
@@ -371,10 +371,11 @@ def token_level(model: TextModel, param: str) -> None:
     ``echo``) or no output answering it, whichever target built it."""
     given, answered, what = TOKEN_LEVEL.get(param, TOKEN_LEVEL["echo"])
     if given not in model.inputs.inputs or (answered is not None and answered not in model.inputs.outputs):
-        raise APIError(400, f"{param}: the served model {model.name!r} takes text and answers text only, so "
-                            f"{what} are not available; the LLM-API layout's tensorrt_llm model (the newest "
-                            "--backend-version, --target tensorrtllm or python) serves them", param=param,
-                       code="unsupported_parameter")
+        served = ("has the interface of Triton's vLLM backend, which takes text prompts and answers the log-probs "
+                  "of generated tokens only" if is_vllm(model.inputs) else "takes text and answers text only")
+        raise APIError(400, f"{param}: the served model {model.name!r} {served}, so {what} are not available; the "
+                            "LLM-API layout's tensorrt_llm model (the newest --backend-version, --target tensorrtllm "
+                            "or python) serves them", param=param, code="unsupported_parameter")
 
 
 def _fits(dtype: str, name: str, value: Any) -> None:

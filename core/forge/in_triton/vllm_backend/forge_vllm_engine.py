@@ -1,8 +1,9 @@
 """The vLLM engine process of forge's ``vllm`` backend, run by the Python of the vLLM environment.
 
-``python forge_vllm_engine.py --version-dir DIR --fd N``: reads ``DIR/model.json`` (vLLM's engine arguments,
+``python forge_vllm_engine.py --version-dir DIR --fd N [--metrics]``: reads ``DIR/model.json`` (vLLM's engine arguments,
 given to ``AsyncEngineArgs`` as they are) and ``DIR/multi_lora.json``, starts vLLM's ``AsyncLLM`` and serves
-the stub over the socket ``N`` (:mod:`forge_vllm_wire`). vLLM pins its own torch and numpy while the bundled
+the stub over the socket ``N`` (:mod:`forge_vllm_wire`); with ``--metrics``, vLLM's statistics of each
+engine step too (:func:`stats_message`, which the stub reports as Triton metrics). vLLM pins its own torch and numpy while the bundled
 tritonserver's python stub needs numpy < 2, so the engine cannot live in the stub. It ends with the stub:
 when the socket closes, when its parent changes (the stub died; checked every PARENT_POLL_S) or on SIGTERM,
 it kills its own process group (vLLM's engine-core processes included) and exits.
@@ -35,10 +36,47 @@ def _die_with_group(*_args) -> None:
         os._exit(1)
 
 
+def stats_message(scheduler_stats, iteration_stats) -> dict:
+    """One engine step's statistics (vLLM's ``SchedulerStats`` / ``IterationStats``, either may be None)."""
+    message: dict[str, Any] = {"op": "stats"}
+    if scheduler_stats is not None:
+        message.update(running=scheduler_stats.num_running_reqs, waiting=scheduler_stats.num_waiting_reqs,
+                       kv_cache_usage=scheduler_stats.kv_cache_usage)
+    if iteration_stats is not None:
+        finished = iteration_stats.finished_requests
+        message.update(prompt_tokens=iteration_stats.num_prompt_tokens,
+                       generation_tokens=iteration_stats.num_generation_tokens,
+                       ttft=list(iteration_stats.time_to_first_tokens_iter),
+                       tpot=list(iteration_stats.inter_token_latencies_iter),
+                       e2e=[f.e2e_latency for f in finished],
+                       request_prompt_tokens=[f.num_prompt_tokens for f in finished],
+                       request_generation_tokens=[f.num_generation_tokens for f in finished],
+                       n=list(iteration_stats.n_params_iter))
+    return message
+
+
+def stats_relay(send):
+    """A vLLM stat logger (a per-engine factory) that sends each step's statistics with ``send``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class Relay(StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            send(stats_message(scheduler_stats, iteration_stats))
+
+        def log_engine_initialized(self):
+            pass
+
+    return Relay
+
+
 class Engine:
-    def __init__(self, version_dir: str, writer: asyncio.StreamWriter):
+    def __init__(self, version_dir: str, writer: asyncio.StreamWriter, metrics: bool = False):
         self.version_dir = version_dir
         self.writer = writer
+        self.metrics = metrics
         self.tasks: dict[str, asyncio.Task] = {}
         self.engine = None
         self.loras: dict[str, str] = {}
@@ -57,7 +95,8 @@ class Engine:
             with open(os.path.join(self.version_dir, "multi_lora.json")) as file:
                 self.loras = json.load(file)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**arguments),
-                                                usage_context=UsageContext.OPENAI_API_SERVER)
+                                                usage_context=UsageContext.OPENAI_API_SERVER,
+                                                stat_loggers=[stats_relay(self.send)] if self.metrics else None)
 
     def submit(self, message: dict) -> None:
         task = asyncio.get_running_loop().create_task(self.generate(message))
@@ -171,11 +210,11 @@ async def _watch_parent(parent: int) -> None:
     _die_with_group()
 
 
-async def serve(version_dir: str, fd: int, parent: int) -> int:
+async def serve(version_dir: str, fd: int, parent: int, metrics: bool = False) -> int:
     watcher = asyncio.get_running_loop().create_task(_watch_parent(parent))
     sock = socket.socket(fileno=fd)
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    engine = Engine(version_dir, writer)
+    engine = Engine(version_dir, writer, metrics)
     try:
         await engine.start()
     except Exception as exc:  # noqa: BLE001 - told to the stub in one line, then this process ends
@@ -185,7 +224,8 @@ async def serve(version_dir: str, fd: int, parent: int) -> int:
         return 1
     import vllm
 
-    engine.send({"op": "ready", "vllm": vllm.__version__})
+    engine.send({"op": "ready", "vllm": vllm.__version__,
+                 "max_model_len": engine.engine.vllm_config.model_config.max_model_len})
     while True:
         try:
             head = await reader.readexactly(wire.HEADER.size)
@@ -205,12 +245,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--version-dir", required=True)
     parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--metrics", action="store_true", help="send vLLM's statistics of each engine step")
     args = parser.parse_args()
     parent = os.getppid()
     if os.getpgrp() != os.getpid():
         os.setpgrp()
     signal.signal(signal.SIGTERM, _die_with_group)
-    asyncio.run(serve(args.version_dir, args.fd, parent))
+    asyncio.run(serve(args.version_dir, args.fd, parent, args.metrics))
     sys.stdout.flush()
     sys.stderr.flush()
     _die_with_group()  # vLLM's engine cores too, without waiting on their teardown

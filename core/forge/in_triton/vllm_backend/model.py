@@ -28,7 +28,8 @@ import triton_python_backend_utils as pb_utils
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import forge_vllm_wire as wire  # noqa: E402  (shipped beside this file)
+import forge_vllm_metrics as metrics  # noqa: E402  (shipped beside this file)
+import forge_vllm_wire as wire  # noqa: E402
 
 PYTHON_ENV = "FORGE_VLLM_PYTHON"
 RETURNS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
@@ -68,11 +69,13 @@ class TritonPythonModel:
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.stopping = False
+        reported = metrics.enabled(config)
+        self.metrics = None
         mine, theirs = socket.socketpair()
         self.sock = mine
         self.process = subprocess.Popen(
             [vllm_python(), os.path.join(os.path.dirname(os.path.abspath(__file__)), "forge_vllm_engine.py"),
-             "--version-dir", version_dir, "--fd", str(theirs.fileno())],
+             "--version-dir", version_dir, "--fd", str(theirs.fileno()), *(["--metrics"] if reported else [])],
             pass_fds=[theirs.fileno()], cwd=version_dir)
         theirs.close()
         first = wire.receive(self.sock)
@@ -81,6 +84,8 @@ class TritonPythonModel:
             why = first["error"] if first else f"it exited with status {status}"
             raise pb_utils.TritonModelException(f"the vLLM engine of model {self.name!r} did not start: {why}")
         pb_utils.Logger.log_info(f"{self.name}: vLLM {first.get('vllm')} in process {self.process.pid}")
+        if reported:
+            self.metrics = metrics.VllmMetrics(self.name, args["model_version"], int(first["max_model_len"]))
         self.reader = threading.Thread(target=self._read, name="vllm-responses", daemon=True)
         self.reader.start()
         self.watcher = threading.Thread(target=self._watch_cancellation, name="vllm-cancel", daemon=True)
@@ -150,6 +155,9 @@ class TritonPythonModel:
             message = wire.receive(self.sock)
             if message is None:
                 break
+            if message.get("op") == "stats":
+                self._record(message)
+                continue
             rid = message.get("id")
             with self.lock:
                 state = self.requests.get(rid)
@@ -181,6 +189,15 @@ class TritonPythonModel:
                 if not final:
                     self._cancel(rid, answer=False)
         self._engine_gone()
+
+    def _record(self, message: dict) -> None:
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.record(message)
+        except Exception as exc:  # noqa: BLE001 - the metrics stop; the requests are served on
+            pb_utils.Logger.log_warn(f"{self.name}: vLLM's statistics are no longer reported as metrics: {exc}")
+            self.metrics = None
 
     def _fail(self, sender, error: str, code=None) -> None:
         error = pb_utils.TritonError(error) if code is None else pb_utils.TritonError(error, code=code)
