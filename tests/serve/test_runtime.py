@@ -295,3 +295,25 @@ def test_a_process_in_a_sibling_repository_whose_name_starts_alike_is_not_counte
         for worker in workers:
             worker.kill()
             worker.wait()
+
+
+
+def test_what_started_forge_serve_is_not_a_process_of_the_repository(tmp_path):
+    """A wrapper naming the repository (``timeout 600 forge serve REPO``, a shell working in it), even one that
+    became init's child, is not an earlier server's leftover: the server it started would refuse to start."""
+    import subprocess
+    import sys
+    import time
+
+    repo, out = tmp_path / "repo", tmp_path / "out.txt"
+    repo.mkdir()
+    probe = ("import sys; from pathlib import Path; from forge.server.processes import leftover_processes, "
+             "repository_processes; r = Path(sys.argv[1]); print(repository_processes(r), leftover_processes(r))")
+    wrapper = tmp_path / "wrapper.sh"  # run as "sh wrapper.sh REPO OUT" in REPO: it names the repository twice
+    wrapper.write_text(f'sleep 0.5\ncd "$1"\n"{sys.executable}" -c "{probe}" "$1" > "$2"\n')
+    # setsid's shell exits at once: the wrapper is then the child of init (or of the nearest subreaper)
+    subprocess.run(["setsid", "sh", "-c", f'sh "{wrapper}" "{repo}" "{out}" & exit 0'], check=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while not (out.is_file() and out.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert out.read_text().split() == ["[]", "[]"]

@@ -167,6 +167,16 @@ def _refers_to(pid: int, repo: str) -> bool:
     return any(p == repo or p.startswith(repo + os.sep) for p in paths.split(os.pathsep))
 
 
+def _ancestors() -> set[int]:
+    """This process and its ancestors."""
+    found, pid = set(), os.getpid()
+    while pid > 0 and pid not in found:
+        found.add(pid)
+        stat = proc_stat(pid)
+        pid = stat[1] if stat is not None else 0
+    return found
+
+
 def repository_processes(repo: Path) -> list[int]:
     """Live processes serving from ``repo`` (Linux /proc): tritonserver, mpirun, ranks, python stubs, followers.
 
@@ -174,8 +184,9 @@ def repository_processes(repo: Path) -> list[int]:
     """
     root = str(Path(repo).resolve())
     found = []
+    mine = _ancestors()  # this process and what started it (timeout, nohup, a shell in the repository) serve nothing
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in mine:
             continue
         pid = int(entry.name)
         if _state(pid) not in (None, "Z") and _refers_to(pid, root):
