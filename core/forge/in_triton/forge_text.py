@@ -17,7 +17,6 @@ import codecs
 import json
 import os
 import re
-import sys
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -42,27 +41,12 @@ def resolve_dir(value: str, model_repository: str, model_version: str) -> str:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The Hugging Face tokenizer stored in ``path`` (no network access).
-
-    A model process (tritonserver's python stub) of a model without images that imports transformers first does
-    without torchvision: loading a tokenizer would import it (over a second of the process's start, each time
-    one comes back)."""
-    if forge_glue.in_stub() and "transformers" not in sys.modules and not _has_vision(path):
-        sys.modules.setdefault("torchvision", None)  # reads as "not installed" to import and to transformers
+    """The Hugging Face tokenizer stored in ``path`` (no network access); a text model's process does without
+    the libraries of vision models (:func:`forge_glue.skip_vision_libraries`)."""
+    forge_glue.skip_vision_libraries(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-
-
-def _has_vision(path: str) -> bool:
-    """Whether the checkpoint in ``path`` takes images (a vision tower or image processor beside its tokenizer)."""
-    try:
-        with open(os.path.join(path, "config.json")) as handle:
-            config = json.load(handle)
-    except (OSError, ValueError):
-        return True  # unknown: keep every library
-    return "vision_config" in config or any(
-        os.path.exists(os.path.join(path, name)) for name in ("preprocessor_config.json", "processor_config.json"))
 
 
 def model_setup(args: dict) -> tuple[dict, dict[str, str], Any]:

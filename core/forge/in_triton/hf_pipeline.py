@@ -22,17 +22,18 @@ import forge_glue  # noqa: E402  (shipped next to this file)
 
 class TritonPythonModel:
     def initialize(self, args):
+        params = forge_glue.parameters(forge_glue.model_config(args))
+        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), params.get("weights") or "hf")
+        forge_glue.skip_vision_libraries(weights)
         import torch
         from transformers import pipeline
 
-        params = forge_glue.parameters(forge_glue.model_config(args))
         threads = int(params.get("cpu_threads") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
         device = params.get("device") or "auto"
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        weights = os.path.join(os.path.dirname(os.path.abspath(__file__)), params.get("weights") or "hf")
         self.pipe = pipeline("text-generation", model=weights, device=device,
                              dtype=getattr(torch, params.get("dtype") or "float16"))
         pb_utils.Logger.log_info(f"forge hf-pipeline: {weights} on {device} ({params.get('dtype')}), "

@@ -59,11 +59,12 @@ def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[
          error: Callable[[str], None], name: str = "tensorrt_llm") -> Loaded:
     """Load the model of ``here`` (the model version's directory) as ``config`` describes it; ``info`` /
     ``warn`` / ``error`` log."""
+    weights = here / parameter(config, "weights", "hf")
+    forge_glue.skip_vision_libraries(weights)
     import torch
 
     from . import engine as engine_mod
 
-    weights = here / parameter(config, "weights", "hf")
     device = choose_device(config)
     dtype = engine_mod.choose_dtype(device, parameter(config, "compute_dtype", "auto"), parameter(config, "dtype", "float16"))
     threads = engine_mod.choose_threads(device, int(os.environ.get("FORGE_PYTARGET_THREADS")
