@@ -120,6 +120,20 @@ def test_vllms_statistics_are_tritons_metrics_by_the_vllm_backends_names(served)
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
 
 
+def test_many_concurrent_answers_while_clients_are_watched_for_cancellation(served):
+    """The cancellation watcher asks each waiting request's client every 0.1 s while the reader answers them; a
+    request answered meanwhile must not be asked about (that crashed tritonserver at 32 concurrent requests)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        return _generate(served, {"text_input": f"q{i}", "exclude_input_in_output": True})[0]
+
+    with ThreadPoolExecutor(32) as pool:
+        statuses = list(pool.map(one, range(3000)))
+    assert statuses == [200] * 3000
+    assert served.process.poll() is None
+
+
 def test_forge_infer_asks_it(served, capsys):
     from forge.cli import main
 

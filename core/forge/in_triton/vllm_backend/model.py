@@ -38,6 +38,38 @@ OUTPUT_TYPES = {"text_output": np.object_, "finish_reason": np.object_, "cumulat
 CANCEL_POLL_S = 0.1  # how often requests that are not streamed are asked whether their client went away
 
 
+class Answer:
+    """One request's response sender. Its client is never asked about once the final response is sent:
+    tritonserver frees the request's response factory then, and asking crashes the server (SIGSEGV in
+    TRITONBACKEND_ResponseFactoryIsCancelled: the cancellation watcher asking while the reader answered, at 32
+    concurrent requests)."""
+
+    def __init__(self, sender, stream: bool):
+        self.sender, self.stream = sender, stream
+        self.done = False
+        self.finishing = threading.Lock()  # held around the final response and ``done``
+
+    def client_gone(self) -> bool:
+        with self.finishing:
+            return not self.done and self.sender.is_cancelled()
+
+    def send(self, response, final: bool) -> None:
+        """Send ``response`` (the last one if ``final``) unless the final one went out; raises what sending raised."""
+        with self.finishing:
+            if self.done:
+                return
+            self.done = final
+            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+    def fail(self, error: str, code=None) -> None:
+        """The final response: ``error``."""
+        error = pb_utils.TritonError(error) if code is None else pb_utils.TritonError(error, code=code)
+        try:
+            self.send(pb_utils.InferenceResponse(error=error), final=True)
+        except Exception:  # noqa: BLE001 - nobody left to tell
+            pass
+
+
 def vllm_python() -> str:
     """The Python of the vLLM environment, or a one-line error saying what to install."""
     python = os.environ.get(PYTHON_ENV)
@@ -94,14 +126,15 @@ class TritonPythonModel:
     # -- requests in ---------------------------------------------------------------------------
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            answer = Answer(request.get_response_sender(), stream=False)
             try:
                 message = self._message(request)
             except (ValueError, KeyError) as exc:
-                self._fail(sender, str(exc))
+                answer.fail(str(exc))
                 continue
+            answer.stream = message["stream"]
             with self.lock:
-                self.requests[message["id"]] = {"sender": sender, "stream": message["stream"]}
+                self.requests[message["id"]] = answer
             try:
                 self._send(message)
             except OSError:  # the engine process is gone: _engine_gone answers every request it held
@@ -165,25 +198,23 @@ class TritonPythonModel:
                     del self.requests[rid]
             if state is None:
                 continue  # cancelled, already answered
-            sender = state["sender"]
             if "error" in message:
-                self._fail(sender, message["error"])
+                state.fail(message["error"])
                 continue
             final = bool(message.get("final"))
-            if state["stream"] and not final and sender.is_cancelled():
+            if state.stream and not final and state.client_gone():
                 self._cancel(rid)
                 continue
             try:
                 outputs = [pb_utils.Tensor(name, np.asarray(values, dtype=OUTPUT_TYPES[name]))
                            for name, values in message["outputs"].items()]
             except (KeyError, TypeError, ValueError) as exc:  # this request fails; the others are served
-                self._fail(sender, f"model {self.name!r} could not make its response: {exc}")
+                state.fail(f"model {self.name!r} could not make its response: {exc}")
                 if not final:
                     self._cancel(rid, answer=False)
                 continue
             try:
-                sender.send(pb_utils.InferenceResponse(output_tensors=outputs),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+                state.send(pb_utils.InferenceResponse(output_tensors=outputs), final)
             except Exception as exc:  # noqa: BLE001 - the client went away; the others are served
                 pb_utils.Logger.log_warn(f"{self.name}: a response could not be sent: {exc}")
                 if not final:
@@ -199,13 +230,6 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(f"{self.name}: vLLM's statistics are no longer reported as metrics: {exc}")
             self.metrics = None
 
-    def _fail(self, sender, error: str, code=None) -> None:
-        error = pb_utils.TritonError(error) if code is None else pb_utils.TritonError(error, code=code)
-        try:
-            sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception:  # noqa: BLE001 - nobody left to tell
-            pass
-
     def _cancel(self, rid: str, answer: bool = True) -> None:
         with self.lock:
             state = self.requests.pop(rid, None)
@@ -217,7 +241,7 @@ class TritonPythonModel:
             return
         pb_utils.Logger.log_info(f"{self.name}: request {rid} cancelled by its client; vLLM stops generating it")
         if answer:
-            self._fail(state["sender"], "Request was cancelled", pb_utils.TritonError.CANCELLED)
+            state.fail("Request was cancelled", pb_utils.TritonError.CANCELLED)
 
     def _watch_cancellation(self) -> None:
         """Requests that are not streamed send nothing until they end: their clients are asked every
@@ -225,9 +249,9 @@ class TritonPythonModel:
         while not self.stopping:
             time.sleep(CANCEL_POLL_S)
             with self.lock:
-                waiting = [(rid, s["sender"]) for rid, s in self.requests.items() if not s["stream"]]
-            for rid, sender in waiting:
-                if sender.is_cancelled():
+                waiting = [(rid, answer) for rid, answer in self.requests.items() if not answer.stream]
+            for rid, answer in waiting:
+                if answer.client_gone():
                     self._cancel(rid)
 
     def _engine_gone(self) -> None:
@@ -241,7 +265,7 @@ class TritonPythonModel:
         with self.lock:
             held, self.requests = list(self.requests.values()), {}
         for state in held:
-            self._fail(state["sender"], f"the vLLM engine process of model {self.name!r} {why}")
+            state.fail(f"the vLLM engine process of model {self.name!r} {why}")
         pb_utils.Logger.log_error(f"{self.name}: the vLLM engine process {why}; this model process ends too")
         os.kill(os.getpid(), signal.SIGKILL)  # forge serve reloads the model as for any dead model process
 
