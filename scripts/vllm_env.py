@@ -51,7 +51,10 @@ def main() -> int:
     start = time.monotonic()
     subprocess.run([base_python(), "-m", "venv", "--clear", str(args.venv)], check=True)
     pip = [str(python), "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    subprocess.run([*pip, "install", args.package], check=True)
+    if subprocess.run([*pip, "install", args.package]).returncode != 0:  # once more: a registry's hiccup
+        free = shutil.disk_usage(args.venv).free / 2**30
+        print(f"vllm_env: installing {args.package} failed ({free:.1f} GiB free on its disk); trying once more")
+        subprocess.run([*pip, "install", args.package], check=True)
     subprocess.run([*pip, "uninstall", "--yes", *BROKEN], check=True)
     version = imports(python)
     if not version:
