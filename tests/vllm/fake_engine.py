@@ -1,7 +1,7 @@
 """A stand-in for forge_vllm_engine.py that speaks its wire protocol without vLLM (the stub's own tests).
 
 Run as ``python fake_engine.py ENGINE_SCRIPT --version-dir DIR --fd N`` (``FORGE_VLLM_PYTHON`` points at a
-wrapper that calls it). It answers the upper-cased prompt (streamed: one character a response), refuses the
+wrapper that calls it). It answers the upper-cased prompt (streamed: one character a response; each image's size in bytes after it), refuses the
 sampling key ``bogus``, exits with status 3 on the prompt ``die``, streams the prompt ``slow`` for a minute, and
 appends each ``abort`` it gets to ``DIR/aborts.txt``. With ``--metrics``, each answered request is one engine
 step's statistics: its prompt's characters as prompt tokens, its answer's as generation tokens, a first token
@@ -10,6 +10,7 @@ after 0.03 s, 2 s end to end, nothing running or waiting after it.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -49,6 +50,8 @@ def main() -> None:
         if prompt == "die":
             os._exit(3)
         text = prompt.upper() if prompt != "slow" else "x" * 300
+        if message.get("images"):  # what the engine got: the images' decoded sizes (vLLM's multi_modal_data)
+            text += "".join(f"[{len(base64.b64decode(image))} bytes]" for image in message["images"])
         pieces = list(text) if message["stream"] else [text]
         for n, piece in enumerate(pieces):
             if message["id"] in aborted:

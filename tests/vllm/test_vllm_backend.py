@@ -55,6 +55,15 @@ def test_an_answer_with_and_without_the_prompt_and_the_outputs_asked_for(served)
     assert status == 200 and body["text_output"] == "ABC" and body["num_input_tokens"] == 3
 
 
+def test_images_reach_the_engine_as_the_vllm_backend_takes_them(served):
+    """``image``: base64 images, as many as the request holds, passed to the engine in order."""
+    import base64
+
+    images = [base64.b64encode(bytes(n)).decode() for n in (3, 5)]
+    status, body = _generate(served, {"text_input": "see", "image": images, "exclude_input_in_output": True})
+    assert status == 200 and body["text_output"] == "SEE[3 bytes][5 bytes]", body
+
+
 def test_streaming_answers_piece_by_piece(served):
     status, events = _generate(served, {"text_input": "hello", "stream": True}, "generate_stream")
     assert status == 200 and [e["text_output"] for e in events] == list("HELLO")
