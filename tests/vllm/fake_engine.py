@@ -1,11 +1,11 @@
 """A stand-in for forge_vllm_engine.py that speaks its wire protocol without vLLM (the stub's own tests).
 
-Run as ``python fake_engine.py ENGINE_SCRIPT --version-dir DIR --fd N`` (``FORGE_VLLM_PYTHON`` points at a
-wrapper that calls it). It answers the upper-cased prompt (streamed: one character a response; each image's size in bytes after it), refuses the
-sampling key ``bogus``, exits with status 3 on the prompt ``die``, streams the prompt ``slow`` for a minute, and
-appends each ``abort`` it gets to ``DIR/aborts.txt``. With ``--metrics``, each answered request is one engine
-step's statistics: its prompt's characters as prompt tokens, its answer's as generation tokens, a first token
-after 0.03 s, 2 s end to end, nothing running or waiting after it.
+Run as ``python fake_engine.py ENGINE_SCRIPT --version-dir DIR --fd N`` (``FORGE_VLLM_PYTHON`` points at a wrapper
+that calls it). It answers the upper-cased prompt (streamed: one character a response; each image's size in bytes
+after it), refuses the sampling key ``bogus``, exits with status 3 on the prompt ``die``, streams the prompt
+``slow`` for a minute, and appends each ``abort`` it gets to ``DIR/aborts.txt``. With ``--metrics``, each answered
+request is one engine step's statistics: its prompt's characters as prompt tokens, its answer's as generation
+tokens, a first token after 0.03 s, 2 s end to end, nothing running or waiting after it.
 """
 
 from __future__ import annotations

@@ -110,7 +110,8 @@ def test_vllms_statistics_are_tritons_metrics_by_the_vllm_backends_names(served)
             text = response.read().decode()
         return {s.name + ("" if "le" not in s.labels else f"[{s.labels['le']}]"): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples
-                if s.name.startswith("vllm:") and s.labels.get("model") == "ensemble" and s.labels.get("version") == "1"}
+                if s.name.startswith("vllm:") and s.labels.get("model") == "ensemble"
+                and s.labels.get("version") == "1"}
 
     before = samples()
     assert _generate(served, {"text_input": "metric", "exclude_input_in_output": True})[0] == 200

@@ -40,7 +40,8 @@ doc = json.load(open(sys.argv[1]))
 llm = LLM(**doc)
 outputs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=int(sys.argv[3])))
 print("RESULT " + json.dumps([o.outputs[0].text for o in outputs]))
-scored = llm.generate(json.loads(sys.argv[2])[1:2], SamplingParams(temperature=0, max_tokens=8, logprobs=2))[0].outputs[0]
+scored = llm.generate(json.loads(sys.argv[2])[1:2],
+                      SamplingParams(temperature=0, max_tokens=8, logprobs=2))[0].outputs[0]
 print("LOGPROBS " + json.dumps([[t, step[t].logprob] for t, step in zip(scored.token_ids, scored.logprobs)]))
 """
 
@@ -224,8 +225,10 @@ def test_json_schema_and_tool_calls_are_vllms_structured_outputs(server):
                                             tool_choice="required",
                                             messages=[{"role": "user", "content": "What is the weather in Paris?"}])
     (call,) = called.choices[0].message.tool_calls
-    assert called.choices[0].finish_reason == "tool_calls" and isinstance(json.loads(call.function.arguments)["city"], str)
-    with pytest.raises(openai.BadRequestError, match="prompt's log-probs"):  # vLLM's backend answers no prompt log-probs
+    assert called.choices[0].finish_reason == "tool_calls"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    # the vLLM backend's interface carries no prompt log-probs
+    with pytest.raises(openai.BadRequestError, match="prompt's log-probs"):
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=1, logprobs=1, echo=True)
 
 

@@ -1,12 +1,12 @@
 """The vLLM engine process of forge's ``vllm`` backend, run by the Python of the vLLM environment.
 
-``python forge_vllm_engine.py --version-dir DIR --fd N [--metrics]``: reads ``DIR/model.json`` (vLLM's engine arguments,
-given to ``AsyncEngineArgs`` as they are) and ``DIR/multi_lora.json``, starts vLLM's ``AsyncLLM`` and serves
-the stub over the socket ``N`` (:mod:`forge_vllm_wire`); with ``--metrics``, vLLM's statistics of each
-engine step too (:func:`stats_message`, which the stub reports as Triton metrics). vLLM pins its own torch and numpy while the bundled
-tritonserver's python stub needs numpy < 2, so the engine cannot live in the stub. It ends with the stub:
-when the socket closes, when its parent changes (the stub died; checked every PARENT_POLL_S) or on SIGTERM,
-it kills its own process group (vLLM's engine-core processes included) and exits.
+``python forge_vllm_engine.py --version-dir DIR --fd N [--metrics]``: reads ``DIR/model.json`` (vLLM's engine
+arguments, given to ``AsyncEngineArgs`` as they are) and ``DIR/multi_lora.json``, starts vLLM's ``AsyncLLM`` and
+serves the stub over the socket ``N`` (:mod:`forge_vllm_wire`); with ``--metrics``, vLLM's statistics of each
+engine step too (:func:`stats_message`, which the stub reports as Triton metrics). vLLM pins its own torch and
+numpy while the bundled tritonserver's python stub needs numpy < 2, so the engine cannot live in the stub. It ends
+with the stub: when the socket closes, when its parent changes (the stub died; checked every PARENT_POLL_S) or on
+SIGTERM, it kills its own process group (vLLM's engine-core processes included) and exits.
 """
 
 from __future__ import annotations
