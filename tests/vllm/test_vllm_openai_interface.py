@@ -53,6 +53,19 @@ def test_log_probs_and_a_json_schema_become_vllms_logprobs_and_structured_output
     assert "return_logprobs" not in rq.tensors(_model(), rq.Generation("Hello", max_tokens=3), stream=False)
 
 
+def test_each_guide_type_goes_as_its_structured_outputs_field_and_an_unknown_one_is_a_400():
+    import pytest
+
+    from forge.openai_front.protocol import APIError
+
+    for kind, field in (("regex", "regex"), ("ebnf_grammar", "grammar"), ("json", "json")):
+        tensors = rq.tensors(_model(), rq.Generation("Hi", max_tokens=3, guide=(kind, "x")), stream=False)
+        assert json.loads(json.loads(tensors["sampling_parameters"][0])["structured_outputs"]) == {field: "x"}
+    with pytest.raises(APIError, match="'lark'") as err:
+        rq.tensors(_model(), rq.Generation("Hi", max_tokens=3, guide=("lark", "x")), stream=False)
+    assert err.value.status == 400
+
+
 def test_what_the_vllm_backend_cannot_answer_is_a_400_naming_it():
     import pytest
 

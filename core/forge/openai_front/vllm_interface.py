@@ -15,9 +15,10 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from ..clients.inference import GUIDE, GUIDE_TYPE, ModelInputs
+from ..clients.inference import GUIDE, GUIDE_TYPE, SAMPLING_JSON, ModelInputs
+from .protocol import APIError
 
-SAMPLING = "sampling_parameters"
+SAMPLING = SAMPLING_JSON
 PREFIX = "sampling_param_"
 #: the SamplingParams fields the front sends, as (Triton dtype, dims) of their virtual input
 FIELDS = {"max_tokens": ("INT32", [1]), "temperature": ("FP32", [1]), "top_k": ("INT32", [1]), "top_p": ("FP32", [1]),
@@ -28,8 +29,9 @@ FIELDS = {"max_tokens": ("INT32", [1]), "temperature": ("FP32", [1]), "top_k": (
           "spaces_between_special_tokens": ("BOOL", [1]), "logprobs": ("INT32", [1])}
 #: the guided decoding inputs of the LLM-API layout, sent as ``structured_outputs``
 GUIDES = {GUIDE_TYPE: ("STRING", [1]), GUIDE: ("STRING", [1])}
-#: the front's guide type → the field of vLLM's ``StructuredOutputsParams`` that takes it
-STRUCTURED = {"json_schema": "json"}
+#: a guide type of the LLM-API layout → the field of vLLM's ``StructuredOutputsParams`` that takes it
+STRUCTURED = {"json": "json", "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar",
+              "structural_tag": "structural_tag"}
 
 
 def is_vllm(inputs: ModelInputs) -> bool:
@@ -58,9 +60,12 @@ def fold(inputs: ModelInputs, payload: dict[str, Any], *, stream: bool) -> dict[
               if name.startswith(PREFIX) and name[len(PREFIX):] in FIELDS}
     kept = {name: value for name, value in payload.items() if not (name.startswith(PREFIX)
                                                                    and name[len(PREFIX):] in FIELDS)}
-    guide = kept.pop(GUIDE_TYPE, None), kept.pop(GUIDE, None)
-    if guide[0] is not None:
-        values["structured_outputs"] = json.dumps({STRUCTURED[_plain(guide[0])]: _plain(guide[1])})
+    kind, guide = _plain(kept.pop(GUIDE_TYPE, None)), _plain(kept.pop(GUIDE, None))
+    if kind is not None:
+        if kind not in STRUCTURED:
+            raise APIError(400, f"guided decoding of type {kind!r} is not one Triton's vLLM backend takes "
+                                f"({', '.join(STRUCTURED)})", param="response_format", code="invalid_value")
+        values["structured_outputs"] = json.dumps({STRUCTURED[kind]: guide})
     if values.get("logprobs") is not None and "return_logprobs" in inputs.inputs:
         kept["return_logprobs"] = True
     if values.get("top_k") == 1 and "temperature" not in values:  # greedy: vLLM's own greedy (temperature 0)
