@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -116,8 +117,11 @@ class TritonPythonModel:
             why = first["error"] if first else f"it exited with status {status}"
             raise pb_utils.TritonModelException(f"the vLLM engine of model {self.name!r} did not start: {why}")
         pb_utils.Logger.log_info(f"{self.name}: vLLM {first.get('vllm')} in process {self.process.pid}")
+        self.stats: queue.SimpleQueue | None = None  # each engine step's statistics, for the metrics thread
         if reported:
             self.metrics = metrics.VllmMetrics(self.name, args["model_version"], int(first["max_model_len"]))
+            self.stats = queue.SimpleQueue()
+            threading.Thread(target=self._report, name="vllm-metrics", daemon=True).start()
         self.reader = threading.Thread(target=self._read, name="vllm-responses", daemon=True)
         self.reader.start()
         self.watcher = threading.Thread(target=self._watch_cancellation, name="vllm-cancel", daemon=True)
@@ -189,7 +193,9 @@ class TritonPythonModel:
             if message is None:
                 break
             if message.get("op") == "stats":
-                self._record(message)
+                stats = self.stats  # its metric calls (one to tritonserver each) stay off the answers' way
+                if stats is not None:
+                    stats.put(message)
                 continue
             rid = message.get("id")
             with self.lock:
@@ -221,14 +227,16 @@ class TritonPythonModel:
                     self._cancel(rid, answer=False)
         self._engine_gone()
 
-    def _record(self, message: dict) -> None:
-        if self.metrics is None:
-            return
-        try:
-            self.metrics.record(message)
-        except Exception as exc:  # noqa: BLE001 - the metrics stop; the requests are served on
-            pb_utils.Logger.log_warn(f"{self.name}: vLLM's statistics are no longer reported as metrics: {exc}")
-            self.metrics = None
+    def _report(self) -> None:
+        """The metrics thread: each engine step's statistics into the model's metrics, until ``finalize``."""
+        stats = self.stats
+        while (message := stats.get()) is not None:
+            try:
+                self.metrics.record(message)
+            except Exception as exc:  # noqa: BLE001 - the metrics stop; the requests are served on
+                pb_utils.Logger.log_warn(f"{self.name}: vLLM's statistics are no longer reported as metrics: {exc}")
+                self.stats = None
+                return
 
     def _cancel(self, rid: str, answer: bool = True) -> None:
         with self.lock:
@@ -271,6 +279,8 @@ class TritonPythonModel:
 
     def finalize(self):
         self.stopping = True
+        if self.stats is not None:
+            self.stats.put(None)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
