@@ -297,7 +297,6 @@ def test_a_process_in_a_sibling_repository_whose_name_starts_alike_is_not_counte
             worker.wait()
 
 
-
 def test_what_started_forge_serve_is_not_a_process_of_the_repository(tmp_path):
     """A wrapper naming the repository (``timeout 600 forge serve REPO``, a shell working in it), even one that
     became init's child, is not an earlier server's leftover: the server it started would refuse to start."""
