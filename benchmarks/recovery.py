@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import gen_docs  # noqa: E402 - the results file shape the docs read
-from soak_servers import Serve  # noqa: E402
+from soak_servers import Serve, engine_of, gpu_used_mib  # noqa: E402
 
 BACK_S = 300.0  # a model not answering by then is reported so
 
@@ -98,25 +97,6 @@ class Clients:
         self.halt.set()
         for thread in self.threads:
             thread.join(150)
-
-
-def gpu_used_mib() -> int | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.split()
-        return sum(int(v) for v in out) if out else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
-
-
-def engine_of(serve: Serve, model: str) -> int | None:
-    """The engine process of ``model``: its stub's child, or the one a new stub took over (named by its model)."""
-    from forge.server.processes import engine_model, engine_processes, repository_processes
-
-    stub = serve.stubs().get(model)
-    engines = engine_processes(repository_processes(serve.repo))
-    return next((pid for pid, parent in engines.items() if parent == stub), None) or next(
-        (pid for pid in engines if engine_model(pid) == model), None)
 
 
 def fault(serve: Serve, name: str, kill, *, load_a: int, clients: int, tokens: int) -> dict:

@@ -12,14 +12,15 @@ Loopback only, bounded (``--phase-seconds`` per phase). Servers, each a ``forge 
 - (``--no-tp2``: not) for its own two phases, the tiny GPT-2 built ``--tp 2`` (rank 0 tritonserver and a follower
   rank under mpirun), once with ``--restart on-failure`` and once with ``--restart never``.
 
-Phases: a quiet baseline; ``kill -9`` of each decoder model process in turn, then of each llava model process;
-the Milvus server stopped for a while and started again on its port; ``kill -9`` of the tp 2 follower rank under
-each ``--restart``; then SIGTERM (the drain) of the decoder and llava servers. Per phase it prints requests sent,
-succeeded, failed with a clear error, hung (no end within 60 s: must be 0), lost (a stream that ended with neither
-its last event nor an error, an answer without its outputs: must be 0), the recovery time (until ``/health/ready``
-and a chat answer again; for Milvus, from its start until a search succeeds; under ``--restart never``, the exit
-status and when), and RSS / open file descriptors of the servers before and after; each row also counts
-outcomes per request kind. Processes left by any server at the end are listed (there must be none).
+Phases: a quiet baseline; ``kill -9`` of each decoder model process in turn, of the decoder's engine process (where
+it runs in its own: the GPU default), then of each llava model process; the Milvus server stopped for a while and
+started again on its port; ``kill -9`` of the tp 2 follower rank under each ``--restart``; then SIGTERM (the drain)
+of the decoder and llava servers. Per phase it prints requests sent, succeeded, failed with a clear error, hung (no
+end within 60 s: must be 0), lost (a stream that ended with neither its last event nor an error, an answer without
+its outputs: must be 0), the recovery time (until ``/health/ready`` and a chat answer again; for Milvus, from its
+start until a search succeeds; under ``--restart never``, the exit status and when), and RSS / open file
+descriptors of the servers and the GPU memory in use before and after; each row also counts outcomes per request
+kind. Processes left by any server at the end are listed (there must be none).
 
     python benchmarks/soak.py --phase-seconds 30 --out benchmarks/experiments/soak-$(date +%F).json
 
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import soak_report  # noqa: E402
 from soak_servers import (ROOT, Serve, build_decoder, build_llava, build_retrieval, build_tp2,  # noqa: E402
-                          footprint, kill_follower, kill_stub, milvus_outage, tiny_gpt2)
+                          engine_of, footprint, kill_engine, kill_follower, kill_stub, milvus_outage, tiny_gpt2)
 from soak_traffic import (ADAPTERS, DECODER_KINDS, IMAGE_KINDS, TP2_KINDS, Requests, Tally, Traffic,  # noqa: E402
                           chat_once, ready, search_once)
 
@@ -124,8 +125,12 @@ def main() -> int:
         return row
 
     phase("baseline")
-    for model in ("preprocessing", "tensorrt_llm", "postprocessing"):
+    for model in sorted(decoder.stubs()):  # the layout's models: tensorrt_llm alone, or the ensemble's steps
         phase(f"kill -9 {model}", lambda m=model: kill_stub(decoder, m, lambda: ready(decoder.base)),
+              lambda: ready(decoder.base) and chat_once(decoder.base, "soak"))
+    if engine_of(decoder, "tensorrt_llm") is not None:  # the GPU default runs the engine in its own process
+        phase("kill -9 tensorrt_llm's engine process",
+              lambda: kill_engine(decoder, "tensorrt_llm", lambda: ready(decoder.base)),
               lambda: ready(decoder.base) and chat_once(decoder.base, "soak"))
     if llava is not None:
         for model in sorted(llava.stubs()):

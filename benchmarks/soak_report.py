@@ -12,7 +12,7 @@ from pathlib import Path
 from soak_traffic import HUNG_S
 
 COLUMNS = ["phase", "sent", "succeeded", "failed (clear error)", "hung", "lost", "abandoned", "recovery s",
-           "RSS MiB before → after", "fds before → after"]
+           "RSS MiB before → after", "fds before → after", "GPU MiB before → after"]
 
 
 def finish(rows: list[dict]) -> None:
@@ -37,15 +37,29 @@ def table(rows: list[dict]) -> list[list[object]]:
     """The phases as the generic results table (scripts/gen_docs.py renders it in the docs)."""
     return [[row["phase"], row["sent"], row["succeeded"], row["failed_clear"], row["hung"], row["lost"],
              row["abandoned"], _recovery(row), f"{row['before']['rss_mib']} → {row['after'].get('rss_mib', '—')}",
-             f"{row['before']['fds']} → {row['after'].get('fds', '—')}"] for row in rows]
+             f"{row['before']['fds']} → {row['after'].get('fds', '—')}", _gpu(row)] for row in rows]
+
+
+def _gpu(row: dict) -> str:
+    before, after = row["before"].get("gpu_mib"), row["after"].get("gpu_mib")
+    return "—" if before is None and after is None else f"{before} → {after}"
 
 
 def show(rows: list[dict]) -> None:
-    widths = [38, 6, 6, 8, 6, 6, 8, 20, 14, 12]
+    widths = [38, 6, 6, 8, 6, 6, 8, 20, 14, 12, 14]
     print("".join(f"{c[:w - 1]:<{w}}" for c, w in zip(["phase", "sent", "ok", "failed", "hung", "lost", "aband.",
-                                                        "recovery s", "RSS MiB", "fds"], widths)))
+                                                        "recovery s", "RSS MiB", "fds", "GPU MiB"], widths)))
     for cells in table(rows):
         print("".join(f"{str(c)[:w - 1]:<{w}}" for c, w in zip(cells, widths)), flush=True)
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    except ImportError:
+        return "no GPU"
 
 
 def write(out: Path, rows: list[dict], *, args, lora: bool, adapters: tuple[str, ...], down_s: float) -> None:
@@ -54,7 +68,7 @@ def write(out: Path, rows: list[dict], *, args, lora: bool, adapters: tuple[str,
     out.write_text(json.dumps({
         "command": " ".join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
         "machine": f"{platform.node()} ({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                   "no GPU)", "date": datetime.date.today().isoformat(),
+                   f"{_device()})", "date": datetime.date.today().isoformat(),
         "model": str(args.model or "tiny random GPT-2 (tests/serve/serve_models.py make_gpt2)"),
         "target": "python --decoupled", "clients": args.clients, "phase_seconds": args.phase_seconds,
         "lora_adapters": list(adapters) if lora else [],

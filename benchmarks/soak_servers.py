@@ -147,8 +147,28 @@ class Serve:
         return self.process.wait(timeout)
 
 
+def gpu_used_mib() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.split()
+        return sum(int(v) for v in out) if out else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def engine_of(serve: Serve, model: str) -> int | None:
+    """The engine process of ``model``: its stub's child, or the one a new stub took over (named by its model)."""
+    from forge.server.processes import engine_model, engine_processes, repository_processes
+
+    stub = serve.stubs().get(model)
+    engines = engine_processes(repository_processes(serve.repo))
+    return next((pid for pid, parent in engines.items() if parent == stub), None) or next(
+        (pid for pid in engines if engine_model(pid) == model), None)
+
+
 def footprint(serves: list[Serve]) -> dict:
-    """RSS (MiB), open file descriptors and count of the running ``serves`` and every process under them."""
+    """RSS (MiB), open file descriptors and count of the running ``serves`` and every process under them; the GPU
+    memory in use (MiB, None without nvidia-smi)."""
     rss, fds, count = 0, 0, 0
     for serve in serves:
         if serve.process.poll() is not None:
@@ -161,7 +181,7 @@ def footprint(serves: list[Serve]) -> dict:
                 count += 1
             except (OSError, StopIteration):
                 pass
-    return {"rss_mib": round(rss / 1024), "fds": fds, "processes": count}
+    return {"rss_mib": round(rss / 1024), "fds": fds, "processes": count, "gpu_mib": gpu_used_mib()}
 
 
 def _descendants(pid: int) -> list[int]:
@@ -185,6 +205,15 @@ def kill_stub(serve: Serve, model: str, still_ready) -> float:
     os.kill(serve.stubs()[model], signal.SIGKILL)
     killed = time.monotonic()
     while still_ready() and time.monotonic() - killed < 30:  # the supervisor notices within a second
+        time.sleep(0.1)
+    return killed
+
+
+def kill_engine(serve: Serve, model: str, still_ready) -> float:
+    """``kill -9`` of ``model``'s engine process, then wait (≤ 30 s) until ``still_ready()`` says no."""
+    os.kill(engine_of(serve, model), signal.SIGKILL)
+    killed = time.monotonic()
+    while still_ready() and time.monotonic() - killed < 30:
         time.sleep(0.1)
     return killed
 

@@ -93,14 +93,28 @@ class Requests:
         self.http, self.model = info["http"], model
         self.base = info["openai"].removesuffix("/v1") if info.get("openai") else None
         self.image_url = "data:image/png;base64," + base64.b64encode(image).decode() if image else None
+        self._layout: str | None = None
 
     def _chat_body(self, stream: bool, max_tokens: int = 60) -> dict:
         return {"model": self.model, "messages": [{"role": "user", "content": "hello world"}],
                 "max_tokens": max_tokens, "stream": stream}
 
+    def _generator(self) -> tuple[str, dict]:
+        """The model Triton's generate endpoint streams from, with its request body: the LLM-API layout's
+        ``tensorrt_llm`` (the default) or an engine layout's ``ensemble``."""
+        if self._layout is None:
+            try:
+                with urllib.request.urlopen(f"{self.http}/v2/models/ensemble/config", timeout=10):
+                    self._layout = "ensemble"
+            except urllib.error.HTTPError:  # no such model
+                self._layout = "tensorrt_llm"
+        if self._layout == "ensemble":
+            return "ensemble", {"text_input": "hello world", "max_tokens": 60, "stream": True}
+        return "tensorrt_llm", {"text_input": "hello world", "sampling_param_max_tokens": 60, "streaming": True}
+
     def _triton_stream(self):
-        with post(f"{self.http}/v2/models/ensemble/generate_stream",
-                  {"text_input": "hello world", "max_tokens": 60, "stream": True}) as response:
+        model, body = self._generator()
+        with post(f"{self.http}/v2/models/{model}/generate_stream", body) as response:
             found = events(response)
         errors = [e for e in found if '"error"' in e]
         if errors:

@@ -11,7 +11,10 @@ through Triton's HTTP endpoint throughout, and must see no error at all. In orde
 2. kill -9 of that engine process: the same, through the model process that outlived it;
 3. kill -9 of ``s_tensorrt_llm``'s process while clients stream from it through Triton itself: those requests
    can only be released by a restart of tritonserver, so forge serve restarts it; the API is ready within a
-   second of tritonserver, and the log keeps the first server's lines under their own header.
+   second of tritonserver, and the log keeps the first server's lines under their own header;
+4. kill -9 of ``p_tensorrt_llm``'s process under streamed OpenAI load again, then SIGTERM: tritonserver never
+   unloads the dead process's generation of the model (the API's requests in it are never released), so
+   forge serve ends tritonserver once only that generation is left, and the drain is clean (exit status 0).
 """
 
 from __future__ import annotations
@@ -297,3 +300,20 @@ def test_a_request_only_the_dead_process_could_answer_restarts_tritonserver(serv
     retried = [line for line in served.stderr[since:] if "did not start again" in line]
     assert log.count("==== forge: tritonserver start") == 2 + len(retried), "".join(served.stderr[since:])[-3000:]
     print("".join(retried))
+
+
+def test_a_drain_after_such_a_reload_does_not_wait_for_the_dead_generation(served):
+    def kill() -> float:
+        os.kill(served.stub("p_tensorrt_llm"), signal.SIGKILL)
+        return time.monotonic()
+
+    _recover(served, kill, "killed by signal 9 (SIGKILL)")
+    since = len(served.stderr)
+    started = time.monotonic()
+    served.stop()
+    took = time.monotonic() - started
+    last = served.said("drain", since, timeout=10)  # "drained and stopped in …" or "the drain was not clean: …"
+    said = "".join(served.stderr[since:])
+    assert served.proc.returncode == 0 and "drained and stopped" in last, said[-3000:]
+    assert "waits only for the models whose process died holding requests (p_ensemble, p_tensorrt_llm;" in said, said[-3000:]
+    print(f"drained in {took:.1f} s: {said.strip().splitlines()[-1]}")

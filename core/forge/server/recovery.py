@@ -12,6 +12,7 @@ alone (:func:`reload`) when that is 0, and restarts tritonserver otherwise.
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 from pathlib import Path
 
@@ -21,12 +22,14 @@ from .processes import how_it_ended, proc_stat
 from .triton_server import TritonServer, _first_line
 
 
-def reload(server: TritonServer, model: str) -> None:
+def reload(server: TritonServer, model: str, held: bool = False) -> None:
     """Load ``model`` again (a new process for it) while the other models serve; ForgeError when it fails.
 
     tritonserver takes a load request for a loaded model whose files did not change as done, even when its
     process is dead (until a request found it so): the model is unloaded first, which returns at once (an old
-    process that lives ends once it answered what it held).
+    process that lives ends once it answered what it held). ``held``: the dead process held requests (the
+    OpenAI API's, which it answered itself); a decoupled model's old generation then never unloads, which
+    ``server.held`` counts for its stop.
     """
     try:
         server.request(f"/v2/repository/models/{model}/unload", "POST", b"{}", timeout=30)
@@ -40,6 +43,67 @@ def reload(server: TritonServer, model: str) -> None:
         except ValueError:
             reason = body.decode(errors="replace")
         raise ForgeError(f"could not load model {model!r} again: {_first_line(reason) or f'HTTP {status}'}")
+    if held and decoupled(server, model) is not False:
+        if server.held is None:
+            server.held = Held(others={m["name"] for m in server.models()})
+        server.held.add(model, ensembles_of(server, model))
+
+
+class Held:
+    """The model generations a running tritonserver never unloads: each dead process's generation of a model
+    loaded again while it held requests (the OpenAI API's, answered by the API itself), the generation of each
+    ensemble with that model as a step (loaded again with it; its requests wait on the dead one), and the
+    ensembles' other steps, which those requests keep loaded. At a stop, tritonserver logs each second how many
+    models it still waits for: when every other model has unloaded and only these are left, it can be ended."""
+
+    def __init__(self, others: set[str]):
+        self.generations = 0
+        self.names: set[str] = set()  # models and ensembles with a held generation
+        self.steps: set[str] = set()  # models held loaded by those ensembles' requests
+        self.others = others  # every model of the server
+
+    def add(self, model: str, ensembles: dict[str, list[str]]) -> None:
+        self.generations += 1 + len(ensembles)
+        self.names |= {model, *ensembles}
+        self.steps |= {step for steps in ensembles.values() for step in steps} - {model}
+
+    def only_left(self, log: str) -> bool:
+        """Whether the stopping server's log (from its start) says it waits for these alone."""
+        live = _LIVE.findall(log[-4000:])
+        if not live or live[-1][1] != "0" or int(live[-1][0]) > self.generations + len(self.steps):
+            return False
+        unloaded = set(_UNLOADED.findall(log))
+        return not (self.others - self.names - self.steps - unloaded)
+
+
+_LIVE = re.compile(r"Found (\d+) live models and (\d+) in-flight non-inference requests")
+_UNLOADED = re.compile(r"successfully unloaded '([^']+)' version")
+
+
+def ensembles_of(server: TritonServer, model: str) -> dict[str, list[str]]:
+    """The ensembles of ``server``'s repository with ``model`` as a step: name → every step's model."""
+    from ..checks import load_configs
+
+    try:
+        configs = load_configs(Path(server.repo))[0]
+    except Exception:  # noqa: BLE001 - unreadable configs: none known
+        return {}
+    found = {}
+    for name, config in configs.items():
+        steps = [step.model_name for step in config.ensemble_scheduling.step]
+        if model in steps:
+            found[name] = steps
+    return found
+
+
+def decoupled(server: TritonServer, model: str) -> bool | None:
+    """Whether ``model`` answers through response senders (None: its config is unreadable)."""
+    from ..checks import load_configs
+
+    try:
+        return load_configs(Path(server.repo))[0][model].model_transaction_policy.decoupled
+    except Exception:  # noqa: BLE001 - an unreadable or missing config: unknown
+        return None
 
 
 def restart_reason(server: TritonServer, deaths: list[tuple[int, str]], engine_deaths: set[int]) -> str | None:
@@ -83,10 +147,4 @@ def stranded(server: TritonServer, model: str, pids: list[int]) -> int | None:
         return sum(count or 0 for count in counts)
     # kept no count: a model answering by returning its responses (tritonserver answers them), unless it is
     # decoupled (it answers through senders)
-    from ..checks import load_configs
-
-    try:
-        config = load_configs(Path(server.repo))[0].get(model)
-    except Exception:  # noqa: BLE001 - an unreadable config: unknown
-        config = None
-    return None if config is None or config.model_transaction_policy.decoupled else 0
+    return 0 if decoupled(server, model) is False else None

@@ -123,12 +123,15 @@ def supervise(server, restarts: Restarts, front: Callable[[], object] = lambda: 
             names = ", ".join(repr(m) for m in models)
             print(f"forge: {died}; loading model {names} again alone (the other models keep serving)",
                   file=sys.stderr, flush=True)
-            started = time.monotonic()
+            started, process = time.monotonic(), server.process
             try:
                 for model in models:
                     supervisor.retire(model)  # a living model process ends when the new one serves
-                    recovery.reload(server, model)
+                    recovery.reload(server, model, held=failed > 0 and any(
+                        dead == model and pid not in supervisor.engine_deaths for pid, dead in deaths))
             except ForgeError as exc:
+                if server.process is not process or process.poll() is not None:
+                    return  # tritonserver itself ended meanwhile: the session restarts it, once
                 if not restarts.attempt(f"{exc}", counted=True):
                     server.stop(timeout=5)
                 return
@@ -172,7 +175,7 @@ def drain(server, front, supervisor, timeout: float) -> int:
     if front is not None:
         front.stop()
     server.stop(timeout=max(deadline - time.monotonic(), 0.0) + 15)
-    status = server.process.returncode if server.process is not None else 0
+    status = server.process.returncode if server.process is not None and not server.ended_held else 0
     if server.world is not None and server.world.world_size > 1:
         status = 0  # mpirun reports the signal that stopped its ranks as status 1: only cut requests count
     took = time.monotonic() - started

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import ForgeError, ToolMissingError
 from ..in_triton.forge_glue import IN_FLIGHT_DIR
@@ -77,6 +77,10 @@ class TritonServer:
     process: subprocess.Popen | None = None
     _stopping: bool = field(default=False, init=False, repr=False)
     _shm_used: str = field(default="", init=False, repr=False)  # the shm-region prefix of the running server
+    # generations of models loaded again after their process died holding requests (recovery.Held): tritonserver
+    # never unloads them (it waits for answers no process will send), so a stop ends it once only they are left
+    held: Any = field(default=None, init=False, repr=False)
+    ended_held: bool = field(default=False, init=False, repr=False)
     _restart_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
     _restarter: int | None = field(default=None, init=False, repr=False)  # the thread inside ``restart``
     _closing: bool = field(default=False, init=False, repr=False)  # stopped from outside a restart: stay stopped
@@ -179,6 +183,7 @@ class TritonServer:
         # Appended, each start under a header line: a restart keeps the lines that explain why it was needed.
         log = open(self.log_file, "a")
         self.starts += 1
+        self.held, self.ended_held = None, False
         self._log_start = log.tell()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
         log.write(f"==== forge: tritonserver start {self.starts} at {stamp} UTC, repository {self.repo} ====\n")
@@ -416,9 +421,7 @@ class TritonServer:
                 # the whole group first kills the stubs under it and leaves the server waiting.
                 if not signalled:
                     self.process.send_signal(signal.SIGINT)
-                try:
-                    self.process.wait(timeout)
-                except subprocess.TimeoutExpired:
+                if not self._exited(timeout):
                     os.killpg(self.process.pid, signal.SIGKILL)
                     self.process.wait()
             try:  # stubs may outlive the server by a moment; they are in its process group
@@ -437,6 +440,24 @@ class TritonServer:
             if getattr(self, "_restore_sigterm", False) and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 self._restore_sigterm = False
+
+    def _exited(self, timeout: float) -> bool:
+        """Whether the stopping server exits within ``timeout``; False at once when the models it still waits for
+        to unload are only the ``held`` generations (tritonserver logs its count each second)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.process.wait(min(0.5, max(deadline - time.monotonic(), 0.0)) if self.held is not None else timeout)
+                return True
+            except subprocess.TimeoutExpired:
+                if self.held is not None and self.held.only_left(self.log_text()):
+                    print("forge: tritonserver waits only for the models whose process died holding requests "
+                          f"({', '.join(sorted(self.held.names))}; it never unloads them): ended it",
+                          file=sys.stderr, flush=True)
+                    self.ended_held = True
+                    return False
+                if time.monotonic() >= deadline:
+                    return False
 
     def _remove_shm(self) -> None:
         """Remove the stubs' shared-memory regions a server killed outright leaves in /dev/shm."""
