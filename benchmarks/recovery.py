@@ -38,6 +38,7 @@ import gen_docs  # noqa: E402 - the results file shape the docs read
 from soak_servers import Serve, engine_of, gpu_used_mib  # noqa: E402
 
 BACK_S = 300.0  # a model not answering by then is reported so
+PROBE_S = 10.0  # a probe sent before forge serve noticed the death may never be answered (seen on a GPU)
 
 
 def _forge(*argv: str) -> None:
@@ -113,7 +114,7 @@ def fault(serve: Serve, name: str, kill, *, load_a: int, clients: int, tokens: i
     back, probes = None, []  # (seconds after the kill it was sent, how long it took, its error) of failed probes
     while time.monotonic() - killed < BACK_S:
         sent = time.monotonic()
-        error = stream(http, "a_tensorrt_llm", 4, timeout=60)
+        error = stream(http, "a_tensorrt_llm", 4, timeout=PROBE_S)
         if error is None:
             back = time.monotonic() - killed
             break
@@ -201,4 +202,5 @@ def write(args: argparse.Namespace, rows: list[dict], status: int, left: list[st
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped from outside (timeout): the server stops too
     sys.exit(main())

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import soak_report  # noqa: E402
 from soak_servers import (ROOT, Serve, build_decoder, build_llava, build_retrieval, build_tp2,  # noqa: E402
-                          engine_of, footprint, kill_engine, kill_follower, kill_stub, milvus_outage, tiny_gpt2)
+                          engine_of, footprint, kill_engine, kill_follower, kill_stub, milvus_outage, stop_all,
+                          tiny_gpt2)
 from soak_traffic import (ADAPTERS, DECODER_KINDS, IMAGE_KINDS, TP2_KINDS, Requests, Tally, Traffic,  # noqa: E402
                           chat_once, ready, search_once)
 
@@ -204,4 +205,8 @@ def drain(traffic: Traffic, rows: list[dict], serves: list[Serve], lasting: list
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped from outside (timeout): servers stop too
+    try:
+        sys.exit(main())
+    finally:
+        stop_all()

@@ -42,7 +42,7 @@ def table(rows: list[dict]) -> list[list[object]]:
 
 def _gpu(row: dict) -> str:
     before, after = row["before"].get("gpu_mib"), row["after"].get("gpu_mib")
-    return "—" if before is None and after is None else f"{before} → {after}"
+    return "—" if before is None and after is None else f"{before} → {'—' if after is None else after}"
 
 
 def show(rows: list[dict]) -> None:

@@ -83,6 +83,19 @@ def build_retrieval(uri: str, out: Path) -> Path:
     return out
 
 
+RUNNING: list["Serve"] = []  # every Serve started: ``stop_all`` stops those still running
+
+
+def stop_all() -> None:
+    """Stop every ``forge serve`` started here that still runs (a benchmark that failed half-way leaves none)."""
+    for serve in RUNNING:
+        if serve.process is not None and serve.process.poll() is None:
+            try:
+                serve.stop(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(serve.process.pid, signal.SIGKILL)
+
+
 @dataclass
 class Serve:
     """A ``forge serve --json`` of ``repo`` on free ports: the process, its endpoints, its stderr in ``log``."""
@@ -94,6 +107,7 @@ class Serve:
     info: dict = field(default_factory=dict, init=False)
 
     def start(self) -> "Serve":
+        RUNNING.append(self)
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from forge.cli import run; run()", "serve", str(self.repo), "--http-port", "0",
              "--grpc-port", "0", "--metrics-port", "0", "--json", *self.extra],

@@ -12,9 +12,9 @@ through Triton's HTTP endpoint throughout, and must see no error at all. In orde
 3. kill -9 of ``s_tensorrt_llm``'s process while clients stream from it through Triton itself: those requests
    can only be released by a restart of tritonserver, so forge serve restarts it; the API is ready within a
    second of tritonserver, and the log keeps the first server's lines under their own header;
-4. kill -9 of ``p_tensorrt_llm``'s process under streamed OpenAI load again, then SIGTERM: tritonserver never
-   unloads the dead process's generation of the model (the API's requests in it are never released), so
-   forge serve ends tritonserver once only that generation is left, and the drain is clean (exit status 0).
+4. on a server of its own, kill -9 of ``p_tensorrt_llm``'s process under streamed OpenAI load, then SIGTERM:
+   tritonserver never unloads the dead process's generation of the model (the API's requests in it are never
+   released), so forge serve ends tritonserver once only that generation is left, and the drain is clean.
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def _recover(served: Served, kill, what: str, errors: tuple[str, ...] = ("died w
         killed = kill()
         streams.wait_ended(30)
         assert len(streams.ended) == 3 and all(any(e in how for e in errors) or how == "finished"
-                                               for _, how in streams.ended), streams.ended
+                                               for _, how in streams.ended), \
+            (streams.ended, "".join(served.stderr[since:])[-3000:])
         failed = [when - killed for when, how in streams.ended if how != "finished"]
         line = served.said("again alone", since)
         assert what in line, line
@@ -302,12 +303,19 @@ def test_a_request_only_the_dead_process_could_answer_restarts_tritonserver(serv
     print("".join(retried))
 
 
-def test_a_drain_after_such_a_reload_does_not_wait_for_the_dead_generation(served):
+def test_a_drain_after_such_a_reload_does_not_wait_for_the_dead_generation(served, tmp_path):
+    served.stop()  # a server of its own, which no restart came before
+    served = Served(served.repo, tmp_path / "triton.log")
+
     def kill() -> float:
         os.kill(served.stub("p_tensorrt_llm"), signal.SIGKILL)
         return time.monotonic()
 
-    _recover(served, kill, "killed by signal 9 (SIGKILL)")
+    try:
+        _recover(served, kill, "killed by signal 9 (SIGKILL)")
+    except AssertionError:
+        served.stop()
+        raise
     since = len(served.stderr)
     started = time.monotonic()
     served.stop()
@@ -315,5 +323,8 @@ def test_a_drain_after_such_a_reload_does_not_wait_for_the_dead_generation(serve
     last = served.said("drain", since, timeout=10)  # "drained and stopped in …" or "the drain was not clean: …"
     said = "".join(served.stderr[since:])
     assert served.proc.returncode == 0 and "drained and stopped" in last, said[-3000:]
-    assert "waits only for the models whose process died holding requests (p_ensemble, p_tensorrt_llm;" in said, said[-3000:]
+    # tritonserver either waits for that generation (forge ends it) or aborts unloading it (its python backend's
+    # lock, held by the dead process): the drain is clean either way
+    assert "waits only for the models whose process died holding requests (p_ensemble, p_tensorrt_llm;" in said \
+        or "aborted while it unloaded the models whose process died holding requests" in said, said[-3000:]
     print(f"drained in {took:.1f} s: {said.strip().splitlines()[-1]}")

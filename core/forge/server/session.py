@@ -176,6 +176,13 @@ def drain(server, front, supervisor, timeout: float) -> int:
         front.stop()
     server.stop(timeout=max(deadline - time.monotonic(), 0.0) + 15)
     status = server.process.returncode if server.process is not None and not server.ended_held else 0
+    if status == -signal.SIGABRT and server.held is not None and not left:
+        # tritonserver's python backend can abort while it unloads a model generation whose process died holding
+        # its lock (boost::interprocess::lock_exception): the requests were done by then
+        print("forge: tritonserver aborted while it unloaded the models whose process died holding requests "
+              f"({', '.join(sorted(server.held.names))}); every request in flight had finished", file=sys.stderr,
+              flush=True)
+        status = 0
     if server.world is not None and server.world.world_size > 1:
         status = 0  # mpirun reports the signal that stopped its ranks as status 1: only cut requests count
     took = time.monotonic() - started

@@ -14,9 +14,11 @@ no request is stranded in it.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -26,6 +28,7 @@ from .processes import (cmdline, descendants, engine_model, engine_processes, ho
 from .triton_server import TritonServer
 
 STUB = "triton_python_backend_stub"
+FULL_SCAN_S = 2.0  # how often the supervisor reads the whole process tree (new processes are found then)
 
 
 def stub_processes(server: TritonServer, pids: list[int] | None = None) -> dict[int, str]:
@@ -68,6 +71,15 @@ def _ended(pid: int, wait: float = 0.3) -> str | None:
         time.sleep(0.01)
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (not ended, not a zombie)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rfind(")") + 2:][:1] not in ("Z", "X", "x")
+
+
 class Supervisor:
     """Polls the python stubs of a running ``server``; ``on_dead(models)`` runs when one dies.
 
@@ -88,6 +100,7 @@ class Supervisor:
         self._taken_over: set[int] = set()  # engine processes a model's new stub found loaded (adoption.py)
         self._retired: set[int] = set()  # processes of models being loaded again: they end on purpose
         self._known: dict[int, str] = {}
+        self._scanned = -math.inf  # when the last full scan of the process tree ran
         self._session: int | None = None
         self._wanted: dict[str, int] | None = None  # python model → its processes (the repository's configs)
         self._complete = False  # this session has had every wanted process at once
@@ -103,8 +116,15 @@ class Supervisor:
             self._retired, self._engines, self._taken_over = set(), {}, set()
             if process is None or process.poll() is not None or self.server.stopping:
                 return []
-        pids = descendants(process.pid)
-        current = {pid: model for pid, model in stub_processes(self.server, pids).items() if pid not in self._retired}
+        # the whole process tree (every thread's children list, each command line) every FULL_SCAN_S; between
+        # those, whether the processes it found still run: a few reads, which keep the GIL from the OpenAI API
+        full = not self._complete or time.monotonic() - self._scanned >= FULL_SCAN_S
+        if full:
+            self._scanned = time.monotonic()
+            pids = descendants(process.pid)
+            current = {pid: m for pid, m in stub_processes(self.server, pids).items() if pid not in self._retired}
+        else:
+            current = {pid: model for pid, model in self._known.items() if _running(pid)}
         if self.server.stopping or process.poll() is not None:  # stopped while we looked
             self._known = {}
             return []
@@ -112,7 +132,8 @@ class Supervisor:
         for pid, _model in dead:  # tritonserver reaps a dead stub only later: its exit status is still there
             self.causes[pid] = _ended(pid)
         # an engine process (-o engine_process) whose model process lives on: its model serves nothing more
-        engines = self._engine_owners(pids, current)
+        engines = self._engine_owners(pids, current) if full else {
+            engine: owner for engine, owner in self._engines.items() if _running(engine)}
         for engine, (model, stub) in self._engines.items():
             if engine not in engines and stub in current:
                 self.causes[engine] = _ended(engine)
@@ -125,8 +146,8 @@ class Supervisor:
         # and by count: a model with fewer processes than its instances, once this session had them all (a
         # death between two polls of a process no poll had listed yet, say, is not missed)
         counts = Counter(current.values())
-        short = [m for m, n in self._wanted_processes().items() if counts[m] < n]
-        if not short:
+        short = [m for m, n in self._wanted_processes().items() if counts[m] < n] if full else []
+        if full and not short:
             self._complete = True
         elif self._complete:
             seen = {model for _pid, model in dead}
@@ -191,9 +212,13 @@ class Supervisor:
 
     def _run(self) -> None:
         while not self._halt.wait(self.interval):
-            models = self.dead_models()
-            if models and not self._halt.is_set():
-                self.on_dead(models)
+            try:
+                models = self.dead_models()
+                if models and not self._halt.is_set():
+                    self.on_dead(models)
+            except Exception:  # noqa: BLE001 - said, and the next poll goes on: a supervisor never ends silently
+                print(f"forge: error: the supervisor's poll failed (it goes on): {traceback.format_exc()}",
+                      file=sys.stderr, flush=True)
 
     def __enter__(self) -> "Supervisor":
         return self.start()
