@@ -128,6 +128,15 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
     return text[text.find("(") + 1:text.rfind(")")], int(fields[1]), int(fields[3])
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: not ended, not a zombie (one read, where ``how_it_ended`` tells how)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rfind(")") + 2:][:1] not in ("Z", "X", "x")
+
+
 def how_it_ended(pid: int) -> str | None:
     """How a process that ended but is not yet reaped (a zombie) ended: "killed by signal 9 (SIGKILL)",
     "exited with status 1"; None when it is not a zombie (still running, or already reaped)."""

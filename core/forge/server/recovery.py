@@ -43,10 +43,11 @@ def reload(server: TritonServer, model: str, held: bool = False) -> None:
         except ValueError:
             reason = body.decode(errors="replace")
         raise ForgeError(f"could not load model {model!r} again: {_first_line(reason) or f'HTTP {status}'}")
-    if held and decoupled(server, model) is not False:
+    configs = _configs(server) if held else {}
+    if held and decoupled(configs, model) is not False:
         if server.held is None:
             server.held = Held(others={m["name"] for m in server.models()})
-        server.held.add(model, ensembles_of(server, model))
+        server.held.add(model, ensembles_of(configs, model))
 
 
 class Held:
@@ -80,14 +81,18 @@ _LIVE = re.compile(r"Found (\d+) live models and (\d+) in-flight non-inference r
 _UNLOADED = re.compile(r"successfully unloaded '([^']+)' version")
 
 
-def ensembles_of(server: TritonServer, model: str) -> dict[str, list[str]]:
-    """The ensembles of ``server``'s repository with ``model`` as a step: name → every step's model."""
+def _configs(server: TritonServer) -> dict:
+    """The repository's model configs by name ({} when unreadable)."""
     from ..checks import load_configs
 
     try:
-        configs = load_configs(Path(server.repo))[0]
+        return load_configs(Path(server.repo))[0]
     except Exception:  # noqa: BLE001 - unreadable configs: none known
         return {}
+
+
+def ensembles_of(configs: dict, model: str) -> dict[str, list[str]]:
+    """The ensembles among ``configs`` with ``model`` as a step: name → every step's model."""
     found = {}
     for name, config in configs.items():
         steps = [step.model_name for step in config.ensemble_scheduling.step]
@@ -96,14 +101,10 @@ def ensembles_of(server: TritonServer, model: str) -> dict[str, list[str]]:
     return found
 
 
-def decoupled(server: TritonServer, model: str) -> bool | None:
-    """Whether ``model`` answers through response senders (None: its config is unreadable)."""
-    from ..checks import load_configs
-
-    try:
-        return load_configs(Path(server.repo))[0][model].model_transaction_policy.decoupled
-    except Exception:  # noqa: BLE001 - an unreadable or missing config: unknown
-        return None
+def decoupled(configs: dict, model: str) -> bool | None:
+    """Whether ``model`` answers through response senders (None: no config of it)."""
+    config = configs.get(model)
+    return None if config is None else config.model_transaction_policy.decoupled
 
 
 def restart_reason(server: TritonServer, deaths: list[tuple[int, str]], engine_deaths: set[int]) -> str | None:
@@ -147,4 +148,4 @@ def stranded(server: TritonServer, model: str, pids: list[int]) -> int | None:
         return sum(count or 0 for count in counts)
     # kept no count: a model answering by returning its responses (tritonserver answers them), unless it is
     # decoupled (it answers through senders)
-    return 0 if decoupled(server, model) is False else None
+    return 0 if decoupled(_configs(server), model) is False else None

@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from .processes import (cmdline, descendants, engine_model, engine_processes, how_it_ended, proc_stat,
+from .processes import (cmdline, descendants, engine_model, engine_processes, how_it_ended, proc_stat, running,
                         session_processes)
 from .triton_server import TritonServer
 
@@ -71,15 +71,6 @@ def _ended(pid: int, wait: float = 0.3) -> str | None:
         time.sleep(0.01)
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (not ended, not a zombie)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return text[text.rfind(")") + 2:][:1] not in ("Z", "X", "x")
-
-
 class Supervisor:
     """Polls the python stubs of a running ``server``; ``on_dead(models)`` runs when one dies.
 
@@ -124,7 +115,7 @@ class Supervisor:
             pids = descendants(process.pid)
             current = {pid: m for pid, m in stub_processes(self.server, pids).items() if pid not in self._retired}
         else:
-            current = {pid: model for pid, model in self._known.items() if _running(pid)}
+            current = {pid: model for pid, model in self._known.items() if running(pid)}
         if self.server.stopping or process.poll() is not None:  # stopped while we looked
             self._known = {}
             return []
@@ -133,7 +124,7 @@ class Supervisor:
             self.causes[pid] = _ended(pid)
         # an engine process (-o engine_process) whose model process lives on: its model serves nothing more
         engines = self._engine_owners(pids, current) if full else {
-            engine: owner for engine, owner in self._engines.items() if _running(engine)}
+            engine: owner for engine, owner in self._engines.items() if running(engine)}
         for engine, (model, stub) in self._engines.items():
             if engine not in engines and stub in current:
                 self.causes[engine] = _ended(engine)
