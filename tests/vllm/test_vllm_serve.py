@@ -236,13 +236,19 @@ def test_vllms_statistics_reach_tritons_metrics(server, offline):
     """tritonserver's metrics port has vLLM's own counters and gauges (the vLLM backend's names)."""
     status, _ = server.generate(_greedy(PROMPTS[1]))
     assert status == 200
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
-        triton = response.read().decode()
+    idle = 'vllm:num_requests_running{model="ensemble",version="1"} 0'
+    deadline = time.monotonic() + 10  # the step that ends a request reports its gauges after the answer went out
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics}/metrics", timeout=10) as response:
+            triton = response.read().decode()
+        if idle in triton or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     generated = [float(line.split()[-1]) for line in triton.splitlines()
                  if line.startswith('vllm:generation_tokens_total{model="ensemble",version="1"}')]
     assert generated and generated[0] >= MAX_TOKENS, triton[-2000:]
     assert 'vllm:time_to_first_token_seconds_count{model="ensemble",version="1"}' in triton
-    assert 'vllm:num_requests_running{model="ensemble",version="1"} 0' in triton
+    assert idle in triton, [line for line in triton.splitlines() if line.startswith("vllm:num_requests")]
 
 
 def test_streaming_sends_the_answer_in_pieces(server, offline):
