@@ -1,17 +1,18 @@
 """The vllm target against vLLM's own OpenAI server and forge's default build: tokens/s and first-token time.
 
-One machine, one run, the same load on each server in turn (one server alive at a time): the real
+One machine, one run, the same load on each server: the real
 SmolLM2-135M-Instruct built (a) ``--target python`` (forge's default CPU build) and (b) ``--target vllm``, each
 served by ``forge serve`` (Triton + forge's OpenAI front), and (c) vLLM's own OpenAI server
 (``python -m vllm.entrypoints.openai.api_server``, from ``FORGE_VLLM_PYTHON``) on the same checkpoint and engine
 arguments as (b). Each is loaded through ``POST /v1/completions``: a closed loop of C requests in flight for
 --duration seconds, prompts of ~32 tokens, greedy, ``max_tokens`` 64 with ``ignore_eos`` (every answer is 64
 tokens), tokens counted from each response's ``usage``; then one streamed cell at c=8 for the first token's
-time (p50). A warm-up cell at the highest concurrency comes first on each server (not counted). Start-up is the
-time from launching the server to its first answer.
+time (p50). All servers stay up and take turns cell by cell (the others idle meanwhile, the order reversed every
+other cell), after a warm-up cell at the highest concurrency on each (not counted). Start-up is the time from
+launching the server to its first answer, each started alone; peak RSS sums the server's process tree.
 
     FORGE_VLLM_PYTHON=VENV/bin/python python benchmarks/vllm_target.py [--concurrency 1,8,32] [--duration 20]
-        [--eager] [--servers python,vllm,vllm-server]
+        [--eager] [--servers python,vllm,vllm-server] (python-hf: the python target with -o cuda_graphs=false)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,7 +41,10 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "about science, religion and politics travelled faster than ever before. Historians still argue about how "
         "much of the scientific revolution and the reformation the new machines made possible.")
 PROMPT_TOKENS = 32
-LABELS = {"python": "forge --target python", "vllm": "forge --target vllm", "vllm-server": "vLLM's own server"}
+LABELS = {"python": "forge --target python", "python-hf": "forge --target python, Hugging Face forward",
+          "vllm": "forge --target vllm", "vllm-server": "vLLM's own server"}
+#: what each forge server is built with (python-hf: the default build's decoder switched to the HF forward)
+BUILDS = {"python": ("python", []), "python-hf": ("python", ["-o", "cuda_graphs=false"]), "vllm": ("vllm", [])}
 
 
 def prompts(tokenizer, count: int = 16) -> list[str]:
@@ -54,10 +59,10 @@ def engine_options(args) -> list[str]:
     return options + (["-o", "enforce_eager=true"] if args.eager else [])
 
 
-def build(model: Path, out: Path, target: str, args) -> Path:
+def build(model: Path, out: Path, target: str, args, options: list[str] = ()) -> Path:
     from forge.cli import main
 
-    extra = engine_options(args) if target == "vllm" else []
+    extra = (engine_options(args) if target == "vllm" else []) + list(options)
     argv = ["build", "--family", "llama", "--model", str(model), "--target", target, "--out", str(out), *extra]
     print("$ forge " + " ".join(argv), flush=True)
     if main(argv) != 0:
@@ -73,6 +78,31 @@ class Server:
         self.base, self.model, self.log = base, model, open(log, "w")
         self.started = time.perf_counter()
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.peak_rss = 0  # bytes: the most its process tree held at once, sampled every 0.5 s
+        self._sampling = threading.Thread(target=self._sample, daemon=True)
+        self._sampling.start()
+
+    def _sample(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while self.process.poll() is None:
+            parents, rss = {}, {}
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                    pid = int(stat.parent.name)
+                    parents[pid], rss[pid] = int(fields[1]), int(fields[21]) * page
+                except (OSError, IndexError, ValueError):
+                    continue
+            tree = {self.process.pid}
+            for pid in parents:  # every process with the server among its ancestors
+                ancestor, seen = pid, 0
+                while ancestor not in tree and ancestor in parents and seen < 64:
+                    ancestor, seen = parents[ancestor], seen + 1
+                if ancestor in tree:
+                    tree.add(pid)
+            total = sum(rss.get(pid, 0) for pid in tree)
+            self.peak_rss = max(self.peak_rss, total)
+            time.sleep(0.5)
 
     def wait_ready(self, timeout: float) -> float:
         import httpx
@@ -154,19 +184,19 @@ async def cell(server: Server, texts: list[str], *, concurrency: int, duration: 
             "ttft_p50_ms": float(np.percentile(firsts, 50)) * 1000 if firsts else None}
 
 
-def measure(server: Server, texts: list[str], args) -> dict:
-    """Every cell on one server, after a warm-up cell at the highest concurrency (not counted)."""
-    asyncio.run(cell(server, texts, concurrency=max(args.concurrency), duration=min(args.duration, 10),
-                     max_tokens=args.max_tokens, stream=False))
-    results = {}
-    for concurrency in args.concurrency:
-        results[f"c={concurrency}"] = asyncio.run(cell(server, texts, concurrency=concurrency,
-                                                       duration=args.duration, max_tokens=args.max_tokens,
-                                                       stream=False))
-        print(f"  c={concurrency}: {results[f'c={concurrency}']}", flush=True)
-    results["stream c=8"] = asyncio.run(cell(server, texts, concurrency=8, duration=args.duration,
-                                             max_tokens=args.max_tokens, stream=True))
-    print(f"  streamed c=8: {results['stream c=8']}", flush=True)
+def measure(servers: dict[str, Server], texts: list[str], args) -> dict[str, dict]:
+    """Every cell on every server, the servers taking turns cell by cell (the order reversed every other cell,
+    the others idle meanwhile), after a warm-up cell at the highest concurrency on each (not counted)."""
+    for server in servers.values():
+        asyncio.run(cell(server, texts, concurrency=max(args.concurrency), duration=min(args.duration, 10),
+                         max_tokens=args.max_tokens, stream=False))
+    loads = [(f"c={c}", c, False) for c in args.concurrency] + [("stream c=8", 8, True)]
+    results: dict[str, dict] = {name: {} for name in servers}
+    for turn, (key, concurrency, stream) in enumerate(loads):
+        for name in (list(servers) if turn % 2 == 0 else list(servers)[::-1]):
+            results[name][key] = asyncio.run(cell(servers[name], texts, concurrency=concurrency,
+                                                  duration=args.duration, max_tokens=args.max_tokens, stream=stream))
+            print(f"  {LABELS[name]}, {key}: {results[name][key]}", flush=True)
     return results
 
 
@@ -195,31 +225,37 @@ def main() -> int:
     env = {**os.environ, "FORGE_VLLM_PYTHON": vllm_python}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1" if os.cpu_count() == 2 else "auto")
     work = Path(tempfile.mkdtemp(prefix="vllm-target-bench-"))
-    measured, startup = {}, {}
-    for name in args.servers.split(","):
-        http, grpc, metrics, port = free_ports(4)
-        if name == "vllm-server":
-            repo = work / "vllm"  # the same checkpoint files and engine arguments as the vllm target's
-            if not repo.exists():
-                build(model, repo, "vllm", args)
-            doc = json.loads((repo / "ensemble" / "1" / "model.json").read_text())
-            argv = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", doc["model"],
-                    "--served-model-name", "smollm2", "--port", str(port), "--max-model-len",
-                    str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
-            argv += ["--enforce-eager"] if args.eager else []
-        else:
-            repo = build(model, work / name, name, args)
-            argv = [sys.executable, "-m", "forge", "serve", str(repo), "--http-port", str(http), "--grpc-port",
-                    str(grpc), "--metrics-port", str(metrics), "--openai-port", str(port), "--served-model-name",
-                    "smollm2", "--startup-timeout", str(args.startup_timeout)]
-        server = Server(argv, f"http://127.0.0.1:{port}/v1", "smollm2", work / f"{name}.log", env)
-        try:
-            startup[name] = server.wait_ready(args.startup_timeout)
+    startup: dict[str, float] = {}
+    servers: dict[str, Server] = {}
+    try:
+        for name in args.servers.split(","):  # started one at a time: start-up is measured alone
+            http, grpc, metrics, port = free_ports(4)
+            if name == "vllm-server":
+                repo = work / "vllm"  # the same checkpoint files and engine arguments as the vllm target's
+                if not repo.exists():
+                    build(model, repo, "vllm", args)
+                doc = json.loads((repo / "ensemble" / "1" / "model.json").read_text())
+                argv = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", doc["model"],
+                        "--served-model-name", "smollm2", "--port", str(port), "--max-model-len",
+                        str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
+                argv += ["--enforce-eager"] if args.eager else []
+            else:
+                target, options = BUILDS[name]
+                repo = build(model, work / name, target, args, options)
+                argv = [sys.executable, "-m", "forge", "serve", str(repo), "--http-port", str(http), "--grpc-port",
+                        str(grpc), "--metrics-port", str(metrics), "--openai-port", str(port),
+                        "--served-model-name", "smollm2", "--startup-timeout", str(args.startup_timeout)]
+            servers[name] = Server(argv, f"http://127.0.0.1:{port}/v1", "smollm2", work / f"{name}.log", env)
+            startup[name] = servers[name].wait_ready(args.startup_timeout)
             print(f"{LABELS[name]}: ready in {startup[name]:.1f} s", flush=True)
-            measured[name] = measure(server, texts, args)
-        finally:
+        measured = measure(servers, texts, args)
+    finally:
+        for server in servers.values():
             server.stop()
+    peak = {name: server.peak_rss for name, server in servers.items()}
     cells = [f"c={c}" for c in args.concurrency] + ["stream c=8"]
+    ratios = [(forge, f"{LABELS[forge].split(' --')[1]} / vLLM") for forge in ("python", "vllm")
+              if forge in measured and "vllm-server" in measured]
     rows = []
     for key in cells:
         row = [f"completions {key}" if key.startswith("c=") else f"streamed completions {key[7:]}"]
@@ -229,23 +265,23 @@ def main() -> int:
             if result["ttft_p50_ms"] is not None:
                 text += f", first token {result['ttft_p50_ms']:.0f} ms"
             row.append(text)
-        if "vllm" in measured and "vllm-server" in measured:
-            row.append(f"{measured['vllm'][key]['tokens_per_s'] / measured['vllm-server'][key]['tokens_per_s']:.2f}")
+        vllm_rate = measured["vllm-server"][key]["tokens_per_s"] if ratios else 0
+        row += [f"{measured[forge][key]['tokens_per_s'] / vllm_rate:.2f}" for forge, _ in ratios]
         rows.append(row)
-    rows.append(["start-up to first answer", *(f"{startup[n]:.0f} s" for n in measured),
-                 *([""] if "vllm" in measured and "vllm-server" in measured else [])])
-    columns = ["load", *(LABELS[n] for n in measured)]
-    if "vllm" in measured and "vllm-server" in measured:
-        columns.append("vllm target / vLLM")
+    rows.append(["start-up to first answer", *(f"{startup[n]:.0f} s" for n in measured), *([""] * len(ratios))])
+    rows.append(["peak RSS (the server's processes)", *(f"{peak[n] / 2**30:.1f} GiB" for n in measured),
+                 *([""] * len(ratios))])
+    columns = ["load", *(LABELS[n] for n in measured), *(label for _, label in ratios)]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU"
     gen_docs.write_results(
         "vllm_target", title="forge's vllm target, forge's default build and vLLM's own server on one CPU",
         columns=columns, rows=rows, machine_line=machine, out=args.out,
         description=f"SmolLM2-135M-Instruct (bf16), /v1/completions, prompts of ~{PROMPT_TOKENS} tokens, "
                     f"{args.max_tokens} tokens each (ignore_eos), greedy; closed loop for {args.duration:g} s per "
-                    f"cell; vLLM {'eager' if args.eager else 'compiled'}, max_model_len {args.max_model_len}, "
+                    f"cell, the servers up together and taking turns cell by cell; vLLM "
+                    f"{'eager' if args.eager else 'compiled'}, max_model_len {args.max_model_len}, "
                     f"KV cache {args.kv_cache_bytes >> 20} MiB",
-        raw={name: measured[name] for name in measured}, startup_s=startup)
+        raw={name: measured[name] for name in measured}, startup_s=startup, peak_rss_bytes=peak)
     errors = sum(r["errors"] for m in measured.values() for r in m.values())
     return 1 if errors else 0
 

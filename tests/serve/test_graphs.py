@@ -94,9 +94,11 @@ def _static_run(kind, attention, compiled, monkeypatch):
     lengths = [12, 5, 20, 9, 15]
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3)
     note = {"fused": "fused (one Triton kernel writes and attends)"}.get(attention, attention)
+    gemms = "GPT2Decoder does not pack its weights" if kind == "gpt2" else "torch.float32 (bfloat16 only)"
     cache, chosen = engine.use_graphs("auto", capture=False, compile="auto").split("; ", 1)
     assert cache.startswith("static KV cache of ") and chosen == (
-        f"attention {note}, eager (no capture; torch.compile off (the step is not captured on a GPU))")
+        f"attention {note}; GEMMs plain ({gemms}), eager (no capture; torch.compile off (the step is not captured "
+        "on a GPU))")
     if compiled:
         assert engine.graphs.use_compile("true", backend=compiled) == f"on ({compiled})"
     outputs: dict[int, list[int]] = {}
@@ -161,7 +163,8 @@ def test_the_fused_kernel_refuses_what_it_cannot_run():
     assert decode_kernel.unsupported(4, 2, 8, torch.float16) == \
         "its head dim 8 is not a power of two of at least 16"
     decoder = architectures.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
-    assert decoder.attention == "sdpa" and decoder.describe().endswith("attention sdpa (not the fused kernel: not on a GPU)")
+    assert decoder.attention == "sdpa" and decoder.describe().endswith(
+        "attention sdpa (not the fused kernel: not on a GPU); GEMMs plain (torch.float32 (bfloat16 only))")
     with pytest.raises(ValueError, match="the fused decoding attention cannot run here: its KV-cache blocks of 4 "
                                          "tokens are not a power of two of at least 16"):
         graphs.GraphDecoder._attention(decoder, "fused")
@@ -291,19 +294,71 @@ def test_what_cannot_decode_through_graphs_says_why():
     with pytest.raises(ValueError, match="-o cuda_graphs=true: cannot decode through CUDA graphs: Bloom"):
         engine.use_graphs("true", capture=False)
     llama = Engine(_model("llama"), Limits(VOCAB, 64, 128))
-    assert llama.use_graphs("auto") == "off (the model runs on cpu, not a GPU)"
+    with pytest.raises(ValueError, match="-o cuda_graphs=true: cannot decode through CUDA graphs: the model runs on"):
+        llama.use_graphs("true")
     assert llama.use_graphs("false") == "off (-o cuda_graphs=false)"
     with pytest.raises(ValueError, match="-o cuda_graphs='maybe': expected auto, true or false"):
         llama.use_graphs("maybe")  # a hand-edited config.pbtxt: refused at load, not read as auto
     with pytest.raises(ValueError, match="-o torch_compile=true belongs to the CUDA-graph decoder; it needs"):
         llama.use_graphs("false", compile="true")
-    with pytest.raises(ValueError, match="-o torch_compile=true: the CUDA-graph decoder is off: the model runs on"):
-        llama.use_graphs("auto", compile="true")
     with pytest.raises(ValueError, match="-o torch_compile='yes': expected auto, true or false"):
         llama.use_graphs("auto", compile="yes")
     gpt2 = architectures.decoder_for(_model("gpt2"), 2, 64, capture=False)
     with pytest.raises(ValueError, match="-o torch_compile=true: cannot compile .*GPT2Decoder has no compiled"):
         gpt2.use_compile("true")
+
+
+def test_on_a_cpu_auto_runs_the_static_decoder_eagerly_and_its_cache_fits_the_host():
+    """-o cuda_graphs=auto on a CPU: the static decoder, uncaptured, its greedy tokens the Hugging Face forward's;
+    a KV cache past the host memory it may take (a fraction of what is available) is paged, or with
+    -o paged_kv_cache=false leaves the decoder off, saying why."""
+    llama = Engine(_model("llama"), Limits(VOCAB, 64, 128), max_rows=4)
+    chosen = llama.use_graphs("auto")
+    assert chosen.startswith("static KV cache") and "eager (no capture; torch.compile off" in chosen, chosen
+    assert llama.graphs is not None and not llama.graphs.capture
+    plain = Engine(_model("llama"), Limits(VOCAB, 64, 128), max_rows=4)
+    prompts = [[1, 5, 17, 33], [1, 8, 9]]
+    runs = []
+    for engine in (llama, plain):
+        rows = [Sequence(GenerationRequest(prompt=p, max_new_tokens=8), lambda seq, update: None) for p in prompts]
+        engine.submit(rows)
+        engine.run_until_idle()
+        runs.append([row.output for row in rows])
+    assert runs[0] == runs[1] and all(len(out) == 8 for out in runs[0])
+    tiny = 1e-9  # of the available memory: less than one sequence's blocks
+    paged = Engine(_model("llama"), Limits(VOCAB, 64, 128), max_rows=4)
+    assert paged.use_graphs("auto", memory_fraction=tiny).startswith("off (a paged KV cache in 0.0 GiB holds 0 blocks")
+    static = Engine(_model("llama"), Limits(VOCAB, 64, 128), max_rows=4)
+    assert "of free host memory it may take" in static.use_graphs("auto", paged="false", memory_fraction=tiny)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_on_a_cpu_bfloat16_gemms_run_on_weights_packed_once(kind, monkeypatch):
+    """An uncaptured bfloat16 decoder packs its GEMMs' weights for oneDNN (q/k/v with Qwen2's biases, gate/up,
+    output, down, the head): its prefill and step logits are transformers' forward in bfloat16, as close as
+    the unpacked decoder's; float32 keeps plain weights (packed ones would accumulate in another order), as does
+    a model whose copies would take over a quarter of the available memory."""
+    from forge.in_triton.python_target.forge_decoder import cpu_gemm
+
+    reference = _model(kind).to(torch.bfloat16)
+    packed = architectures.decoder_for(_model(kind).to(torch.bfloat16), 2, 64, capture=False)
+    assert packed.packed is not None and packed.describe().endswith("; GEMMs packed for oneDNN (cpu_gemm)")
+    monkeypatch.setattr(cpu_gemm, "unpackable", lambda *args: "off for the comparison")
+    plain = architectures.decoder_for(_model(kind).to(torch.bfloat16), 2, 64, capture=False)
+    assert plain.packed is None and plain.describe().endswith("; GEMMs plain (off for the comparison)")
+    monkeypatch.undo()
+    prompt = [5, 17, 30, 4, 60, 61]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt + [11]])).logits[0].float()
+        for decoder in (packed, plain):
+            first = decoder.prefill(torch.tensor([prompt]), [len(prompt)], all_logits=True)[0].float()
+            step = decoder.step([11], [len(prompt)]).float()
+            for got, want in ((first, expected[:-1]), (step[0], expected[-1])):
+                error = (got - want).abs().max().item()
+                assert error < 0.05 * max(1.0, want.abs().max().item()), (decoder.packing, error)
+    assert architectures.decoder_for(_model(kind), 2, 64, capture=False).packing == "plain (torch.float32 (bfloat16 only))"
+    small = architectures.decoder_for(_model(kind).to(torch.bfloat16), 2, 64, capture=False, available=1 << 16)
+    assert small.packed is None and "would take over a quarter of the available memory" in small.packing
 
 
 def test_compiled_pieces_fuse_kernels_and_keep_the_logits():
@@ -389,8 +444,8 @@ def test_paged_cache_step_equals_transformers_generate(kind, attention, block, m
     blocks = 48 // block
     chosen = engine.use_graphs("auto", capture=False, paged="true", blocks=blocks)
     note = "fused (one Triton kernel writes and attends)" if attention == "fused" else attention
-    assert chosen.startswith(f"paged KV cache of 0 MiB: {blocks} blocks of {block} tokens; attention {note}, eager "
-                             "(no capture")
+    assert chosen.startswith(f"paged KV cache of 0 MiB: {blocks} blocks of {block} tokens; attention {note}; GEMMs "
+                             "plain (")
     waited = []
     real = engine.graphs.cache.room
 

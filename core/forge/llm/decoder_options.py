@@ -76,16 +76,17 @@ FORGE = (
            "at least 64 on a GPU)", 0, PYTHON, minimum=0),
     Option("sender_threads", "int", "python target: threads sending the responses (each send waits for the server's "
            "round trip; several keep more streams moving)", 4, PYTHON, minimum=1),
-    Option("cuda_graphs", "choice", "python target: decoding steps as CUDA graphs over a static KV cache (auto: on a GPU "
-           "for Llama-style and GPT-2 models, at any tp; true: that or fail to load; false: the Hugging Face "
-           "forward)", "auto", PYTHON, choices=("auto", "true", "false")),
+    Option("cuda_graphs", "choice", "python target: decoding steps through forge's static decoder (fused GEMMs over a "
+           "static or paged KV cache), as CUDA graphs on a GPU (auto: for Llama-style and GPT-2 models, at any tp, "
+           "captured on a GPU and run eagerly on a CPU; true: captured on a GPU or fail to load; false: the Hugging "
+           "Face forward)", "auto", PYTHON, choices=("auto", "true", "false")),
     Option("torch_compile", "choice", "python target: the CUDA-graph decoder's Llama-style layers compiled by "
            "torch.compile into fused kernels at load (auto: where the step is captured on a GPU, at any tp, and "
            "compiling works, else eager with the reason logged; true: that or fail to load; false: eager)", "auto", PYTHON,
            choices=("auto", "true", "false")),
     Option("paged_kv_cache", "choice", "python target: the CUDA-graph decoder's KV cache in blocks handed out as "
            "sequences grow (auto: a static slot per row where that fits -o kv_cache_free_gpu_mem_fraction of the "
-           "free GPU memory, default 0.5, else blocks; true: blocks; false: static slots)", "auto", PYTHON,
+           "free GPU memory, on a CPU of the available host memory, default 0.5, else blocks; true: blocks; false: static slots)", "auto", PYTHON,
            choices=("auto", "true", "false")),
     Option("engine_process", "choice", "python target: the continuous-batching engine in a process of its own "
            "beside the python stub, so the stub's request and response threads never hold the interpreter lock "

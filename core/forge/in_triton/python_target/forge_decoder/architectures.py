@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_gemm
 from .graphs import GraphDecoder
 from .kvlayout import PagedBlocks, StaticSlots
 
@@ -143,13 +144,16 @@ def block_bytes(model, block: int) -> int:
 
 
 def decoder_for(model, rows: int, max_len: int, *, capture: bool = True, paged: dict | None = None,
-                reduce=None) -> "GraphDecoder":
+                reduce=None, available: int | None = None) -> "GraphDecoder":
     """The decoder for ``model``'s architecture; ``paged``: ``dict(block=, blocks=, reuse=)`` for a paged KV cache
     (kvlayout.PagedBlocks), else static slots (``unsupported`` says whether there is a decoder). ``reduce``: a
-    tensor-parallel rank's all-reduce (in place), for a model distributed.shard has cut."""
+    tensor-parallel rank's all-reduce (in place), for a model distributed.shard has cut. Uncaptured on one rank,
+    its GEMMs' weights are packed for oneDNN where that runs (``available``: host memory in bytes, cpu_gemm)."""
     cls = GPT2Decoder if type(model).__name__ in GPT2_STYLE else LlamaDecoder
     decoder = cls(model, rows, max_len, capture=capture, paged=paged)
     decoder.reduce = reduce
+    if not decoder.capture and reduce is None:
+        decoder.pack(available)
     return decoder
 
 
@@ -175,6 +179,22 @@ class LlamaDecoder(GraphDecoder):
                              device=self.device)[None, :, None]
         self.cos = (cos[0].float()[:, None, :] * scale).to(self.dtype)  # [positions, heads + kv, dim]
         self.sin = (sin[0].float()[:, None, :] * sign * scale).to(self.dtype)
+
+    def pack(self, available: int | None) -> None:
+        layers = [(l.self_attn.o_proj, l.mlp.down_proj) for l in self.layers]
+        head = self.head
+        weights = [w for w, _ in self.qkv + self.gate_up] + [m.weight for pair in layers for m in pair] + [head.weight]
+        reason = cpu_gemm.unpackable(weights, self.capture, available)
+        if reason is not None:
+            self.packing = f"plain ({reason})"
+            return
+        self.packed = {"qkv": [cpu_gemm.Packed(*wb) for wb in self.qkv],
+                       "gate_up": [cpu_gemm.Packed(*wb) for wb in self.gate_up],
+                       "o": [cpu_gemm.Packed(o.weight, o.bias) for o, _ in layers],
+                       "down": [cpu_gemm.Packed(d.weight, d.bias) for _, d in layers]}
+        packed_head = cpu_gemm.Packed(head.weight, head.bias)
+        self.head = lambda x: packed_head(x)  # the step's and the prefill's logits; LoRA never adapts the head
+        self.packing = "packed for oneDNN (cpu_gemm)"
 
     def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, where = self._step_inputs(rows, columns)
@@ -225,6 +245,8 @@ class LlamaDecoder(GraphDecoder):
         attn, heads, kv, dim = self.layers[i].self_attn, self.heads, self.kv_heads, self.head_dim
         if modules:
             qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        elif self.packed is not None:
+            qkv = self.packed["qkv"][i](x)
         else:
             qkv = F.linear(x, *self.qkv[i])
         qkv = qkv.unflatten(-1, (heads + 2 * kv, dim))
@@ -254,6 +276,11 @@ class LlamaDecoder(GraphDecoder):
             h = h + attn.o_proj(out)
             x = _norm(layer.post_attention_layernorm, h)
             return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+        if self.packed is not None:
+            packed = self.packed
+            h = h + packed["o"][i](out)
+            gate, up = packed["gate_up"][i](_norm(layer.post_attention_layernorm, h)).chunk(2, dim=-1)
+            return h + packed["down"][i](mlp.act_fn(gate) * up)
         h = _add_linear(h, out, attn.o_proj)
         gate, up = F.linear(_norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
         return _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)

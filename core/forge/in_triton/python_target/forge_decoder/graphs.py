@@ -98,6 +98,7 @@ class GraphDecoder:
         self.log = print
         self.fused = None  # the layers' pieces compiled (use_compile: architectures.Fused)
         self.reduce = None  # a tensor-parallel rank's all-reduce of row-parallel outputs (architectures.decoder_for)
+        self.packed, self.packing = None, "off"  # the GEMMs' weights packed on a CPU, and why (or not): pack
         self.picks: torch.Tensor | None = None  # [rows, 2]: each row's argmax token and its log-probability
         self.pool = None
         self.used = 0  # slots holding running sequences
@@ -118,8 +119,13 @@ class GraphDecoder:
         return "sdpa", f"sdpa (not the fused kernel: {reason})"
 
     def describe(self) -> str:
-        """The KV cache and the step's attention, for the log."""
-        return f"{self.cache.describe()}; attention {self.attention_note}"
+        """The KV cache, the step's attention and (on a CPU) the GEMMs, for the log."""
+        return f"{self.cache.describe()}; attention {self.attention_note}" + (
+            f"; GEMMs {self.packing}" if self.device.type == "cpu" else "")
+
+    def pack(self, available: int | None) -> None:
+        """Pack the GEMMs' weights for oneDNN where that runs (cpu_gemm; ``available``: host memory, bytes)."""
+        self.packing = f"plain ({type(self).__name__} does not pack its weights)"
 
     def _layout(self, model) -> None:
         raise NotImplementedError
