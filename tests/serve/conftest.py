@@ -27,7 +27,8 @@ BUILDS = {  # name prefix → extra build arguments (the engine layout of ENGINE
     # decoupled, streaming)
     "l_": ["--backend-version", "latest", "-o", "decoupled=false"],
     "ls_": ["--backend-version", "latest"],
-    "s_": ["--decoupled"],
+    # its cancel watcher asks every 10 ms: a tiny model's whole answer takes about 100 ms, the default period
+    "s_": ["--decoupled", "-o", "cancellation_check_period_ms=10"],
     # the engine in a process of its own; its cancel watcher asks every poll (5 ms), not every 100 ms
     "p_": ["--decoupled", "-o", "engine_process=true", "-o", "cancellation_check_period_ms=1"],
     "v5_": ["--backend-version", "v0.5.0"],

@@ -33,7 +33,7 @@ def long_repo(tmp_path_factory) -> Path:
     from forge.cli import main
 
     root = tmp_path_factory.mktemp("drain")
-    model = make_gpt2(root / "gpt2", n_positions=1024)
+    model = make_gpt2(root / "gpt2", n_positions=1024, n_layer=8, n_embd=256)  # 900 tokens take seconds
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     (model / "tokenizer_config.json").write_text(json.dumps(config))
