@@ -12,7 +12,8 @@ prefill are written once over them (graphs.py, architectures.py) and captured th
   ``[start, start + width)`` of their slots; a prefill after a reused prefix reads the slot back.
 
 ``StaticSlots``: ``[rows + 1, kv heads, max_len + 1, head dim]`` per layer (views of one tensor), allocated at
-load: simple and fastest to read, but it sizes every row for ``max_len``. ``PagedBlocks``: blocks of ``block``
+load: simple and fastest to read, but it sizes every row for ``max_len`` (on a CPU in memory the kernel commits
+as it is first written: ``zeros``). ``PagedBlocks``: blocks of ``block``
 tokens (``[blocks + 1, kv heads, block, head dim]`` per layer) handed to a sequence as it grows, a block table
 per row; a sequence is admitted when the blocks it may need (prompt + its max_tokens) are free, so a pool
 sized by memory, not by rows × max_len, serves any model that fits. With ``reuse`` (``enable_kv_cache_reuse``)
@@ -24,9 +25,24 @@ paged: the last block) is a spare that padding rows and warm-ups write into and 
 from __future__ import annotations
 
 import math
+import mmap
 from collections import OrderedDict
 
 import torch
+
+#: on a CPU, caches at least this large go into anonymous memory (``zeros``)
+LAZY_BYTES = 1 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """``torch.zeros``; on a CPU, a large one in anonymous memory, which the kernel hands out zeroed page by page
+    as it is first written: a cache sized for every row at max_len holds in RAM what its rows wrote (the pages
+    attention reads before that map the kernel's zero page), up to the bound. ``torch.zeros`` writes every page."""
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or size < LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=dtype, count=count).view(shape)  # holds the mapping
 
 
 def _write(cache: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
@@ -75,7 +91,7 @@ class StaticSlots:
         self.rows, self.kv, self.dim, self.max_len = rows, kv, dim, max_len
         self.device = device
         # every layer's keys, then values, in one tensor: moving slots (keep) is one gather and one scatter
-        self.store = torch.zeros((2 * layers, rows + 1, kv, max_len + 1, dim), dtype=dtype, device=device)
+        self.store = zeros((2 * layers, rows + 1, kv, max_len + 1, dim), dtype, device)
         self.keys = [self.store[i] for i in range(layers)]
         self.values = [self.store[layers + i] for i in range(layers)]
         self.heads_offset = (torch.arange(rows, device=device)[:, None] * kv
@@ -163,8 +179,8 @@ class PagedBlocks:
         self.device, self.blocks, self.reuse = device, blocks, reuse
         self.spare = blocks
         shape = (blocks + 1, kv, block, dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = [zeros(shape, dtype, device) for _ in range(layers)]
+        self.values = [zeros(shape, dtype, device) for _ in range(layers)]
         self.width = max_len // block + 1  # blocks a row's table holds: columns [0, max_len] (the spare column too)
         self.table = torch.full((rows + 1, self.width), blocks, dtype=torch.long, device=device)
         self.host = torch.full((rows + 1, self.width), blocks, dtype=torch.long,
