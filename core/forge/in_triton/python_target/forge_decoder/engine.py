@@ -136,6 +136,7 @@ class Engine(Scheduler, GraphSteps):
         params = inspect.signature(model.forward).parameters
         self._keep_arg = next((n for n in ("logits_to_keep", "num_logits_to_keep") if n in params), None)
         self._cache_position = "cache_position" in params
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers ≥ 5.x: ``cache``
         self.vocab = model.get_input_embeddings().num_embeddings  # prompt ids from here on select prompt-table rows
         self._pending: deque[Sequence] = deque()
         self._active: list[Sequence] = []
@@ -321,8 +322,8 @@ class Engine(Scheduler, GraphSteps):
                  rows: list[Sequence] | None = None) -> torch.Tensor:
         if self.lora is not None:
             self.lora.select([s.request.lora for s in rows or ()])
-        kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=positions,
-                                      past_key_values=cache, use_cache=True)
+        kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": positions, self._cache_arg: cache,
+                                  "use_cache": True}
         if embeds is None:
             kwargs["input_ids"] = ids
         else:
