@@ -83,24 +83,16 @@ class Server:
         self._sampling.start()
 
     def _sample(self) -> None:
+        from forge.server.processes import descendants
+
         page = os.sysconf("SC_PAGE_SIZE")
         while self.process.poll() is None:
-            parents, rss = {}, {}
-            for stat in Path("/proc").glob("[0-9]*/stat"):
+            total = 0
+            for pid in [self.process.pid, *descendants(self.process.pid)]:
                 try:
-                    fields = stat.read_text().rsplit(")", 1)[1].split()
-                    pid = int(stat.parent.name)
-                    parents[pid], rss[pid] = int(fields[1]), int(fields[21]) * page
+                    total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
                 except (OSError, IndexError, ValueError):
                     continue
-            tree = {self.process.pid}
-            for pid in parents:  # every process with the server among its ancestors
-                ancestor, seen = pid, 0
-                while ancestor not in tree and ancestor in parents and seen < 64:
-                    ancestor, seen = parents[ancestor], seen + 1
-                if ancestor in tree:
-                    tree.add(pid)
-            total = sum(rss.get(pid, 0) for pid in tree)
             self.peak_rss = max(self.peak_rss, total)
             time.sleep(0.5)
 

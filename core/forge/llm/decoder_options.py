@@ -86,8 +86,8 @@ FORGE = (
            choices=("auto", "true", "false")),
     Option("paged_kv_cache", "choice", "python target: the CUDA-graph decoder's KV cache in blocks handed out as "
            "sequences grow (auto: a static slot per row where that fits -o kv_cache_free_gpu_mem_fraction of the "
-           "free GPU memory, on a CPU of the available host memory, default 0.5, else blocks; true: blocks; false: static slots)", "auto", PYTHON,
-           choices=("auto", "true", "false")),
+           "free GPU memory, on a CPU of the available host memory, default 0.5, else blocks; true: blocks; "
+           "false: static slots)", "auto", PYTHON, choices=("auto", "true", "false")),
     Option("engine_process", "choice", "python target: the continuous-batching engine in a process of its own "
            "beside the python stub, so the stub's request and response threads never hold the interpreter lock "
            "the engine needs between its GPU launches; at tp > 1 that process leads the ranks (auto: where the model "

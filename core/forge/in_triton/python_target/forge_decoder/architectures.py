@@ -184,7 +184,7 @@ class LlamaDecoder(GraphDecoder):
         layers = [(l.self_attn.o_proj, l.mlp.down_proj) for l in self.layers]
         head = self.head
         weights = [w for w, _ in self.qkv + self.gate_up] + [m.weight for pair in layers for m in pair] + [head.weight]
-        reason = cpu_gemm.unpackable(weights, self.capture, available)
+        reason = cpu_gemm.unpackable(weights, available)
         if reason is not None:
             self.packing = f"plain ({reason})"
             return
@@ -192,8 +192,7 @@ class LlamaDecoder(GraphDecoder):
                        "gate_up": [cpu_gemm.Packed(*wb) for wb in self.gate_up],
                        "o": [cpu_gemm.Packed(o.weight, o.bias) for o, _ in layers],
                        "down": [cpu_gemm.Packed(d.weight, d.bias) for _, d in layers]}
-        packed_head = cpu_gemm.Packed(head.weight, head.bias)
-        self.head = lambda x: packed_head(x)  # the step's and the prefill's logits; LoRA never adapts the head
+        self.head = cpu_gemm.Packed(head.weight, head.bias)  # the step's and the prefill's logits (no LoRA on it)
         self.packing = "packed for oneDNN (cpu_gemm)"
 
     def _forward(self, rows: int, columns: int, modules: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

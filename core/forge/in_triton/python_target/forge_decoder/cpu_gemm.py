@@ -32,11 +32,11 @@ class Packed:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def unpackable(weights: list[torch.Tensor], capture: bool, available: int | None) -> str | None:
+def unpackable(weights: list[torch.Tensor], available: int | None) -> str | None:
     """Why ``weights`` cannot be packed here (None: they can): on a CPU, bfloat16, oneDNN there and agreeing with
     ``F.linear`` on a probe, and the copies within MEMORY_SHARE of the ``available`` host memory."""
     first = weights[0]
-    if capture or first.device.type != "cpu":
+    if first.device.type != "cpu":
         return "not on a CPU"
     if first.dtype != torch.bfloat16:
         return f"{first.dtype} (bfloat16 only)"

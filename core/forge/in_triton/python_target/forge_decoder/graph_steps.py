@@ -60,9 +60,10 @@ class GraphSteps:
         adapter in the batch run eagerly), captured on a GPU and run eagerly on a CPU (fused q/k/v and gate/up
         GEMMs over static slots: 1.2-1.4x the Hugging Face forward's tokens/s on a 2-core AVX512-BF16 EPYC,
         SmolLM2-135M bf16, 1 to 32 rows); ``true``: captured on a GPU, or an error saying why not;
-        ``false``: the Hugging Face forward; anything else is an error. ``compile``: ``-o torch_compile`` for the static decoder's layers (``GraphDecoder.use_compile``);
-        ``true`` needs the static decoder. ``paged`` (``-o paged_kv_cache``): ``auto`` keeps a static slot per row
-        where that fits ``memory_fraction`` of the free GPU memory (``-o kv_cache_free_gpu_mem_fraction``,
+        ``false``: the Hugging Face forward; anything else is an error. ``compile``: ``-o torch_compile`` for
+        the static decoder's layers (``GraphDecoder.use_compile``); ``true`` needs the static decoder. ``paged``
+        (``-o paged_kv_cache``): ``auto`` keeps a static slot per row where that fits ``memory_fraction`` of the
+        free GPU memory, on a CPU of the available host memory (``-o kv_cache_free_gpu_mem_fraction``,
         default 0.5) and takes blocks of a pool sized by that memory otherwise; ``true`` always blocks,
         ``false`` never. ``reuse`` (``-o enable_kv_cache_reuse``) shares full prompt blocks between sequences:
         blocks. ``blocks``: the pool's size instead of the memory's (tests). ``overlap`` (``-o overlap_steps``):
@@ -92,8 +93,9 @@ class GraphSteps:
             elif reason is None:
                 reason = f"the model runs on {self.device.type}, not a GPU"
         layout = None
+        host = available_host_memory() if self.device.type != "cuda" else None  # sizes the cache and the packing
         if reason is None:
-            layout, reason = self._layout(paged, reuse, memory_fraction, blocks)
+            layout, reason = self._layout(paged, reuse, memory_fraction, blocks, host)
         if reason is not None:
             if mode == "true":
                 raise ValueError(f"-o cuda_graphs=true: cannot decode through CUDA graphs: {reason}")
@@ -102,7 +104,7 @@ class GraphSteps:
             return f"off ({reason})"
         self.graphs = architectures.decoder_for(self.model, self.max_rows, self.limits.max_seq_len, capture=capture,
                                                 paged=layout, reduce=self.reduce,
-                                                available=None if capture else available_host_memory())
+                                                available=host)
         self.graphs.log = self.log
         if self.graphs.capture:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -127,15 +129,13 @@ class GraphSteps:
             return "steps overlapped"
         return f"steps one at a time ({'-o overlap_steps=false' if mode == 'false' else reason})"
 
-    def _layout(self, paged: str, reuse: bool, fraction: float | None,
-                blocks: int | None) -> tuple[dict | None, str | None]:
-        """(paged layout or None for static slots, why neither fits) for use_graphs."""
+    def _layout(self, paged: str, reuse: bool, fraction: float | None, blocks: int | None,
+                host: int | None) -> tuple[dict | None, str | None]:
+        """(paged layout or None for static slots, why neither fits) for use_graphs; ``host``: on a CPU, the
+        available host memory (bytes) the cache may take ``fraction`` of."""
         rows, max_len = self.max_rows, self.limits.max_seq_len
         static = architectures.cache_bytes(self.model, rows, max_len)
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-        else:
-            free = available_host_memory()
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host
         budget = None if free is None else int(free * (fraction or DEFAULT_KV_FRACTION))
         memory = "GPU" if self.device.type == "cuda" else "host"
         if paged == "false" or (paged == "auto" and not reuse and (budget is None or static <= budget)):
