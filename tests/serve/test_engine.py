@@ -54,14 +54,14 @@ def _gpt2(path):
 @pytest.fixture(scope="module", params=["gpt2", "llama", "gpt2-static", "llama-static"])
 def model(request, tmp_path_factory):
     """``*-static``: the same model decoding through graphs.GraphDecoder's static KV cache, run eagerly
-    (the arithmetic the GPU captures as CUDA graphs), with small column buckets so caches change bucket."""
+    (the arithmetic the GPU captures as CUDA graphs), its columns growing by 8 so steps change width often."""
     path = tmp_path_factory.mktemp(request.param)
     (_gpt2 if request.param.startswith("gpt2") else _llama)(path)
     model = load_model(path, torch.device("cpu"), torch.float32)
     model.static_decode = request.param.endswith("-static")
     if model.static_decode:
         patch = pytest.MonkeyPatch()
-        patch.setattr(graphs, "FIRST_COLUMNS", 8)
+        patch.setattr(graphs, "EAGER_COLUMNS", 8)
         request.addfinalizer(patch.undo)
     return model
 

@@ -44,6 +44,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 FIRST_COLUMNS = 128
 FIRST_PREFILL_COLUMNS = 16  # prefill widths are captured in buckets 16, 32, 64, ...
 PREFILL_GRAPH_TOKENS = 8192  # larger prefills (prompts × width bucket) run eagerly: launches no longer matter
+#: uncaptured steps (a CPU) run their own row count and the columns they reach, rounded up to this: no capture to
+#: share, so no padding rows and no masked columns to compute (32 rows near position 64: 15 % of the step)
+EAGER_COLUMNS = 16
 BLOCK_TOKENS = 64  # tokens per block of a paged KV cache (a power of two dividing FIRST_COLUMNS)
 MODES = ("auto", "true", "false")  # -o cuda_graphs, -o torch_compile
 
@@ -417,13 +420,16 @@ class GraphDecoder:
 
     def _bucket(self, n: int, positions: list[int], modules: bool) -> tuple[int, int]:
         """The captured (rows, columns) a step of ``n`` rows at ``positions`` runs as (captured now if new)."""
-        rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
         need = max((p for p in positions if p != self.spare), default=0) + 1
         if need > self.max_len:
             raise RuntimeError(f"position {need - 1} is past the {self.max_len} columns of the cache")
-        columns = FIRST_COLUMNS
-        while columns < need:
-            columns *= 2
+        if self.capture:
+            rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
+            columns = FIRST_COLUMNS
+            while columns < need:
+                columns *= 2
+        else:
+            rows, columns = n, -(-need // EAGER_COLUMNS) * EAGER_COLUMNS
         columns = min(columns, self.max_len)
         self.filled = max(self.filled, need)
         for slot, position in enumerate(positions):
