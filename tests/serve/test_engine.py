@@ -376,6 +376,7 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
 def test_the_engine_loads_and_steps_on_one_thread(tmp_path):
     """loading.load_and_run: the model is loaded (its weights packed, its cache made) on the thread that then
     runs the engine's loop, so torch's OpenMP keeps one team; a load that fails raises on the caller's thread."""
+    import os
     import threading
 
     from forge.in_triton.python_target.forge_decoder import loading
@@ -389,6 +390,8 @@ def test_the_engine_loads_and_steps_on_one_thread(tmp_path):
                                   warn=print, error=print)
     try:
         assert loaded.engine._thread is threads[0] is not threading.current_thread()
+        nice = os.getpriority(os.PRIO_PROCESS, loaded.engine._thread.native_id)  # on a CPU the engine yields
+        assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + loading.ENGINE_NICE)
         done = threading.Event()
         seq = Sequence(GenerationRequest([5, 6, 7], 4), lambda s, update: update.finished and done.set())
         loaded.engine.submit([seq])
