@@ -372,32 +372,3 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     engine.step()
     assert not engine._pending
 
-
-def test_the_engine_loads_and_steps_on_one_thread(tmp_path):
-    """loading.load_and_run: the model is loaded (its weights packed, its cache made) on the thread that then
-    runs the engine's loop, so torch's OpenMP keeps one team; a load that fails raises on the caller's thread."""
-    import os
-    import threading
-
-    from forge.in_triton.python_target.forge_decoder import loading
-
-    _llama(tmp_path / "1" / "hf")
-    config = {"max_batch_size": 4, "parameters": {"weights": {"string_value": "hf"},
-                                                   "device": {"string_value": "cpu"},
-                                                   "dtype": {"string_value": "float32"}}}
-    threads = []
-    loaded = loading.load_and_run(config, tmp_path / "1", info=lambda m: threads.append(threading.current_thread()),
-                                  warn=print, error=print)
-    try:
-        assert loaded.engine._thread is threads[0] is not threading.current_thread()
-        nice = os.getpriority(os.PRIO_PROCESS, loaded.engine._thread.native_id)  # on a CPU the engine yields
-        assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + loading.ENGINE_NICE)
-        done = threading.Event()
-        seq = Sequence(GenerationRequest([5, 6, 7], 4), lambda s, update: update.finished and done.set())
-        loaded.engine.submit([seq])
-        assert done.wait(60) and len(seq.output) == 4
-    finally:
-        assert loaded.engine.stop()
-    config["parameters"]["weights"] = {"string_value": "missing"}
-    with pytest.raises(Exception, match="missing"):
-        loading.load_and_run(config, tmp_path / "1", info=print, warn=print, error=print)

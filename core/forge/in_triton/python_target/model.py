@@ -214,7 +214,7 @@ class TritonPythonModel:
             self.limits, self.loaded = self.engine.limits, None
             summary, graphs = self.engine.summary + ", engine in its own process", self.engine.graphs
         else:
-            self.loaded = loading.load_and_run(config, here, name=self.name, **log)  # idle until requests come
+            self.loaded = loading.load(config, here, name=self.name, **log)
             self.engine, self.limits = self.loaded.engine, self.loaded.limits
             summary, graphs = self.loaded.summary, self.loaded.graphs
         self.requests: dict[int, _Request] = {}
@@ -236,6 +236,8 @@ class TritonPythonModel:
             thread.start()
         if isinstance(self.engine, hosted.EngineHost):  # the engine waits while the senders are behind
             self.engine.throttle(lambda: sum(box.qsize() for box in self.outboxes), 2 * senders)
+        else:
+            self.engine.start()
         pb_utils.Logger.log_info(
             f"forge python target {self.name!r}: {summary}, {senders} sender threads, max_input_len "
             f"{self.limits.max_input_len}, max_seq_len {self.limits.max_seq_len}, decoupled {self.decoupled}, "

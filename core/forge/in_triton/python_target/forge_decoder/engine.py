@@ -175,18 +175,10 @@ class Engine(Scheduler, GraphSteps):
 
     # -- public, thread-safe ----------------------------------------------------------------------
     def start(self) -> "Engine":
-        """Run the loop on a thread of its own (running once this returns)."""
-        started = threading.Event()
-        threading.Thread(target=self.run, args=(started.set,), name="forge-decoder", daemon=True).start()
-        started.wait()
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="forge-decoder", daemon=True)
+        self._thread.start()
         return self
-
-    def run(self, started: Callable[[], None] = lambda: None) -> None:
-        """Run the loop on the calling thread until ``stop``; ``started`` is called once the engine counts as
-        running (a ``stop`` from then on ends the loop)."""
-        self._running, self._thread = True, threading.current_thread()
-        started()
-        self._loop()
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Ask the engine thread to stop (it fails what is left) and wait up to ``timeout`` s; whether it ended.

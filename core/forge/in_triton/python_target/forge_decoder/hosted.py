@@ -301,11 +301,11 @@ class Hosted:
     def load(self, config: dict, here: Path, name: str) -> None:
         from . import loading
 
-        self.loaded = loading.load_and_run(config, here, info=lambda m: self.log("info", m),
-                                           warn=lambda m: self.log("warn", m), error=lambda m: self.log("error", m),
-                                           name=name)
+        self.loaded = loading.load(config, here, info=lambda m: self.log("info", m), warn=lambda m: self.log("warn", m),
+                                   error=lambda m: self.log("error", m), name=name)
         self.engine = self.loaded.engine
-        self.engine.on_step = self.flush  # before any request: the engine idles until the stub sends one
+        self.engine.on_step = self.flush
+        self.engine.start()
         self.identity = (config, str(here))
         path = os.environ.get(adoption.SOCKET)
         if path:

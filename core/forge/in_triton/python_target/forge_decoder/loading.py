@@ -7,7 +7,6 @@ its own) both do at load. Nothing here imports Triton.
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -105,54 +104,6 @@ def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[
     summary = (f"{type(model).__name__} on {device} ({dtype}, tp {tp}, {torch.get_num_threads()} torch threads), "
                f"{rows} sequences in flight")
     return Loaded(engine, limits, guides, loras, device, summary, graphs)
-
-
-#: on a CPU, the nice value of the engine's thread and so of its OpenMP workers, which inherit it: the response
-#: senders, the stub's exchanges with tritonserver and the servers beside it run as soon as they wake, not after a
-#: time slice of the engine's (a sender cut off holding the lock of its queue to tritonserver when its process is
-#: killed made tritonserver abort; the same tokens/s, first tokens sooner)
-ENGINE_NICE = 5
-
-
-def load_and_run(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[str], None],
-                 error: Callable[[str], None], name: str = "tensorrt_llm") -> Loaded:
-    """``load`` on a thread that then runs the engine's loop (``Engine.run``), returned once the engine runs.
-
-    Every torch operation of the engine (the load, the weight packing, the steps) is on that one thread, so
-    torch's OpenMP keeps one team of workers (on a CPU niced by ENGINE_NICE). With the model loaded on one thread
-    and stepped on another, libgomp counts both teams against the cores, stops its workers spinning between
-    parallel regions and wakes them for each: on 2 cores a SmolLM2-135M decoding step took 33–40 ms that way
-    against 24 ms.
-    """
-    made: list = []
-    ready = threading.Event()
-
-    def run() -> None:
-        try:
-            if choose_device(config).type == "cpu":  # before torch's first parallel region makes the workers
-                _lower_priority(ENGINE_NICE)
-            loaded = load(config, here, info, warn, error, name)
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            made.append(exc)
-            ready.set()
-            return
-        made.append(loaded)
-        loaded.engine.run(ready.set)
-
-    threading.Thread(target=run, name="forge-decoder", daemon=True).start()
-    ready.wait()
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]
-
-
-def _lower_priority(by: int) -> None:
-    """The calling thread's nice value raised by ``by`` (up to 19; left as it is where the system refuses)."""
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
-    except OSError:
-        pass
 
 
 def _guides(config: dict, here: Path, weights: Path, threads: int, limits: Limits, info: Callable[[str], None],
