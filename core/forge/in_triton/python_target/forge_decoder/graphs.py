@@ -36,17 +36,13 @@ from .kvlayout import PagedBlocks, Staging, StaticSlots, upload
 
 #: torch.compile's backend for ``use_compile`` (tests on CPUs set "eager": the same tracing, no code generation)
 COMPILE_BACKEND = "inductor"
-#: the decoding step's attention: "fused" (decode_kernel: the cache write and the attention as one Triton kernel),
-#: "sdpa" (the writes, then scaled_dot_product_attention), "matmul" (scores, softmax, weighted sum) or "auto":
-#: fused for static slots on a GPU where decode_kernel.check passes, else sdpa
+#: the decoding step's attention: "fused" (decode_kernel: cache write and attention as one Triton kernel), "sdpa"
+#: (writes, then SDPA), "matmul" (scores, softmax, weighted sum) or "auto": fused where decode_kernel.check passes
 ATTENTION = "auto"
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-FIRST_COLUMNS = 128
+ROW_BUCKETS, FIRST_COLUMNS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256), 128  # captured steps' shapes
 FIRST_PREFILL_COLUMNS = 16  # prefill widths are captured in buckets 16, 32, 64, ...
 PREFILL_GRAPH_TOKENS = 8192  # larger prefills (prompts × width bucket) run eagerly: launches no longer matter
-#: uncaptured steps (a CPU) run their own row count and the columns they reach, rounded up to this: no capture to
-#: share, so no padding rows and no masked columns to compute (32 rows near position 64: 15 % of the step)
-EAGER_COLUMNS = 16
+EAGER_COLUMNS = 16  # uncaptured steps (a CPU) run their own rows and the columns they reach, rounded up to this
 BLOCK_TOKENS = 64  # tokens per block of a paged KV cache (a power of two dividing FIRST_COLUMNS)
 MODES = ("auto", "true", "false")  # -o cuda_graphs, -o torch_compile
 
@@ -423,13 +419,11 @@ class GraphDecoder:
         need = max((p for p in positions if p != self.spare), default=0) + 1
         if need > self.max_len:
             raise RuntimeError(f"position {need - 1} is past the {self.max_len} columns of the cache")
+        rows, columns = n, -(-need // EAGER_COLUMNS) * EAGER_COLUMNS  # nothing captured to share: no padding
         if self.capture:
-            rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
-            columns = FIRST_COLUMNS
+            rows, columns = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows), FIRST_COLUMNS
             while columns < need:
                 columns *= 2
-        else:
-            rows, columns = n, -(-need // EAGER_COLUMNS) * EAGER_COLUMNS
         columns = min(columns, self.max_len)
         self.filled = max(self.filled, need)
         for slot, position in enumerate(positions):
