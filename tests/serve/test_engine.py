@@ -371,4 +371,3 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     engine.admit_wait_ns = 1
     engine.step()
     assert not engine._pending
-

@@ -415,15 +415,15 @@ class GraphDecoder:
         staging.send(self.inputs[:, :rows], rows)
 
     def _bucket(self, n: int, positions: list[int], modules: bool) -> tuple[int, int]:
-        """The captured (rows, columns) a step of ``n`` rows at ``positions`` runs as (captured now if new)."""
+        """A step's (rows, columns): its captured bucket (captured now if new), else its own rows and columns."""
         need = max((p for p in positions if p != self.spare), default=0) + 1
         if need > self.max_len:
             raise RuntimeError(f"position {need - 1} is past the {self.max_len} columns of the cache")
-        rows, columns = n, -(-need // EAGER_COLUMNS) * EAGER_COLUMNS  # nothing captured to share: no padding
-        if self.capture:
-            rows, columns = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows), FIRST_COLUMNS
-            while columns < need:
-                columns *= 2
+        if self.capture:  # FIRST_COLUMNS doubled until the rows' positions fit
+            rows = next((b for b in ROW_BUCKETS if n <= b <= self.rows), self.rows)
+            columns = max(FIRST_COLUMNS, 1 << (need - 1).bit_length())
+        else:
+            rows, columns = n, -(-need // EAGER_COLUMNS) * EAGER_COLUMNS
         columns = min(columns, self.max_len)
         self.filled = max(self.filled, need)
         for slot, position in enumerate(positions):
