@@ -371,3 +371,27 @@ def test_on_a_gpu_arrivals_are_gathered_into_one_prefill_while_sequences_run(mod
     engine.admit_wait_ns = 1
     engine.step()
     assert not engine._pending
+
+
+def test_a_model_loaded_apart_serves_and_its_load_errors_reach_the_caller(tmp_path, monkeypatch):
+    """``loading.load_apart``: the load runs on a thread of its own that has ended by the time the caller has the
+    engine (its torch workers with it), the engine then serves; what the load raised is raised in the caller."""
+    import threading
+
+    from forge.in_triton.python_target.forge_decoder import loading
+
+    monkeypatch.setenv("FORGE_PYTARGET_THREADS", "1")
+    config = {"parameters": {"max_input_len": {"string_value": "64"}, "max_seq_len": {"string_value": "128"}}}
+    with pytest.raises(OSError):  # no checkpoint in here/hf
+        loading.load_apart(config, tmp_path, print, print, print)
+    _llama(tmp_path / "hf")
+    loaded = loading.load_apart(config, tmp_path, print, print, print)
+    assert not [t for t in threading.enumerate() if t.name == "forge-load"]
+    done = threading.Event()
+    seq = Sequence(GenerationRequest(prompt=[5, 6, 7], max_new_tokens=4),
+                   lambda s, update: done.set() if update.finished else None)
+    loaded.engine.start().submit([seq])
+    try:
+        assert done.wait(60) and len(seq.output) == 4
+    finally:
+        loaded.engine.stop()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from forge.in_triton.forge_glue import IN_FLIGHT_DIR, InFlight
 from forge.server.processes import engine_model, engine_processes, python_stubs, session_processes
 
 PROMPT = "hello world"
@@ -89,6 +90,15 @@ class Served:
 
     def stub(self, model: str) -> int:
         return python_stubs(session_processes(self.tritonserver()))[model]
+
+    def held(self, model: str) -> tuple[int, int]:
+        """(pid, requests only it can answer) of ``model``'s process: the count it keeps for forge serve
+        (forge_glue.InFlight), 0 where it keeps none."""
+        pid = self.stub(model)
+        environ = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        count = InFlight.read(Path(environ.get(IN_FLIGHT_DIR, "/nonexistent")) / model / str(pid))
+        return pid, count or 0
 
     def engine(self, model: str) -> int:
         """The engine process of ``model``: its stub's child, or one its stub took over (tritonserver's child)."""
@@ -198,6 +208,35 @@ def _complete(served: Served) -> tuple[int, bytes]:
     return _post(f"{served.api}/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}, timeout=120)
 
 
+START = "==== forge: tritonserver start"
+
+
+def _again_if_tritonserver_aborted(served: Served, scenario, tries: int = 3):
+    """``scenario()``, run again on the restarted server where tritonserver itself died of the kill.
+
+    tritonserver's python backend throws boost's ``lock_exception`` and aborts when a model process dies holding
+    a lock of the memory the two share (2 of 30 kills of p_tensorrt_llm's process under this module's load);
+    forge serve then restarts tritonserver, which is right but is not the path a scenario checks. Any other
+    failure fails at once."""
+    for attempt in range(tries):
+        since = len(served.stderr)
+        try:
+            return scenario()
+        except AssertionError:
+            if attempt + 1 == tries or not _tritonserver_aborted(served, since):
+                raise
+            served.said("tritonserver is back after", since, timeout=300)
+            print(f"tritonserver aborted on the kill (attempt {attempt + 1}); the scenario runs again")
+
+
+def _tritonserver_aborted(served: Served, since: int) -> bool:
+    try:
+        served.said("tritonserver was killed by signal 6", since, timeout=10)
+    except AssertionError:
+        return False
+    return True
+
+
 def _recover(served: Served, kill, what: str, errors: tuple[str, ...] = ("died while serving this request",)) -> None:
     direct = Direct(served)
     streams = Streams(served)
@@ -231,17 +270,20 @@ def _recover(served: Served, kill, what: str, errors: tuple[str, ...] = ("died w
 
 
 def test_a_dead_model_process_comes_back_alone_while_the_other_models_serve(served):
-    engine = served.engine("p_tensorrt_llm")
-
     def kill() -> float:
         os.kill(served.stub("p_tensorrt_llm"), signal.SIGKILL)
         return time.monotonic()
 
-    _recover(served, kill, "killed by signal 9 (SIGKILL)")
-    log = served.log.read_text()
-    assert log.count("==== forge: tritonserver start") == 1, "tritonserver was restarted"
-    assert f"took over engine process {engine}," in log and served.engine("p_tensorrt_llm") == engine, \
-        [line for line in log.splitlines() if "engine" in line][-5:]
+    def scenario() -> None:
+        engine = served.engine("p_tensorrt_llm")
+        starts = served.log.read_text().count(START)
+        _recover(served, kill, "killed by signal 9 (SIGKILL)")
+        log = served.log.read_text()
+        assert log.count(START) == starts, "tritonserver was restarted"
+        assert f"took over engine process {engine}," in log and served.engine("p_tensorrt_llm") == engine, \
+            [line for line in log.splitlines() if "engine" in line][-5:]
+
+    _again_if_tritonserver_aborted(served, scenario)
 
 
 def test_a_dead_engine_process_brings_its_model_back_the_same_way(served):
@@ -249,58 +291,67 @@ def test_a_dead_engine_process_brings_its_model_back_the_same_way(served):
         os.kill(served.engine("p_tensorrt_llm"), signal.SIGKILL)
         return time.monotonic()
 
+    starts = served.log.read_text().count(START)
     # the model process answers its requests itself, unless the OpenAI API failed them first
     _recover(served, kill, "engine process", ("the engine process exited with status -9",
                                                "died while serving this request"))
-    assert served.log.read_text().count("==== forge: tritonserver start") == 1, "tritonserver was restarted"
+    assert served.log.read_text().count(START) == starts, "tritonserver was restarted"
 
 
 def test_a_request_only_the_dead_process_could_answer_restarts_tritonserver(served):
     """Clients streaming from s_ensemble through Triton itself: tritonserver never answers a request a dead
     decoupled model held, so forge serve restarts it (which closes their connections) instead of a reload."""
-    first = served.tritonserver()
-    halt = threading.Event()
-    ended: list[str] = []
+    def scenario() -> None:
+        first = served.tritonserver()
+        starts = served.log.read_text().count(START)
+        halt = threading.Event()
+        ended: list[str] = []
 
-    def client() -> None:
-        while not halt.is_set():
-            request = urllib.request.Request(
-                f"{served.http}/v2/models/s_ensemble/generate_stream",
-                data=json.dumps({"text_input": PROMPT, "max_tokens": 100, "bad_words": "", "stop_words": "",
-                                 "stream": True}).encode())
-            try:
-                with urllib.request.urlopen(request, timeout=60) as response:
-                    response.read()
-            except Exception as exc:  # noqa: BLE001 - the restart closes the connection
-                ended.append(f"{type(exc).__name__}: {exc}")
-                return
+        def client() -> None:
+            while not halt.is_set():
+                request = urllib.request.Request(
+                    f"{served.http}/v2/models/s_ensemble/generate_stream",
+                    data=json.dumps({"text_input": PROMPT, "max_tokens": 100, "bad_words": "", "stop_words": "",
+                                     "stream": True}).encode())
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as response:
+                        response.read()
+                except Exception as exc:  # noqa: BLE001 - the restart closes the connection
+                    ended.append(f"{type(exc).__name__}: {exc}")
+                    return
 
-    clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
-    for thread in clients:
-        thread.start()
-    time.sleep(2.0)
-    since = len(served.stderr)
-    os.kill(served.stub("s_tensorrt_llm"), signal.SIGKILL)
-    killed = time.monotonic()
-    for thread in clients:
-        thread.join(30)
-    halt.set()
-    assert len(ended) == 4, f"{4 - len(ended)} requests hung: {ended}"
-    print(f"every direct stream ended within {time.monotonic() - killed:.1f} s of the kill: {ended[0]}")
-    line = served.said("only a restart answers them", since)
-    assert "s_tensorrt_llm" in line and "request(s) from clients other than the OpenAI API" in line, line
-    served.said("tritonserver is back after", since, timeout=300)
-    back = time.monotonic()  # tritonserver's models are READY: the API is ready within a second of that
-    while _status(f"{served.api}/health/ready") != 200 and time.monotonic() - back < 1.0:
-        time.sleep(0.05)
-    assert _status(f"{served.api}/health/ready") == 200, "the API's readiness lagged tritonserver's"
-    assert served.tritonserver() != first
-    assert _complete(served)[0] == 200
-    log = served.log.read_text()
-    # the crashed generation's lines are kept; a start that failed (a slow machine) and was tried again says why
-    retried = [line for line in served.stderr[since:] if "did not start again" in line]
-    assert log.count("==== forge: tritonserver start") == 2 + len(retried), "".join(served.stderr[since:])[-3000:]
-    print("".join(retried))
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+        for thread in clients:
+            thread.start()
+        time.sleep(2.0)
+        since = len(served.stderr)
+        deadline = time.monotonic() + 30  # killed while it holds requests (short ones may all be between steps)
+        while (held := served.held("s_tensorrt_llm"))[1] < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert held[1] >= 2, f"the clients' requests never reached s_tensorrt_llm: {ended}"
+        os.kill(held[0], signal.SIGKILL)
+        killed = time.monotonic()
+        for thread in clients:
+            thread.join(30)
+        halt.set()
+        assert len(ended) == 4, f"{4 - len(ended)} requests hung: {ended}"
+        print(f"every direct stream ended within {time.monotonic() - killed:.1f} s of the kill: {ended[0]}")
+        line = served.said("only a restart answers them", since)
+        assert "s_tensorrt_llm" in line and "request(s) from clients other than the OpenAI API" in line, line
+        served.said("tritonserver is back after", since, timeout=300)
+        back = time.monotonic()  # tritonserver's models are READY: the API is ready within a second of that
+        while _status(f"{served.api}/health/ready") != 200 and time.monotonic() - back < 1.0:
+            time.sleep(0.05)
+        assert _status(f"{served.api}/health/ready") == 200, "the API's readiness lagged tritonserver's"
+        assert served.tritonserver() != first
+        assert _complete(served)[0] == 200
+        log = served.log.read_text()
+        # the crashed generation's lines are kept; a start that failed (a slow machine) and was tried again says why
+        retried = [line for line in served.stderr[since:] if "did not start again" in line]
+        assert log.count(START) == starts + 1 + len(retried), "".join(served.stderr[since:])[-3000:]
+        print("".join(retried))
+
+    _again_if_tritonserver_aborted(served, scenario)
 
 
 def test_a_drain_after_such_a_reload_does_not_wait_for_the_dead_generation(served, tmp_path):
@@ -312,7 +363,7 @@ def test_a_drain_after_such_a_reload_does_not_wait_for_the_dead_generation(serve
         return time.monotonic()
 
     try:
-        _recover(served, kill, "killed by signal 9 (SIGKILL)")
+        _again_if_tritonserver_aborted(served, lambda: _recover(served, kill, "killed by signal 9 (SIGKILL)"))
     except AssertionError:
         served.stop()
         raise

@@ -214,7 +214,7 @@ class TritonPythonModel:
             self.limits, self.loaded = self.engine.limits, None
             summary, graphs = self.engine.summary + ", engine in its own process", self.engine.graphs
         else:
-            self.loaded = loading.load(config, here, name=self.name, **log)
+            self.loaded = loading.load_apart(config, here, name=self.name, **log)
             self.engine, self.limits = self.loaded.engine, self.loaded.limits
             summary, graphs = self.loaded.summary, self.loaded.graphs
         self.requests: dict[int, _Request] = {}

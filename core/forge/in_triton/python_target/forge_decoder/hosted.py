@@ -301,8 +301,9 @@ class Hosted:
     def load(self, config: dict, here: Path, name: str) -> None:
         from . import loading
 
-        self.loaded = loading.load(config, here, info=lambda m: self.log("info", m), warn=lambda m: self.log("warn", m),
-                                   error=lambda m: self.log("error", m), name=name)
+        self.loaded = loading.load_apart(config, here, info=lambda m: self.log("info", m),
+                                         warn=lambda m: self.log("warn", m), error=lambda m: self.log("error", m),
+                                         name=name)
         self.engine = self.loaded.engine
         self.engine.on_step = self.flush
         self.engine.start()
