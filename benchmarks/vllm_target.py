@@ -266,7 +266,7 @@ def main() -> int:
     columns = ["load", *(LABELS[n] for n in measured), *(label for _, label in ratios)]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU"
     gen_docs.write_results(
-        "vllm_target", title=", ".join(LABELS[name] for name in measured) + " on one CPU",
+        "vllm_target", title="; ".join(LABELS[name] for name in measured) + " — on one CPU",
         columns=columns, rows=rows, machine_line=machine, out=args.out,
         description=f"SmolLM2-135M-Instruct (bf16), /v1/completions, prompts of ~{PROMPT_TOKENS} tokens, "
                     f"{args.max_tokens} tokens each (ignore_eos), greedy; closed loop for {args.duration:g} s per "
