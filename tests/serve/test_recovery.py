@@ -9,7 +9,7 @@ through Triton's HTTP endpoint throughout, and must see no error at all. In orde
    once with a 503, only that model is loaded again, and the API answers again within seconds; its engine
    process outlives it, and the model's new process takes it over loaded;
 2. kill -9 of that engine process: the same, through the model process that outlived it;
-3. kill -9 of ``s_tensorrt_llm``'s process while clients stream from it through Triton itself: those requests
+3. kill -9 of ``s_tensorrt_llm``'s process while it holds clients' streams through Triton itself: those requests
    can only be released by a restart of tritonserver, so forge serve restarts it; the API is ready within a
    second of tritonserver, and the log keeps the first server's lines under their own header;
 4. on a server of its own, kill -9 of ``p_tensorrt_llm``'s process under streamed OpenAI load, then SIGTERM:
@@ -91,14 +91,13 @@ class Served:
     def stub(self, model: str) -> int:
         return python_stubs(session_processes(self.tritonserver()))[model]
 
-    def held(self, model: str) -> tuple[int, int]:
-        """(pid, requests only it can answer) of ``model``'s process: the count it keeps for forge serve
-        (forge_glue.InFlight), 0 where it keeps none."""
+    def in_flight(self, model: str) -> tuple[int, str]:
+        """(pid, the file of the requests only it can answer) of ``model``'s process: the count it keeps for
+        forge serve (forge_glue.InFlight; read it with ``InFlight.read``)."""
         pid = self.stub(model)
         environ = dict(item.split("=", 1) for item in
                        Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-        count = InFlight.read(Path(environ.get(IN_FLIGHT_DIR, "/nonexistent")) / model / str(pid))
-        return pid, count or 0
+        return pid, InFlight.path(environ.get(IN_FLIGHT_DIR, "/nonexistent"), model, pid)
 
     def engine(self, model: str) -> int:
         """The engine process of ``model``: its stub's child, or one its stub took over (tritonserver's child)."""
@@ -325,11 +324,12 @@ def test_a_request_only_the_dead_process_could_answer_restarts_tritonserver(serv
             thread.start()
         time.sleep(2.0)
         since = len(served.stderr)
+        pid, counted = served.in_flight("s_tensorrt_llm")
         deadline = time.monotonic() + 30  # killed while it holds requests (short ones may all be between steps)
-        while (held := served.held("s_tensorrt_llm"))[1] < 2 and time.monotonic() < deadline:
+        while (count := InFlight.read(counted) or 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert held[1] >= 2, f"the clients' requests never reached s_tensorrt_llm: {ended}"
-        os.kill(held[0], signal.SIGKILL)
+        assert count >= 2, f"the clients' requests never reached s_tensorrt_llm: {ended}"
+        os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         for thread in clients:
             thread.join(30)

@@ -354,6 +354,11 @@ class InFlight:
             self._map = None
 
     @staticmethod
+    def path(directory: str, model: str, pid: int) -> str:
+        """Where the process ``pid`` of ``model`` keeps its count under ``directory`` ($FORGE_INFLIGHT_DIR)."""
+        return os.path.join(directory, model, str(pid))
+
+    @staticmethod
     def read(path) -> int | None:
         """The count a model process left in ``path``; None when it never tracked (or the file is not one)."""
         try:
@@ -392,7 +397,7 @@ def _in_flight() -> InFlight:
     if not directory or not args:
         return InFlight()
     model = os.path.basename(os.path.dirname(os.path.dirname(args[0])))  # <repo>/<model>/<version>/model.py
-    return InFlight(os.path.join(directory, model, str(os.getpid())))
+    return InFlight(InFlight.path(directory, model, os.getpid()))
 
 
 in_flight = _in_flight()
