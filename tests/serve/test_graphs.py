@@ -19,6 +19,7 @@ from forge.in_triton.python_target.forge_decoder.request import GenerationReques
 from forge.in_triton.python_target.forge_decoder.sequences import Sequence  # noqa: E402
 
 VOCAB = 160
+NOTES = {"fused": "fused (one Triton kernel writes and attends)", "cpu": "cpu (cpu_attention's C kernel)"}
 PAGED = {"block": 4, "blocks": 40}  # blocks of 4 tokens; 40 blocks: fewer than 4 rows × 64 columns
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
@@ -69,20 +70,22 @@ def outputs(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]
 
 @pytest.mark.parametrize("kind, attention, compiled", [
     *((kind, attention, compiled) for kind in ("llama", "qwen2", "qwen3")
-      for attention, compiled in (("sdpa", None), ("matmul", None), ("sdpa", "eager"))),
+      for attention, compiled in (("sdpa", None), ("matmul", None), ("sdpa", "eager"), ("cpu", None))),
     ("llama", "fused", "eager"), ("qwen2", "fused", None), ("qwen3", "fused", None)])
 def test_static_cache_step_equals_transformers_generate(kind, attention, compiled, monkeypatch):
     """Five prompts of different lengths through 3 slots (rows join late and leave early), column buckets
     of 8 so caches cross buckets: every row's greedy ids equal its own ``generate``, with either form of the
-    step's attention (the fused Triton kernel through Triton's interpreter), and with the layers' pieces traced by
+    step's attention (the fused Triton kernel through Triton's interpreter, the C kernel of a CPU), and with the
+    layers' pieces traced by
     torch.compile (``Fused``; the eager backend here: its arithmetic, not the fused kernels)."""
     _static_run(kind, attention, compiled, monkeypatch)
 
 
-def test_gpt2_static_step_through_the_fused_kernel_equals_transformers_generate(monkeypatch):
+@pytest.mark.parametrize("attention", ["fused", "cpu"])
+def test_gpt2_static_step_through_each_kernel_equals_transformers_generate(attention, monkeypatch):
     """GPT-2's step (its queries scaled per layer, keys and values sliced from one projection) through the fused
-    kernel: the same rows joining and leaving, greedy ids equal to ``generate``."""
-    _static_run("gpt2", "fused", None, monkeypatch)
+    kernel and the CPU one: the same rows joining and leaving, greedy ids equal to ``generate``."""
+    _static_run("gpt2", attention, None, monkeypatch)
 
 
 def _static_run(kind, attention, compiled, monkeypatch):
@@ -93,7 +96,7 @@ def _static_run(kind, attention, compiled, monkeypatch):
     prompts = [[5, 17, 30, 4], [9] * 11, [1], list(range(40, 63)), [7, 8, 9, 10, 11, 12, 13]]
     lengths = [12, 5, 20, 9, 15]
     engine = Engine(model, Limits(VOCAB, 100, 128), max_rows=3)
-    note = {"fused": "fused (one Triton kernel writes and attends)"}.get(attention, attention)
+    note = NOTES.get(attention, attention)
     gemms = "GPT2Decoder does not pack its weights" if kind == "gpt2" else "torch.float32 (bfloat16 only)"
     cache, chosen = engine.use_graphs("auto", capture=False, compile="auto").split("; ", 1)
     assert cache.startswith("static KV cache of ") and chosen == (
@@ -163,8 +166,8 @@ def test_the_fused_kernel_refuses_what_it_cannot_run():
     assert decode_kernel.unsupported(4, 2, 8, torch.float16) == \
         "its head dim 8 is not a power of two of at least 16"
     decoder = architectures.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
-    assert decoder.attention == "sdpa" and decoder.describe().endswith(
-        "attention sdpa (not the fused kernel: not on a GPU); GEMMs plain (torch.float32 (bfloat16 only))")
+    assert decoder.attention == "cpu" and decoder.describe().endswith(  # auto on a CPU: never the fused kernel
+        "attention cpu (cpu_attention's C kernel); GEMMs plain (torch.float32 (bfloat16 only))")
     with pytest.raises(ValueError, match="the fused decoding attention cannot run here: its KV-cache blocks of 4 "
                                          "tokens are not a power of two of at least 16"):
         graphs.GraphDecoder._attention(decoder, "fused")
@@ -428,7 +431,7 @@ def _run(engine: Engine, requests: list[GenerationRequest], late: int = 0) -> li
 
 
 @pytest.mark.parametrize("kind, attention, block", [("llama", "sdpa", 4), ("qwen3", "sdpa", 4), ("gpt2", "sdpa", 4),
-                                                   ("llama", "fused", 16)])
+                                                   ("llama", "fused", 16), ("llama", "cpu", 4), ("gpt2", "cpu", 4)])
 def test_paged_cache_step_equals_transformers_generate(kind, attention, block, monkeypatch):
     """A paged KV cache of 48 tokens in blocks (12 of 4, or 3 of 16: the fused kernel reads blocks of at least 16)
     for 3 rows of up to 48 tokens (static slots would take 144): five prompts join late and leave early, a sequence
@@ -443,7 +446,7 @@ def test_paged_cache_step_equals_transformers_generate(kind, attention, block, m
     engine = Engine(model, Limits(VOCAB, 40, 48), max_rows=3)
     blocks = 48 // block
     chosen = engine.use_graphs("auto", capture=False, paged="true", blocks=blocks)
-    note = "fused (one Triton kernel writes and attends)" if attention == "fused" else attention
+    note = NOTES.get(attention, attention)
     assert chosen.startswith(f"paged KV cache of 0 MiB: {blocks} blocks of {block} tokens; attention {note}; GEMMs "
                              "plain (")
     waited = []

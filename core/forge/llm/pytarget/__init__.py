@@ -31,7 +31,7 @@ def runtime_files() -> dict[str, bytes]:
     edit forge's own source.
     """
     files = {"1/model.py": in_triton.DECODER_MODEL.read_bytes(), **in_triton.glue_files()}
-    for path in sorted(in_triton.DECODER_RUNTIME.glob("*.py")):
+    for path in sorted([*in_triton.DECODER_RUNTIME.glob("*.py"), *in_triton.DECODER_RUNTIME.glob("*.c")]):
         files[f"1/{RUNTIME_PACKAGE}/{path.name}"] = path.read_bytes()
     return files
 

@@ -22,22 +22,21 @@ captures and their replays; each architecture's layers are in architectures.py.
 A step (or prefill) with a LoRA adapter in the batch runs eagerly through the projection modules, whose
 hooks add the adapters; steps without one replay the graphs. On a tensor-parallel rank (``reduce``) the row-parallel
 projections are summed by an all-reduce inside the step; prompt tables only touch prefill. The step's attention
-is decode_kernel's fused kernel where it runs (``ATTENTION``), else SDPA.
+is decode_kernel's fused kernel where it runs on a GPU, cpu_attention's on a CPU (``ATTENTION``), else SDPA.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from . import decode_kernel, sampling
+from . import sampling, step_attention
 from .kvlayout import PagedBlocks, Staging, StaticSlots, upload
 
 
 #: torch.compile's backend for ``use_compile`` (tests on CPUs set "eager": the same tracing, no code generation)
 COMPILE_BACKEND = "inductor"
-#: the decoding step's attention: "fused" (decode_kernel: cache write and attention as one Triton kernel), "sdpa"
-#: (writes, then SDPA), "matmul" (scores, softmax, weighted sum) or "auto": fused where decode_kernel.check passes
+#: the decoding step's attention (step_attention.FORMS): "auto" takes the fused kernel on a GPU, the C one on a CPU,
+#: where they run, else SDPA
 ATTENTION = "auto"
 ROW_BUCKETS, FIRST_COLUMNS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256), 128  # captured steps' shapes
 FIRST_PREFILL_COLUMNS = 16  # prefill widths are captured in buckets 16, 32, 64, ...
@@ -105,17 +104,10 @@ class GraphDecoder:
         self.attention, self.attention_note = self._attention(ATTENTION)
 
     def _attention(self, asked: str) -> tuple[str, str]:
-        """(the step's attention form, why, for the log) for an ``ATTENTION`` value."""
-        if asked not in ("auto", "fused"):
-            return asked, asked
-        reason = ("not on a GPU" if asked == "auto" and self.device.type != "cuda"
-                  else decode_kernel.check(self.heads, self.kv_heads, self.head_dim, self.dtype, self.device,
-                                           self.cache.block if self.cache.paged else 0))
-        if reason is None:
-            return "fused", "fused (one Triton kernel writes and attends)"
-        if asked == "fused":
-            raise ValueError(f"the fused decoding attention cannot run here: {reason}")
-        return "sdpa", f"sdpa (not the fused kernel: {reason})"
+        """(the step's attention form, why, for the log) for an ``ATTENTION`` value (step_attention.choose)."""
+        form, note, self.cpu_kernel = step_attention.choose(asked, self.heads, self.kv_heads, self.head_dim,
+                                                            self.dtype, self.device, self.cache)
+        return form, note
 
     def describe(self) -> str:
         """The KV cache, the step's attention and (on a CPU) the GEMMs, for the log."""
@@ -459,33 +451,14 @@ class GraphDecoder:
 
     # -- pieces of every architecture's step ---------------------------------------------------------
     def _step_inputs(self, rows: int, columns: int):
-        """This step's ids, positions and where it writes and attends: (flat cache rows to write, attention bias
-        ``[b, 1, 1, columns]``), or the positions alone for the fused kernel."""
+        """This step's ids, positions and where it writes and attends (step_attention.where)."""
         ids, pos = self.inputs[0, :rows], self.inputs[1, :rows]
-        if self.attention == "fused":
-            return ids, pos, pos
-        at = self.cache.step_index(pos)  # each (row, kv head)'s row in the flat cache
-        hidden = self.columns[:columns].unsqueeze(0) > pos.unsqueeze(1)  # [b, columns]: not attended
-        bias = torch.zeros((rows, 1, 1, columns), dtype=self.dtype, device=self.device)
-        return ids, pos, (at, bias.masked_fill(hidden[:, None, None, :], float("-inf")))
+        return ids, pos, step_attention.where(self, pos, columns)
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where, columns: int) -> torch.Tensor:
         """Write this step's keys/values [b, kv, dim] into the cache, attend with q [b, heads, dim] (scaled
         already) over the first ``columns`` columns (``where``: _step_inputs'); returns [b, heads * dim]."""
-        if self.attention == "fused":  # each row's columns up to its position: ``columns`` is only a bound
-            return decode_kernel.attend_and_write(q, k, v, self.cache.keys[layer], self.cache.values[layer], where,
-                                                  self.spare, self.cache.table if self.cache.paged else None)
-        b, kv, dim = k.shape
-        at, bias = where
-        self.cache.write_step(layer, at, k, v)
-        keys, values = self.cache.read(layer, b, columns)
-        q = q.reshape(b, kv, self.heads // kv, dim)  # a key/value head's query group: SDPA's "query length"
-        if self.attention == "sdpa":
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=1.0)
-            return out.reshape(b, self.heads * dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) + bias  # [b, kv, group, columns]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-        return torch.matmul(probs, values).view(b, self.heads * dim)
+        return step_attention.attend(self, layer, q, k, v, where, columns)
 
     @staticmethod
     def _picks(logits: torch.Tensor, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

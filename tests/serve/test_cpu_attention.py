@@ -1,0 +1,133 @@
+"""cpu_attention's C kernel (the decoding step's attention on a CPU) against float64 attention, and its refusals.
+
+Compiled here with the machine's C compiler, as the served decoder does; the machine has AVX-512, so a failure
+to load is a failure (where a CPU lacks it, the decoder keeps SDPA: tested below by hiding the compiler).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from forge.in_triton.python_target.forge_decoder import cpu_attention, step_attention  # noqa: E402
+from forge.in_triton.python_target.forge_decoder.kvlayout import PagedBlocks, StaticSlots  # noqa: E402
+
+
+def _library():
+    library, why = cpu_attention.load()
+    assert library is not None, why
+    return library
+
+
+def _reference(q, keys, values, positions, columns):
+    """Each row's queries over its columns [0, min(position + 1, columns)), in float64: [b, kv * group * dim]."""
+    out = []
+    for r, p in enumerate(positions.tolist()):
+        n = min(p + 1, columns)
+        k, v = keys[r, :, :n].double(), values[r, :, :n].double()  # [kv, n, dim]
+        probs = torch.softmax(q[r].double() @ k.transpose(-1, -2), dim=-1)  # [kv, group, n]
+        out.append((probs @ v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("kv, group, dim", [(3, 3, 64), (2, 1, 16), (1, 8, 128), (4, 2, 256)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_kernel_attends_as_float64_attention(dtype, tolerance, kv, group, dim, paged):
+    """Rows at position 0, inside the first chunk of 64 columns, across chunks (63, 64, 200), and a padding row
+    at the spare position that ``columns`` cuts short; static slots and blocks of 16 in a shuffled table."""
+    rows, max_len = 7, 256
+    gen = torch.Generator().manual_seed(kv * 100 + group * 10 + dim)
+    positions = torch.tensor([0, 5, 63, 64, 130, 200, max_len])
+    columns = 208  # the step's bound: every real row's position is below it
+    q = (torch.randn(rows, kv, group, dim, generator=gen) / dim ** 0.5).to(dtype)
+    keys = torch.randn(rows, kv, max_len + 1, dim, generator=gen).to(dtype)
+    values = torch.randn(rows, kv, max_len + 1, dim, generator=gen).to(dtype)
+    expected = _reference(q, keys, values, positions, columns)
+    if paged:
+        block = 16
+        width = (max_len + 1 + block - 1) // block
+        order = torch.randperm(rows * width, generator=gen)  # row r's block j lives at pool block order[r*width+j]
+        pool_k = torch.zeros(rows * width + 1, kv, block, dim, dtype=dtype)
+        pool_v = torch.zeros_like(pool_k)
+        table = order.view(rows, width).contiguous()
+        for r in range(rows):
+            for j in range(width):
+                span = slice(j * block, min((j + 1) * block, max_len + 1))
+                count = span.stop - span.start
+                pool_k[table[r, j], :, :count] = keys[r, :, span]
+                pool_v[table[r, j], :, :count] = values[r, :, span]
+        got = cpu_attention.attend(_library(), q, pool_k, pool_v, positions, columns, table)
+    else:
+        got = cpu_attention.attend(_library(), q, keys, values, positions, columns)
+    assert got.shape == (rows, kv * group * dim) and got.dtype == dtype
+    assert (got.double() - expected).abs().max().item() < tolerance
+
+
+def test_the_kernel_reads_the_decoders_own_layouts():
+    """The step's caches as the decoder holds them (StaticSlots' views of one store, PagedBlocks' pool and table):
+    the same answer from both, equal to float64 attention over what was written."""
+    kv, group, dim, max_len = 3, 3, 64, 96
+    static = StaticSlots(1, 4, kv, dim, max_len, torch.float32, "cpu")
+    paged = PagedBlocks(1, 4, kv, dim, max_len, torch.float32, "cpu", block=16, blocks=32)
+    gen = torch.Generator().manual_seed(7)
+    lengths = [1, 17, 40, 96]
+    for slot, length in enumerate(lengths):
+        k = torch.randn(1, kv, length, dim, generator=gen)
+        v = torch.randn(1, kv, length, dim, generator=gen)
+        paged.admit(slot, length)
+        paged.grow(slot, length - 1)
+        paged.sync()
+        for cache in (static, paged):
+            cache.write_prompt(0, torch.tensor([slot]), 0, k, v)
+    q = torch.randn(4, kv, group, dim, generator=gen) / 8
+    positions = torch.tensor([n - 1 for n in lengths])
+    a = cpu_attention.attend(_library(), q, static.keys[0], static.values[0], positions, max_len)
+    b = cpu_attention.attend(_library(), q, paged.keys[0], paged.values[0], positions, max_len, paged.table)
+    keys, values = static.read(0, 4, max_len)
+    assert (a.double() - _reference(q, keys, values, positions, max_len)).abs().max() < 2e-6
+    assert torch.equal(a, b)
+
+
+def test_shapes_and_dtypes_the_kernel_does_not_take_keep_sdpa():
+    """float16, a head dim off 16's multiples, too many queries per key/value head: SDPA with the reason; asking
+    for the CPU form there, or for a form that does not exist, is an error."""
+    assert cpu_attention.unsupported(9, 3, 64, torch.float16) == "torch.float16 (bfloat16 and float32 only)"
+    assert cpu_attention.unsupported(8, 2, 72, torch.float32) == "its head dim 72 is not a multiple of 16 up to 256"
+    assert cpu_attention.unsupported(64, 2, 64, torch.float32) == "32 query heads per key/value head (at most 16)"
+    assert cpu_attention.unsupported(9, 3, 64, torch.bfloat16) is None
+    cache = StaticSlots(1, 2, 2, 72, 8, torch.float32, "cpu")
+    form, note, library = step_attention.choose("auto", 8, 2, 72, torch.float32, torch.device("cpu"), cache)
+    assert (form, note, library) == ("sdpa", "sdpa (not the CPU kernel: its head dim 72 is not a multiple of 16 up "
+                                             "to 256)", None)
+    with pytest.raises(ValueError, match="the cpu decoding attention cannot run here: its head dim 72"):
+        step_attention.choose("cpu", 8, 2, 72, torch.float32, torch.device("cpu"), cache)
+    with pytest.raises(ValueError, match="attention 'flash': expected one of auto, fused, cpu, sdpa, matmul"):
+        step_attention.choose("flash", 8, 2, 64, torch.float32, torch.device("cpu"), cache)
+
+
+def test_without_a_compiler_the_decoder_keeps_sdpa_and_says_why(monkeypatch, tmp_path):
+    """No C compiler on the machine (CC naming a missing program, none on PATH): ``load`` says so, nothing is
+    left half-written in the cache, and the decoder's auto form is SDPA with that reason."""
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    library, why = cpu_attention.load()
+    assert library is None and "no-such-cc" in why
+    cache = StaticSlots(1, 2, 3, 64, 8, torch.float32, "cpu")
+    form, note, _ = step_attention.choose("auto", 9, 3, 64, torch.float32, torch.device("cpu"), cache)
+    assert form == "sdpa" and note == f"sdpa (not the CPU kernel: {why})"
+    assert not list((tmp_path / "cache" / "kernels").glob("*"))
+    monkeypatch.setattr(cpu_attention, "_loaded", None)  # the next test loads the real library again
+
+
+def test_a_failed_compile_names_the_compiler_and_leaves_no_file(monkeypatch, tmp_path):
+    """A compiler that fails (here: ``false``) gives its name in the reason and no library in the cache."""
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
+    library, why = cpu_attention.load()
+    assert library is None and why.startswith("false failed")
+    assert not list((tmp_path / "cache" / "kernels").glob("*"))
+    monkeypatch.setattr(cpu_attention, "_loaded", None)
