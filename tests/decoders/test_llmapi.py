@@ -51,6 +51,8 @@ def model_yaml(out: Path) -> dict:
 
 def _type_ok(value, declared: str) -> bool:
     """A model.yaml value against the type written in llm_args.py (the parts forge writes)."""
+    if declared == "PositiveInt":  # pydantic's
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
     kinds = {"int": int, "float": (int, float), "bool": bool, "str": str, "Path": str, "List[str]": list}
     for name, kind in kinds.items():
         if name in declared.replace("Optional[", "").replace("Union[", "") and isinstance(value, kind):
@@ -111,10 +113,10 @@ def test_flags_and_options_reach_model_yaml_as_the_llm_api_names_them(tiny_gpt2,
                  "--max-num-tokens", "4096", "--decoupled", "-o", "kv_cache_free_gpu_mem_fraction=0.5",
                  "-o", "enable_kv_cache_reuse=false", "-o", "batch_scheduler_policy=MAX_UTILIZATION",
                  "-o", "enable_chunked_context=true", "-o", "cancellation_check_period_ms=20",
-                 "-o", "max_tokens_in_paged_kv_cache=8192") == 0
+                 "-o", "max_tokens_in_paged_kv_cache=8192", "-o", "stream_interval=4") == 0
     doc = model_yaml(out)
     assert doc["dtype"] == "bfloat16" and doc["max_batch_size"] == 64 and doc["max_seq_len"] == 512
-    assert doc["max_num_tokens"] == 4096 and doc["enable_chunked_prefill"] is True
+    assert doc["max_num_tokens"] == 4096 and doc["enable_chunked_prefill"] is True and doc["stream_interval"] == 4
     assert doc["kv_cache_config"] == {"free_gpu_memory_fraction": 0.5, "enable_block_reuse": False,
                                       "max_tokens": 8192}
     assert doc["scheduler_config"] == {"capacity_scheduler_policy": "MAX_UTILIZATION"}
@@ -164,6 +166,9 @@ def test_the_python_target_serves_the_same_interface(tiny_gpt2, tmp_path):
     (["--instances", "2"], "--instances 2 is not supported"),
     (["-o", "bls=true"], "has no tensorrt_llm_bls model"),
     (["-o", "batch_scheduler_policy=fifo"], "choose one of"),
+    (["-o", "stream_interval=0"], "-o stream_interval must be at least 1"),
+    (["-o", "stream_interval=3", "--target", "python", "--backend-version", "1.2.1"],
+     "-o stream_interval is not a parameter of tensorrtllm_backend v1.2.1"),
 ])
 def test_bad_inputs_fail_in_one_line_before_anything_is_written(extra, message, tiny_gpt2, tmp_path, capsys):
     out = tmp_path / "repo"

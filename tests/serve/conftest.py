@@ -1,7 +1,8 @@
 """Fixtures for serving tests: a tiny GPT-2 built with --target python once per session, one shared server.
 
 Repositories are built through the real CLI (``forge build --family gpt --target python``):
-the newest engine release (v1.2.1), the newest release's LLM-API layout (``l_`` with ``-o decoupled=false``, ``ls_`` the default: decoupled), the engine
+the newest engine release (v1.2.1), the newest release's LLM-API layout (``l_`` with ``-o decoupled=false``, ``ls_`` the
+default: decoupled, ``li_`` with ``-o stream_interval=3``), the engine
 release with ``--decoupled`` (streaming), ``--decoupled -o engine_process=true``
 (the engine in a process of its own), ``--backend-version v0.5.0`` (UINT32 lengths), ``--backend-version
 v0.13.0 -o bls=true`` (tensorrtllm_backend's tools) and seed 000's ``--target hf-pipeline`` model. They are merged into one model repository (different name prefixes)
@@ -27,6 +28,7 @@ BUILDS = {  # name prefix → extra build arguments (the engine layout of ENGINE
     # decoupled, streaming)
     "l_": ["--backend-version", "latest", "-o", "decoupled=false"],
     "ls_": ["--backend-version", "latest"],
+    "li_": ["--backend-version", "latest", "-o", "stream_interval=3"],  # 3 tokens a streamed response after the first
     # its cancel watcher asks every 10 ms: a tiny model's whole answer takes about 100 ms, the default period
     "s_": ["--decoupled", "-o", "cancellation_check_period_ms=10"],
     # the engine in a process of its own; its cancel watcher asks every poll (5 ms), not every 100 ms

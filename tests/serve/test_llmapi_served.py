@@ -71,6 +71,22 @@ def test_streamed_pieces_add_up_to_the_whole_answer(server):
     assert pieces[-1].as_numpy("finish_reason").reshape(-1)[0] in (b"length", b"stop")
 
 
+def test_stream_interval_sends_the_first_token_at_once_then_three_a_response(server):
+    """``-o stream_interval=3`` (``li_``): for 10 tokens, 4 responses (1 + 3 + 3 + 3) where the default build sends
+    10, the same text; each response's own text is what its tokens decode to."""
+    tensors = {"text_input": np.array([PROMPT.encode()], object), "sampling_param_max_tokens": np.array([10], np.int32),
+               "streaming": np.array([True]), "sampling_param_exclude_input_from_output": np.array([True]),
+               "return_finish_reason": np.array([True])}
+    every = stream(server, STREAMING, tensors)
+    assert every[-1].as_numpy("finish_reason").reshape(-1)[0] == b"length" and len(every) == 10
+    held = stream(server, "li_tensorrt_llm", tensors)
+    assert len(held) == 4 and held[-1].as_numpy("finish_reason").reshape(-1)[0] == b"length"
+    assert [r.as_numpy("finish_reason").reshape(-1)[0] for r in held[:-1]] == [b""] * 3
+    texts = [r.as_numpy("text_output").reshape(-1)[0] for r in every]
+    assert [r.as_numpy("text_output").reshape(-1)[0] for r in held] == [
+        texts[0], b"".join(texts[1:4]), b"".join(texts[4:7]), b"".join(texts[7:])]
+
+
 @pytest.mark.parametrize("body, message", [
     ({"image_url": "file:///etc/passwd"}, "image_url"),
     ({"image_url": "/etc/passwd"}, "image_url"),

@@ -130,7 +130,7 @@ TEXT_FRONT = {"add_special_tokens", "skip_special_tokens"}
 #: tensorrt_llm parameters the python target honours too (same name, same meaning).
 _PYTHON_READS = {"exclude_input_in_output", "cancellation_check_period_ms", "lora_cache_host_memory_bytes",
                  "lora_cache_max_adapter_size", "lora_prefetch_dir", "enable_kv_cache_reuse",
-                 "kv_cache_free_gpu_mem_fraction"}
+                 "kv_cache_free_gpu_mem_fraction", "stream_interval"}
 
 
 def _from_parameters(versions: list[tuple[str, profiles.Parameter]]) -> Option:
@@ -228,6 +228,8 @@ def _check_parameter(p: Parameter, value: Any, profile: Profile) -> None:
                          f"choose one of {', '.join(p.choices)}")
     if p.name == "kv_cache_free_gpu_mem_fraction" and not 0 < float(value) <= 1:
         raise UsageError(f"-o kv_cache_free_gpu_mem_fraction must be in (0, 1], got {value}")
+    if p.name == "stream_interval" and int(value) < 1:
+        raise UsageError(f"-o stream_interval must be at least 1 (tokens per streamed response), got {value}")
 
 
 def _check_beam_width(spec) -> None:

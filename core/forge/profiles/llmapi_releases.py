@@ -107,6 +107,8 @@ FIRST = (
     key("lora_config.max_lora_rank", kind="int", help="largest LoRA rank served (default: the shipped adapters')"),
     key("lora_config.max_loras", kind="int", help="LoRA adapters held on the GPU at once"),
     key("lora_config.max_cpu_loras", kind="int", help="LoRA adapters held in host memory at once"),
+    key("stream_interval", kind="int", help="tokens per streamed response after the first, which goes at once "
+        "(model.yaml; default 1: every token; more: fewer responses under load)"),
     key("triton_config.cancellation_check_period_ms", kind="int",
         help="how often a request's cancellation is checked (model.yaml triton_config)"),
 )

@@ -59,6 +59,8 @@ class _Request:
         self.sequences: list[Sequence] = []
         self.results: dict[int, RowResult] = {}
         self.started: set = set()  # streaming rows that sent their first response
+        self.streamed: set = set()  # streaming rows whose first update the engine thread queued (-o stream_interval)
+        self.held: dict[Sequence, Update] = {}  # their tokens waiting for the next response (-o stream_interval)
         self.ended: set = set()  # rows whose last update the sender delivered
         self.outbox = model.outboxes[next(model.turns) % len(model.outboxes)]  # its updates' sender, in order
         self.done = False
@@ -122,8 +124,27 @@ class _Request:
         the GIL with the engine) is not woken for each of them."""
         if not (self.streaming or update.finished):
             return
+        if self.streaming and self.model.stream_interval > 1:
+            update = self._due(seq, update, self.model.stream_interval)
+            if update is None:
+                return
         self.outbox.put((self, seq, update, _Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns,
                                                             len(seq.output))))
+
+    def _due(self, seq: Sequence, update: Update, interval: int) -> Update | None:
+        """``-o stream_interval``: a streamed sequence's first token goes at once, then one response per
+        ``interval`` tokens, and its last update (finished, failed or cancelled) with whatever is held; None while
+        the update is held (joined to the next)."""
+        held = self.held.pop(seq, None)
+        if held is not None:
+            update = Update(held.tokens + update.tokens, held.logprobs + update.logprobs,
+                            held.generation_logits + update.generation_logits, update.finished, update.reason,
+                            update.error, held.top + update.top)
+        if update.finished or update.error or seq not in self.streamed or len(update.tokens) >= interval:
+            self.streamed.add(seq)
+            return update
+        self.held[seq] = update
+        return None
 
     def deliver(self, seq: Sequence, update: Update, progress: "_Progress") -> None:
         """Sender thread: send what the update completes."""
@@ -206,6 +227,9 @@ class TritonPythonModel:
         if outputs not in ("asked", "all"):
             raise ValueError(f"parameter response_outputs={outputs}: expected asked or all")
         self.asked_only = outputs == "asked"
+        self.stream_interval = int(_parameter(config, "stream_interval", "") or 1)
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval is {self.stream_interval}: at least 1 token per streamed response")
         log = {"info": pb_utils.Logger.log_info, "warn": pb_utils.Logger.log_warn, "error": pb_utils.Logger.log_error}
         if self._hosted(config):  # the engine in its own process; adapters and guides resolved there
             self.engine = hosted.EngineHost(

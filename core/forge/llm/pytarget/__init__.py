@@ -205,6 +205,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         "max_num_sequences": spec.limits.max_batch_size,
         "inflight_sequences": ctx.option("inflight_sequences", 0),
         "sender_threads": ctx.option("sender_threads", 4),
+        "stream_interval": ctx.option("stream_interval", 1),
         "cuda_graphs": ctx.option("cuda_graphs", "auto"),
         "torch_compile": ctx.option("torch_compile", "auto"),
         "paged_kv_cache": ctx.option("paged_kv_cache", "auto"),
