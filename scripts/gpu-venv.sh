@@ -6,7 +6,7 @@
 #   - numpy < 2, nvidia-pytriton and tritonclient go in front, from WHEEL_DIR (an offline machine) or the index;
 #   - forge itself is installed editable, without dependencies.
 #
-#   scripts/gpu-venv.sh VENV [WHEEL_DIR]
+#   scripts/gpu-venv.sh VENV [WHEEL_DIR | BUNDLE.tar.xz]     # BUNDLE: from scripts/gpu-bundle.sh
 #   VENV/bin/python benchmarks/serve_gpu.py --tokenizer DIR
 set -euo pipefail
 venv=${1:?usage: scripts/gpu-venv.sh VENV [WHEEL_DIR]}
@@ -18,7 +18,9 @@ site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 echo "$base" > "$site/zz-base-image.pth"  # after the venv's own packages: its numpy wins
 # a None entry in sys.modules reads as "not installed" to importlib.util.find_spec and to import
 echo 'import sys; [sys.modules.setdefault(name, None) for name in ("scipy", "sklearn")]' > "$site/zz-hide-numpy2-only.pth"
-if [ -n "$wheels" ]; then
+if [ -f "$wheels" ]; then  # unpacked wheels: straight into site-packages
+    tar -xJf "$wheels" -C "$site"
+elif [ -n "$wheels" ]; then
     "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile "$wheels"/*.whl
 else
     "$venv/bin/python" -m pip install -q "numpy<2" nvidia-pytriton "tritonclient[grpc]"
