@@ -90,6 +90,37 @@ def test_the_kernel_reads_the_decoders_own_layouts():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_kernel_writes_the_steps_keys_and_values_where_write_step_does(paged):
+    """The step's keys and values as slices of one wider projection (the decoder's q/k/v GEMM output): written by
+    the kernel at each row's position (one at the spare column, beyond ``columns``) before it attends, the caches
+    come out equal to ``write_step``'s and so does the answer."""
+    kv, group, dim, rows, max_len = 2, 3, 32, 4, 64
+    make = (lambda: PagedBlocks(1, rows, kv, dim, max_len, torch.float32, "cpu", block=16, blocks=24)) if paged \
+        else (lambda: StaticSlots(1, rows, kv, dim, max_len, torch.float32, "cpu"))
+    mine, theirs = make(), make()
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.tensor([0, 9, 40, max_len])  # the last: a padding row at the spare column
+    for cache in (mine, theirs):
+        for slot, p in enumerate(positions.tolist()[:3]):
+            if paged:
+                cache.admit(slot, p + 1)
+                cache.grow(slot, p)
+        cache.sync()
+        for layer in (cache.keys[0], cache.values[0]):
+            layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(5)))
+    wide = torch.randn(rows, kv * group + 2 * kv, dim, generator=gen)  # q heads, then k, then v
+    q = wide[:, :kv * group].reshape(rows, kv, group, dim) / 8
+    k, v = wide[:, kv * group:kv * group + kv], wide[:, kv * group + kv:]
+    assert cpu_attention.writes(k, v) and not k.is_contiguous()
+    table = mine.table if paged else None
+    got = cpu_attention.attend(_library(), q, mine.keys[0], mine.values[0], positions, 48, table, (k, v))
+    theirs.write_step(0, theirs.step_index(positions), k, v)
+    expected = cpu_attention.attend(_library(), q, theirs.keys[0], theirs.values[0], positions, 48, table)
+    assert torch.equal(mine.keys[0], theirs.keys[0]) and torch.equal(mine.values[0], theirs.values[0])
+    assert torch.equal(got, expected)
+
+
 def test_shapes_and_dtypes_the_kernel_does_not_take_keep_sdpa():
     """float16, a head dim off 16's multiples, too many queries per key/value head: SDPA with the reason; asking
     for the CPU form there, or for a form that does not exist, is an error."""

@@ -76,7 +76,8 @@ def _load() -> ctypes.CDLL:
     function = library.forge_attend
     function.restype = ctypes.c_int
     function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4
-                         + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int])
+                         + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                         + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
     return library
 
 
@@ -128,21 +129,32 @@ def _openmp_runtimes() -> set[str]:
 
 
 def attend(library: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-           columns: int, table: torch.Tensor | None = None) -> torch.Tensor:
+           columns: int, table: torch.Tensor | None = None, new: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> torch.Tensor:
     """q [b, kv, group, dim] (scaled) against a layer's cache ``keys``/``values`` (static ``[rows, kv, columns,
     dim]``, or paged ``[blocks, kv, block, dim]`` with ``table`` [rows, width] of block ids), each row over columns
-    [0, min(position + 1, columns)); returns [b, kv * group * dim]."""
+    [0, min(position + 1, columns)); returns [b, kv * group * dim]. ``new``: the step's keys and values [b, kv, dim]
+    (any strides), written at each row's position first (``writes`` says whether the kernel takes them as they
+    are)."""
     b, kv, group, dim = q.shape
     q = q.contiguous()
     out = torch.empty((b, kv * group * dim), dtype=q.dtype)
     positions = positions.contiguous()
     stride = keys.stride()
     block = keys.shape[2] if table is not None else 0
+    new_k, new_v = new if new is not None else (None, None)
     failed = library.forge_attend(
         q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), positions.data_ptr(), b, kv, group, dim,
         DTYPES[q.dtype], columns, stride[0], stride[1], stride[2],
         None if table is None else table.data_ptr(), 0 if table is None else table.stride(0), block,
-        torch.get_num_threads())
+        None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
+        0 if new_k is None else new_k.stride(0), 0 if new_k is None else new_k.stride(1), torch.get_num_threads())
     if failed:
         raise ValueError(f"cpu_attention does not take {kv} key/value heads of {group} queries and dim {dim}")
     return out
+
+
+def writes(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attend`` can write the step's keys and values [b, kv, dim] as they are: the same strides, each
+    head's dim contiguous."""
+    return k.stride() == v.stride() and k.stride(2) == 1 and k.dtype == v.dtype

@@ -1,7 +1,7 @@
 """The decoding step's attention over the KV cache, in the form the decoder chose at load (``graphs.ATTENTION``).
 
 * ``fused`` (a GPU): decode_kernel's Triton kernel writes the step's keys and values and attends, one launch.
-* ``cpu`` (a CPU): the keys and values written, then cpu_attention's C kernel reads each row's columns up to its
+* ``cpu`` (a CPU): cpu_attention's C kernel writes the keys and values and reads each row's columns up to its
   position.
 * ``sdpa``: written, then ``scaled_dot_product_attention`` over the column bucket with a mask (a paged cache
   gathers each row's blocks first).
@@ -45,13 +45,11 @@ def choose(asked: str, heads: int, kv: int, dim: int, dtype: torch.dtype, device
 
 
 def where(decoder, pos: torch.Tensor, columns: int):
-    """Where a step writes and attends: the positions alone (fused); else (flat cache rows to write, then the
-    positions (cpu) or the attention bias ``[b, 1, 1, columns]``)."""
-    if decoder.attention == "fused":
+    """Where a step writes and attends: the positions alone (fused, cpu: the kernels write), else (flat cache rows
+    to write, the attention bias ``[b, 1, 1, columns]``)."""
+    if decoder.attention in ("fused", "cpu"):
         return pos
     at = decoder.cache.step_index(pos)  # each (row, kv head)'s row in the flat cache
-    if decoder.attention == "cpu":
-        return at, pos
     hidden = decoder.columns[:columns].unsqueeze(0) > pos.unsqueeze(1)  # [b, columns]: not attended
     bias = torch.zeros((pos.shape[0], 1, 1, columns), dtype=decoder.dtype, device=decoder.device)
     return at, bias.masked_fill(hidden[:, None, None, :], float("-inf"))
@@ -65,12 +63,15 @@ def attend(decoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return decode_kernel.attend_and_write(q, k, v, cache.keys[layer], cache.values[layer], where,
                                               decoder.spare, table)
     b, kv, dim = k.shape
+    q = q.reshape(b, kv, decoder.heads // kv, dim)  # a key/value head's query group: SDPA's "query length"
+    if decoder.attention == "cpu":  # ``where``: the positions; the kernel writes the keys and values itself
+        new = (k, v) if cpu_attention.writes(k, v) else None
+        if new is None:
+            cache.write_step(layer, cache.step_index(where), k, v)
+        return cpu_attention.attend(decoder.cpu_kernel, q, cache.keys[layer], cache.values[layer], where, columns,
+                                    table, new)
     at, mask = where
     cache.write_step(layer, at, k, v)
-    q = q.reshape(b, kv, decoder.heads // kv, dim)  # a key/value head's query group: SDPA's "query length"
-    if decoder.attention == "cpu":  # ``mask``: the positions
-        return cpu_attention.attend(decoder.cpu_kernel, q, cache.keys[layer], cache.values[layer], mask, columns,
-                                    table)
     keys, values = cache.read(layer, b, columns)
     if decoder.attention == "sdpa":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0).reshape(b, -1)
