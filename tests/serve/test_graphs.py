@@ -19,7 +19,7 @@ from forge.in_triton.python_target.forge_decoder.request import GenerationReques
 from forge.in_triton.python_target.forge_decoder.sequences import Sequence  # noqa: E402
 
 VOCAB = 160
-NOTES = {"fused": "fused (one Triton kernel writes and attends)", "cpu": "cpu (cpu_attention's C kernel)"}
+NOTES = {"fused": "fused (one Triton kernel writes and attends)", "cpu": "cpu (forge's C kernel)"}
 PAGED = {"block": 4, "blocks": 40}  # blocks of 4 tokens; 40 blocks: fewer than 4 rows × 64 columns
 SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
@@ -167,7 +167,7 @@ def test_the_fused_kernel_refuses_what_it_cannot_run():
         "its head dim 8 is not a power of two of at least 16"
     decoder = architectures.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
     assert decoder.attention == "cpu" and decoder.describe().endswith(  # auto on a CPU: never the fused kernel
-        "attention cpu (cpu_attention's C kernel); GEMMs plain (torch.float32 (bfloat16 only))")
+        "attention cpu (forge's C kernel); GEMMs plain (torch.float32 (bfloat16 only))")
     with pytest.raises(ValueError, match="the fused decoding attention cannot run here: its KV-cache blocks of 4 "
                                          "tokens are not a power of two of at least 16"):
         graphs.GraphDecoder._attention(decoder, "fused")

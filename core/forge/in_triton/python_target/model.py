@@ -59,7 +59,6 @@ class _Request:
         self.sequences: list[Sequence] = []
         self.results: dict[int, RowResult] = {}
         self.started: set = set()  # streaming rows that sent their first response
-        self.streamed: set = set()  # streaming rows whose first update the engine thread queued (-o stream_interval)
         self.held: dict[Sequence, Update] = {}  # their tokens waiting for the next response (-o stream_interval)
         self.ended: set = set()  # rows whose last update the sender delivered
         self.outbox = model.outboxes[next(model.turns) % len(model.outboxes)]  # its updates' sender, in order
@@ -132,16 +131,10 @@ class _Request:
                                                             len(seq.output))))
 
     def _due(self, seq: Sequence, update: Update, interval: int) -> Update | None:
-        """``-o stream_interval``: a streamed sequence's first token goes at once, then one response per
-        ``interval`` tokens, and its last update (finished, failed or cancelled) with whatever is held; None while
-        the update is held (joined to the next)."""
+        """``-o stream_interval``: the first token at once, then ``interval`` a response, and the last; None: held."""
         held = self.held.pop(seq, None)
-        if held is not None:
-            update = Update(held.tokens + update.tokens, held.logprobs + update.logprobs,
-                            held.generation_logits + update.generation_logits, update.finished, update.reason,
-                            update.error, held.top + update.top)
-        if update.finished or update.error or seq not in self.streamed or len(update.tokens) >= interval:
-            self.streamed.add(seq)
+        update = update if held is None else held.then(update)  # the output so far, if nothing was sent yet
+        if update.finished or update.error or len(update.tokens) >= min(interval, len(seq.output)):
             return update
         self.held[seq] = update
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm
+from . import cpu_gemm, cpu_kernels
 from .graphs import GraphDecoder
 from .kvlayout import PagedBlocks, StaticSlots
 
@@ -203,10 +203,16 @@ class LlamaDecoder(GraphDecoder):
             qk, v = self._rotated_qkv(i, h, cos, sin, modules)
             out = self._attend(i, qk[:, :self.heads], qk[:, self.heads:], v, where, columns)
             h = self._rest_of_layer(i, h, out, modules)
-        return self._picks(self.head(_norm(self.norm, h)))
+        return self._picks(self.head(self._norm(self.norm, h)))
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        return _norm(self.norm, h)
+        return self._norm(self.norm, h)
+
+    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        """``_norm``, as one call of cpu_kernels' C kernel where the step's attention runs through it (a CPU)."""
+        if self.cpu_kernel is not None and cpu_kernels.norms(x, module.weight):
+            return cpu_kernels.rms_norm(self.cpu_kernel, x, module.weight, _eps(module))
+        return _norm(module, x)
 
     def _compiled(self, backend: str) -> Fused:
         return Fused(self, backend=backend)
@@ -240,7 +246,7 @@ class LlamaDecoder(GraphDecoder):
         [..., kv, dim] of the hidden state ``h`` [..., hidden] (normed here)."""
         if self.fused is not None and not modules:
             return self.fused.qkv(h, *self.fused.layer_in[i], cos, sin)
-        x = _norm(self.layers[i].input_layernorm, h)
+        x = self._norm(self.layers[i].input_layernorm, h)
         attn, heads, kv, dim = self.layers[i].self_attn, self.heads, self.kv_heads, self.head_dim
         if modules:
             qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
@@ -251,7 +257,8 @@ class LlamaDecoder(GraphDecoder):
         qkv = qkv.unflatten(-1, (heads + 2 * kv, dim))
         qk, v = qkv[..., : heads + kv, :], qkv[..., heads + kv:, :]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's queries and keys before RoPE
-            qk = torch.cat([_norm(attn.q_norm, qk[..., :heads, :]), _norm(attn.k_norm, qk[..., heads:, :])], dim=-2)
+            qk = torch.cat([self._norm(attn.q_norm, qk[..., :heads, :]), self._norm(attn.k_norm, qk[..., heads:, :])],
+                           dim=-2)
         swapped = qk.unflatten(-1, (2, dim // 2)).flip(-2).flatten(-2)
         return torch.addcmul(qk * cos, swapped, sin), v
 
@@ -269,19 +276,19 @@ class LlamaDecoder(GraphDecoder):
             return h + self.reduce(F.linear(act, mlp.down_proj.weight, mlp.down_proj.bias))
         if self.reduce is not None and not modules:  # row-parallel: sum the ranks' parts, then add the residual
             h = h + self.reduce(F.linear(out, attn.o_proj.weight, attn.o_proj.bias))  # biases: rank 0's alone
-            gate, up = F.linear(_norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
+            gate, up = F.linear(self._norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
             return h + self.reduce(F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias))
         if modules:
             h = h + attn.o_proj(out)
-            x = _norm(layer.post_attention_layernorm, h)
+            x = self._norm(layer.post_attention_layernorm, h)
             return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
         if self.packed is not None:
             packed = self.packed
             h = h + packed["o"][i](out)
-            gate, up = packed["gate_up"][i](_norm(layer.post_attention_layernorm, h)).chunk(2, dim=-1)
+            gate, up = packed["gate_up"][i](self._norm(layer.post_attention_layernorm, h)).chunk(2, dim=-1)
             return h + packed["down"][i](mlp.act_fn(gate) * up)
         h = _add_linear(h, out, attn.o_proj)
-        gate, up = F.linear(_norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
+        gate, up = F.linear(self._norm(layer.post_attention_layernorm, h), *self.gate_up[i]).chunk(2, dim=-1)
         return _add_linear(h, mlp.act_fn(gate) * up, mlp.down_proj)
 
 

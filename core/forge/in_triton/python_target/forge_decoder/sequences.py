@@ -25,6 +25,12 @@ class Update:
     error: str | None = None
     top: list = field(default_factory=list)  # toplogprobs.Position of each token, when the request asks
 
+    def then(self, later: "Update") -> "Update":
+        """This update and the ``later`` one as one: tokens (and their figures) joined, the later one's end."""
+        return Update(self.tokens + later.tokens, self.logprobs + later.logprobs,
+                      self.generation_logits + later.generation_logits, later.finished, later.reason, later.error,
+                      self.top + later.top)
+
 
 @dataclass(eq=False)
 class Sequence:

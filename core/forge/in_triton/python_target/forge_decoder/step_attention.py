@@ -1,7 +1,7 @@
 """The decoding step's attention over the KV cache, in the form the decoder chose at load (``graphs.ATTENTION``).
 
 * ``fused`` (a GPU): decode_kernel's Triton kernel writes the step's keys and values and attends, one launch.
-* ``cpu`` (a CPU): cpu_attention's C kernel writes the keys and values and reads each row's columns up to its
+* ``cpu`` (a CPU): cpu_kernels's C kernel writes the keys and values and reads each row's columns up to its
   position.
 * ``sdpa``: written, then ``scaled_dot_product_attention`` over the column bucket with a mask (a paged cache
   gathers each row's blocks first).
@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention, decode_kernel
+from . import cpu_kernels, decode_kernel
 
 FORMS = ("auto", "fused", "cpu", "sdpa", "matmul")
 
 
 def choose(asked: str, heads: int, kv: int, dim: int, dtype: torch.dtype, device: torch.device, cache):
-    """(form, note for the log, cpu_attention's library or None) for an ``ATTENTION`` value; asking for a kernel
+    """(form, note for the log, cpu_kernels's library or None) for an ``ATTENTION`` value; asking for a kernel
     that cannot run here is an error."""
     if asked not in FORMS:
         raise ValueError(f"attention {asked!r}: expected one of {', '.join(FORMS)}")
@@ -30,14 +30,14 @@ def choose(asked: str, heads: int, kv: int, dim: int, dtype: torch.dtype, device
     cpu = asked == "cpu" or asked == "auto" and device.type == "cpu"
     library = None
     if cpu:
-        library, reason = cpu_attention.load()
-        reason = reason or cpu_attention.unsupported(heads, kv, dim, dtype)
+        library, reason = cpu_kernels.load()
+        reason = reason or cpu_kernels.unsupported(heads, kv, dim, dtype)
     elif asked == "auto" and device.type != "cuda":
         reason = "not on a GPU"
     else:
         reason = decode_kernel.check(heads, kv, dim, dtype, device, cache.block if cache.paged else 0)
     if reason is None:
-        return ("cpu", "cpu (cpu_attention's C kernel)", library) if cpu else (
+        return ("cpu", "cpu (forge's C kernel)", library) if cpu else (
             "fused", "fused (one Triton kernel writes and attends)", None)
     if asked != "auto":
         raise ValueError(f"the {asked} decoding attention cannot run here: {reason}")
@@ -65,10 +65,10 @@ def attend(decoder, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     b, kv, dim = k.shape
     q = q.reshape(b, kv, decoder.heads // kv, dim)  # a key/value head's query group: SDPA's "query length"
     if decoder.attention == "cpu":  # ``where``: the positions; the kernel writes the keys and values itself
-        new = (k, v) if cpu_attention.writes(k, v) else None
+        new = (k, v) if cpu_kernels.writes(k, v) else None
         if new is None:
             cache.write_step(layer, cache.step_index(where), k, v)
-        return cpu_attention.attend(decoder.cpu_kernel, q, cache.keys[layer], cache.values[layer], where, columns,
+        return cpu_kernels.attend(decoder.cpu_kernel, q, cache.keys[layer], cache.values[layer], where, columns,
                                     table, new)
     at, mask = where
     cache.write_step(layer, at, k, v)

@@ -1,4 +1,4 @@
-"""The decoding step's attention on a CPU as one C kernel (cpu_attention.c), compiled here for this CPU.
+"""The decoding step's attention on a CPU as one C kernel (cpu_kernels.c), compiled here for this CPU.
 
 A decoding step asks little of attention per (row, key/value head) — a few query heads against the row's
 cached columns — and ``scaled_dot_product_attention``'s CPU kernel spends most of its time on per-head setup: on
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
-MAX_GROUP, MAX_DIM = 16, 256  # cpu_attention.c's MAX_GROUP, 16 * MAX_LANES
+MAX_GROUP, MAX_DIM = 16, 256  # cpu_kernels.c's MAX_GROUP, 16 * MAX_LANES
 
 _loaded: tuple[ctypes.CDLL | None, str | None] | None = None
 
@@ -65,7 +65,7 @@ def _load() -> ctypes.CDLL:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
                                     " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"cpu_attention-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         _compile(compiler, target)
     runtimes = _openmp_runtimes()
@@ -75,6 +75,9 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError(f"it would load a second OpenMP runtime ({', '.join(sorted(added))}) beside torch's")
     function = library.forge_attend
     function.restype = ctypes.c_int
+    norm = library.forge_rms_norm
+    norm.restype = ctypes.c_int
+    norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
     function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4
                          + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
                          + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
@@ -150,8 +153,24 @@ def attend(library: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: to
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
         0 if new_k is None else new_k.stride(0), 0 if new_k is None else new_k.stride(1), torch.get_num_threads())
     if failed:
-        raise ValueError(f"cpu_attention does not take {kv} key/value heads of {group} queries and dim {dim}")
+        raise ValueError(f"cpu_kernels does not take {kv} key/value heads of {group} queries and dim {dim}")
     return out
+
+
+def rms_norm(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * F.rms_norm(x.float(), eps=eps).to(x.dtype)`` (architectures._rms) for a contiguous x [..., hidden]
+    whose dtype the kernel takes (``norms``), as one call."""
+    out = torch.empty_like(x)
+    hidden = x.shape[-1]
+    library.forge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
+                           DTYPES[x.dtype], eps, torch.get_num_threads())
+    return out
+
+
+def norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm`` takes these: on the CPU, one dtype the kernel knows, contiguous rows."""
+    return x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype == x.dtype and x.is_contiguous() \
+        and weight.is_contiguous()
 
 
 def writes(k: torch.Tensor, v: torch.Tensor) -> bool:

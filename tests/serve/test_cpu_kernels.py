@@ -1,4 +1,4 @@
-"""cpu_attention's C kernel (the decoding step's attention on a CPU) against float64 attention, and its refusals.
+"""cpu_kernels's C kernel (the decoding step's attention on a CPU) against float64 attention, and its refusals.
 
 Compiled here with the machine's C compiler, as the served decoder does; the machine has AVX-512, so a failure
 to load is a failure (where a CPU lacks it, the decoder keeps SDPA: tested below by hiding the compiler).
@@ -10,12 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from forge.in_triton.python_target.forge_decoder import cpu_attention, step_attention  # noqa: E402
+from forge.in_triton.python_target.forge_decoder import cpu_kernels, step_attention  # noqa: E402
 from forge.in_triton.python_target.forge_decoder.kvlayout import PagedBlocks, StaticSlots  # noqa: E402
 
 
 def _library():
-    library, why = cpu_attention.load()
+    library, why = cpu_kernels.load()
     assert library is not None, why
     return library
 
@@ -58,9 +58,9 @@ def test_the_kernel_attends_as_float64_attention(dtype, tolerance, kv, group, di
                 count = span.stop - span.start
                 pool_k[table[r, j], :, :count] = keys[r, :, span]
                 pool_v[table[r, j], :, :count] = values[r, :, span]
-        got = cpu_attention.attend(_library(), q, pool_k, pool_v, positions, columns, table)
+        got = cpu_kernels.attend(_library(), q, pool_k, pool_v, positions, columns, table)
     else:
-        got = cpu_attention.attend(_library(), q, keys, values, positions, columns)
+        got = cpu_kernels.attend(_library(), q, keys, values, positions, columns)
     assert got.shape == (rows, kv * group * dim) and got.dtype == dtype
     assert (got.double() - expected).abs().max().item() < tolerance
 
@@ -83,8 +83,8 @@ def test_the_kernel_reads_the_decoders_own_layouts():
             cache.write_prompt(0, torch.tensor([slot]), 0, k, v)
     q = torch.randn(4, kv, group, dim, generator=gen) / 8
     positions = torch.tensor([n - 1 for n in lengths])
-    a = cpu_attention.attend(_library(), q, static.keys[0], static.values[0], positions, max_len)
-    b = cpu_attention.attend(_library(), q, paged.keys[0], paged.values[0], positions, max_len, paged.table)
+    a = cpu_kernels.attend(_library(), q, static.keys[0], static.values[0], positions, max_len)
+    b = cpu_kernels.attend(_library(), q, paged.keys[0], paged.values[0], positions, max_len, paged.table)
     keys, values = static.read(0, 4, max_len)
     assert (a.double() - _reference(q, keys, values, positions, max_len)).abs().max() < 2e-6
     assert torch.equal(a, b)
@@ -112,22 +112,43 @@ def test_the_kernel_writes_the_steps_keys_and_values_where_write_step_does(paged
     wide = torch.randn(rows, kv * group + 2 * kv, dim, generator=gen)  # q heads, then k, then v
     q = wide[:, :kv * group].reshape(rows, kv, group, dim) / 8
     k, v = wide[:, kv * group:kv * group + kv], wide[:, kv * group + kv:]
-    assert cpu_attention.writes(k, v) and not k.is_contiguous()
+    assert cpu_kernels.writes(k, v) and not k.is_contiguous()
     table = mine.table if paged else None
-    got = cpu_attention.attend(_library(), q, mine.keys[0], mine.values[0], positions, 48, table, (k, v))
+    got = cpu_kernels.attend(_library(), q, mine.keys[0], mine.values[0], positions, 48, table, (k, v))
     theirs.write_step(0, theirs.step_index(positions), k, v)
-    expected = cpu_attention.attend(_library(), q, theirs.keys[0], theirs.values[0], positions, 48, table)
+    expected = cpu_kernels.attend(_library(), q, theirs.keys[0], theirs.values[0], positions, 48, table)
     assert torch.equal(mine.keys[0], theirs.keys[0]) and torch.equal(mine.values[0], theirs.values[0])
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, hidden", [(1, 576), (7, 64), (40, 2048), (3, 100)])
+def test_the_rms_norm_kernel_equals_the_decoders_torch_norm(dtype, rows, hidden):
+    """forge_rms_norm against architectures._rms (float32 statistics, rounded to the dtype, times the weight): within
+    float32 rounding, in bfloat16 at most one unit in the last place apart; a hidden size off 16's multiples too."""
+    from forge.in_triton.python_target.forge_decoder.architectures import _rms
+
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    assert cpu_kernels.norms(x, weight) and not cpu_kernels.norms(torch.cat([x, x, x], 0)[::3], weight) or rows == 1
+    assert not cpu_kernels.norms(x.half(), weight.half())
+    got, expected = cpu_kernels.rms_norm(_library(), x, weight, 1e-5), _rms(x, weight, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert ((got.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -7 + 1e-6).all()
+        assert (got != expected).float().mean() < 0.01
 
 
 def test_shapes_and_dtypes_the_kernel_does_not_take_keep_sdpa():
     """float16, a head dim off 16's multiples, too many queries per key/value head: SDPA with the reason; asking
     for the CPU form there, or for a form that does not exist, is an error."""
-    assert cpu_attention.unsupported(9, 3, 64, torch.float16) == "torch.float16 (bfloat16 and float32 only)"
-    assert cpu_attention.unsupported(8, 2, 72, torch.float32) == "its head dim 72 is not a multiple of 16 up to 256"
-    assert cpu_attention.unsupported(64, 2, 64, torch.float32) == "32 query heads per key/value head (at most 16)"
-    assert cpu_attention.unsupported(9, 3, 64, torch.bfloat16) is None
+    assert cpu_kernels.unsupported(9, 3, 64, torch.float16) == "torch.float16 (bfloat16 and float32 only)"
+    assert cpu_kernels.unsupported(8, 2, 72, torch.float32) == "its head dim 72 is not a multiple of 16 up to 256"
+    assert cpu_kernels.unsupported(64, 2, 64, torch.float32) == "32 query heads per key/value head (at most 16)"
+    assert cpu_kernels.unsupported(9, 3, 64, torch.bfloat16) is None
     cache = StaticSlots(1, 2, 2, 72, 8, torch.float32, "cpu")
     form, note, library = step_attention.choose("auto", 8, 2, 72, torch.float32, torch.device("cpu"), cache)
     assert (form, note, library) == ("sdpa", "sdpa (not the CPU kernel: its head dim 72 is not a multiple of 16 up "
@@ -141,24 +162,24 @@ def test_shapes_and_dtypes_the_kernel_does_not_take_keep_sdpa():
 def test_without_a_compiler_the_decoder_keeps_sdpa_and_says_why(monkeypatch, tmp_path):
     """No C compiler on the machine (CC naming a missing program, none on PATH): ``load`` says so, nothing is
     left half-written in the cache, and the decoder's auto form is SDPA with that reason."""
-    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
-    library, why = cpu_attention.load()
+    library, why = cpu_kernels.load()
     assert library is None and "no-such-cc" in why
     cache = StaticSlots(1, 2, 3, 64, 8, torch.float32, "cpu")
     form, note, _ = step_attention.choose("auto", 9, 3, 64, torch.float32, torch.device("cpu"), cache)
     assert form == "sdpa" and note == f"sdpa (not the CPU kernel: {why})"
     assert not list((tmp_path / "cache" / "kernels").glob("*"))
-    monkeypatch.setattr(cpu_attention, "_loaded", None)  # the next test loads the real library again
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)  # the next test loads the real library again
 
 
 def test_a_failed_compile_names_the_compiler_and_leaves_no_file(monkeypatch, tmp_path):
     """A compiler that fails (here: ``false``) gives its name in the reason and no library in the cache."""
-    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("FORGE_CACHE_DIR", str(tmp_path / "cache"))
-    library, why = cpu_attention.load()
+    library, why = cpu_kernels.load()
     assert library is None and why.startswith("false failed")
     assert not list((tmp_path / "cache" / "kernels").glob("*"))
-    monkeypatch.setattr(cpu_attention, "_loaded", None)
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)

@@ -1,10 +1,13 @@
-/* A decoding step's attention over the KV cache on a CPU with AVX-512 (cpu_attention.py compiles and loads it).
+/* forge's C kernels for the decoding step on a CPU with AVX-512 (cpu_kernels.py compiles and loads them).
  *
- * One unit of work per (row, key/value head): the query heads sharing that key/value head ("group") read the
+ * forge_attend, the step's attention over the KV cache. One unit of work per (row, key/value head): the query heads sharing that key/value head ("group") read the
  * row's columns [0, n) once, n = min(position + 1, columns): its static slot, or its blocks through the row's
  * block table. Scores, softmax and the weighted sum run in float32 registers, CHUNK columns at a time (online
  * softmax: running maximum and sum per query head). The units are split over the calling thread's OpenMP team,
  * which is torch's own (libgomp is shared by soname once torch has loaded it).
+ *
+ * forge_rms_norm, a Llama RMSNorm as the decoder writes it in torch (architectures._rms): float32 statistics, the
+ * normalized row rounded to the input dtype, then times the weight in that dtype; one call instead of four ops.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -12,7 +15,7 @@
 #include <string.h>
 
 #ifndef __AVX512F__
-#error "cpu_attention needs AVX-512"
+#error "cpu_kernels needs AVX-512"
 #endif
 
 #define CHUNK 64   /* columns scored before they are weighed */
@@ -36,6 +39,13 @@ static inline int64_t offset(const Layout *at, int64_t r, int64_t h, int64_t c) 
 static inline __m512 load_bf16(const uint16_t *p) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 static inline uint16_t store_bf16(float f) { /* round to nearest even, NaN kept a NaN */
@@ -163,6 +173,36 @@ int forge_attend(const void *q, void *k, void *v, void *out, const int64_t *posi
         const int64_t n = positions[r] + 1 < columns ? positions[r] + 1 : columns;
         attend_unit((const char *)q + unit * unit_size, k, v, (char *)out + unit * unit_size, bf16, r, h, n, group,
                     dim, &at);
+    }
+    return 0;
+}
+
+/* x, out: [rows, hidden] contiguous; weight: [hidden]. out = weight * dtype(x / sqrt(mean(x^2) + eps)). */
+int forge_rms_norm(const void *x, const void *weight, void *out, int rows, int hidden, int bf16, float eps,
+                   int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if ((int64_t)rows * hidden >= 65536)
+    for (int r = 0; r < rows; r++) {
+        const int64_t base = (int64_t)r * hidden;
+        __m512 squares = _mm512_setzero_ps();
+        int d = 0;
+        for (; d + 16 <= hidden; d += 16) {
+            const __m512 v = bf16 ? load_bf16((const uint16_t *)x + base + d) : _mm512_loadu_ps((const float *)x + base + d);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        float sum = _mm512_reduce_add_ps(squares);
+        for (; d < hidden; d++) {
+            const float v = bf16 ? from_bf16(((const uint16_t *)x)[base + d]) : ((const float *)x)[base + d];
+            sum += v * v;
+        }
+        const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (d = 0; d < hidden; d++) {
+            if (bf16) {
+                const float normed = from_bf16(store_bf16(from_bf16(((const uint16_t *)x)[base + d]) * scale));
+                ((uint16_t *)out)[base + d] = store_bf16(from_bf16(((const uint16_t *)weight)[d]) * normed);
+            } else {
+                ((float *)out)[base + d] = ((const float *)weight)[d] * (((const float *)x)[base + d] * scale);
+            }
+        }
     }
     return 0;
 }
