@@ -1,4 +1,5 @@
-"""The decoding step's attention on a CPU as one C kernel (cpu_kernels.c), compiled here for this CPU.
+"""forge's C kernels for the decoding step on a CPU (cpu_kernels.c), compiled here for this CPU: the attention,
+which also writes the step's keys and values, and RMSNorm.
 
 A decoding step asks little of attention per (row, key/value head) — a few query heads against the row's
 cached columns — and ``scaled_dot_product_attention``'s CPU kernel spends most of its time on per-head setup: on
@@ -6,7 +7,8 @@ a 2-core AVX512-BF16 EPYC, SmolLM2-135M's shapes (3 query heads per key/value he
 columns took 310-490 µs a layer through SDPA and 130-155 µs here. The kernel reads each row's columns up to its
 own position (its static slot, or its blocks through the block table: no gather), in bfloat16 or float32, with
 float32 arithmetic (online softmax), and splits its units over the calling thread's OpenMP team: torch's own,
-since the library asks for ``libgomp.so.1`` by soname and torch has loaded one already.
+since the library asks for ``libgomp.so.1`` by soname and torch has loaded one already. RMSNorm (``rms_norm``) is the
+decoder's torch norm (float32 statistics, rounded to the dtype, times the weight) as one call instead of four ops.
 
 ``load`` compiles the source once per machine (``-O3 -march=native -fopenmp``, under a key of the source, the
 compiler and the CPU's flags) into forge's cache and loads it; where there is no C compiler or no AVX-512, or
