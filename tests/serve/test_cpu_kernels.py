@@ -142,6 +142,26 @@ def test_the_rms_norm_kernel_equals_the_decoders_torch_norm(dtype, rows, hidden)
         assert (got != expected).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49152, 160, 1003])
+def test_the_picks_kernel_equals_torchs_argmax_and_log_softmax(dtype, vocab):
+    """forge_picks against argmax and log_softmax in float32 (graphs' torch path): the same tokens, ties to the
+    first index, a banned token left out (here the row's own maximum, and -1: none), log-probabilities within
+    float32 rounding; a vocabulary off 16's multiples too."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (4 * torch.randn(6, vocab, generator=gen)).to(dtype)
+    logits[1, 7] = logits[1, vocab - 2] = logits[1].max() + 1  # a tie: the first index wins
+    banned = torch.tensor([-1, -1, int(logits[2].float().argmax()), -1, 5, -1])
+    got = cpu_kernels.picks(_library(), logits, banned)
+    scores = logits.float().masked_fill(torch.arange(vocab)[None, :] == banned[:, None], float("-inf"))
+    top = scores.argmax(dim=-1)
+    assert torch.equal(got[:, 0].long(), top) and got[1, 0] == 7 and got[2, 0] != banned[2]
+    expected = torch.log_softmax(scores, dim=-1).gather(1, top[:, None])[:, 0]
+    assert torch.allclose(got[:, 1], expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cpu_kernels.picks(_library(), logits)[0], got[0])  # no banned tokens at all
+    assert cpu_kernels.picks_from(logits) and not cpu_kernels.picks_from(logits.t())
+
+
 def test_shapes_and_dtypes_the_kernel_does_not_take_keep_sdpa():
     """float16, a head dim off 16's multiples, too many queries per key/value head: SDPA with the reason; asking
     for the CPU form there, or for a form that does not exist, is an error."""

@@ -6,6 +6,9 @@
  * softmax: running maximum and sum per query head). The units are split over the calling thread's OpenMP team,
  * which is torch's own (libgomp is shared by soname once torch has loaded it).
  *
+ * forge_picks, each row's greedy pick of the logits: its argmax (the first, as torch's) and that token's
+ * log-probability, max - log(sum(exp(x - max))), a banned token left out; two passes over the row in float32.
+ *
  * forge_rms_norm, a Llama RMSNorm as the decoder writes it in torch (architectures._rms): float32 statistics, the
  * normalized row rounded to the input dtype, then times the weight in that dtype; one call instead of four ops.
  */
@@ -203,6 +206,61 @@ int forge_rms_norm(const void *x, const void *weight, void *out, int rows, int h
                 ((float *)out)[base + d] = ((const float *)weight)[d] * (((const float *)x)[base + d] * scale);
             }
         }
+    }
+    return 0;
+}
+
+/* logits: [rows, vocab] (row stride in elements); banned: [rows] a token to leave out (-1: none) or NULL;
+   out: [rows, 2] float32 (the token as a float, its log-probability), as graphs.GraphDecoder._picks. */
+int forge_picks(const void *logits, int rows, int vocab, int64_t row_stride, int bf16, const int64_t *banned,
+                float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if ((int64_t)rows * vocab >= 65536)
+    for (int r = 0; r < rows; r++) {
+        const int64_t base = (int64_t)r * row_stride;
+        const int64_t skip = banned ? banned[r] : -1;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        __m512i where = _mm512_set1_epi32(0x7fffffff), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                  11, 12, 13, 14, 15);
+        int v = 0;
+        for (; v + 16 <= vocab; v += 16) {
+            __m512 x = bf16 ? load_bf16((const uint16_t *)logits + base + v) : _mm512_loadu_ps((const float *)logits + base + v);
+            if (skip >= v && skip < v + 16)
+                x = _mm512_mask_mov_ps(x, (__mmask16)(1u << (skip - v)), _mm512_set1_ps(-INFINITY));
+            const __mmask16 higher = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ); /* strictly: the first index stays */
+            best = _mm512_mask_mov_ps(best, higher, x);
+            where = _mm512_mask_mov_epi32(where, higher, _mm512_add_epi32(lane, _mm512_set1_epi32(v)));
+        }
+        float top = _mm512_reduce_max_ps(best);
+        const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        int token = _mm512_mask_reduce_min_epi32(at_top, where);
+        for (; v < vocab; v++) {
+            const float x = bf16 ? from_bf16(((const uint16_t *)logits)[base + v]) : ((const float *)logits)[base + v];
+            if (v != skip && x > top) {
+                top = x;
+                token = v;
+            }
+        }
+        if (top == -INFINITY) { /* every logit -inf (or the only finite one banned): as torch, token 0 */
+            out[2 * r] = 0.0f;
+            out[2 * r + 1] = -INFINITY;
+            continue;
+        }
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 shift = _mm512_set1_ps(top);
+        for (v = 0; v + 16 <= vocab; v += 16) {
+            __m512 x = bf16 ? load_bf16((const uint16_t *)logits + base + v) : _mm512_loadu_ps((const float *)logits + base + v);
+            if (skip >= v && skip < v + 16)
+                x = _mm512_mask_mov_ps(x, (__mmask16)(1u << (skip - v)), _mm512_set1_ps(-INFINITY));
+            sum = _mm512_add_ps(sum, exp_ps(_mm512_sub_ps(x, shift)));
+        }
+        float total = _mm512_reduce_add_ps(sum);
+        for (; v < vocab; v++) {
+            const float x = bf16 ? from_bf16(((const uint16_t *)logits)[base + v]) : ((const float *)logits)[base + v];
+            if (v != skip)
+                total += expf(x - top);
+        }
+        out[2 * r] = (float)token;
+        out[2 * r + 1] = -logf(total);
     }
     return 0;
 }

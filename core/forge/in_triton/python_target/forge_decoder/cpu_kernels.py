@@ -77,6 +77,10 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError(f"it would load a second OpenMP runtime ({', '.join(sorted(added))}) beside torch's")
     function = library.forge_attend
     function.restype = ctypes.c_int
+    picks = library.forge_picks
+    picks.restype = ctypes.c_int
+    picks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_int]
     norm = library.forge_rms_norm
     norm.restype = ctypes.c_int
     norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
@@ -167,6 +171,22 @@ def rms_norm(library: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: f
     library.forge_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden,
                            DTYPES[x.dtype], eps, torch.get_num_threads())
     return out
+
+
+def picks(library: ctypes.CDLL, logits: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """graphs.GraphDecoder._picks' [n, 2] (argmax, its log-probability) of logits [n, vocab] (rows contiguous, a
+    dtype ``DTYPES`` has); ``banned`` [n]: a token each row's pick leaves out (-1: none)."""
+    rows, vocab = logits.shape
+    out = torch.empty((rows, 2), dtype=torch.float32)
+    banned = None if banned is None else banned.to(torch.int64).contiguous()
+    library.forge_picks(logits.data_ptr(), rows, vocab, logits.stride(0), DTYPES[logits.dtype],
+                        None if banned is None else banned.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def picks_from(logits: torch.Tensor) -> bool:
+    """Whether ``picks`` takes these logits: [n, vocab] on the CPU, a dtype the kernel knows, each row contiguous."""
+    return logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in DTYPES and logits.stride(1) == 1
 
 
 def norms(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import sampling, step_attention
+from . import cpu_kernels, sampling, step_attention
 from .kvlayout import PagedBlocks, Staging, StaticSlots, upload
 
 
@@ -460,10 +460,12 @@ class GraphDecoder:
         already) over the first ``columns`` columns (``where``: _step_inputs'); returns [b, heads * dim]."""
         return step_attention.attend(self, layer, q, k, v, where, columns)
 
-    @staticmethod
-    def _picks(logits: torch.Tensor, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _picks(self, logits: torch.Tensor, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, per row its argmax and log-probability [n, 2]); ``banned`` [n]: a token row i's pick leaves out
-        (-1: none), as sampling.process bans an end_id that min_length forbids."""
+        (-1: none), as sampling.process bans an end_id that min_length forbids. Through cpu_kernels' C kernel where
+        the step's attention is (a CPU)."""
+        if self.cpu_kernel is not None and cpu_kernels.picks_from(logits):
+            return logits, cpu_kernels.picks(self.cpu_kernel, logits, banned)
         scores = logits.float()
         if banned is not None:
             vocab = torch.arange(scores.shape[-1], device=scores.device)
