@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from forge.in_triton.python_target.forge_decoder import architectures, graphs  # noqa: E402
+from forge.in_triton.python_target.forge_decoder import architectures, cpu_kernels, graphs  # noqa: E402
 from forge.in_triton.python_target.forge_decoder.engine import Engine  # noqa: E402
 from forge.in_triton.python_target.forge_decoder.request import GenerationRequest, Limits  # noqa: E402
 from forge.in_triton.python_target.forge_decoder.sequences import Sequence  # noqa: E402
@@ -88,7 +88,14 @@ def test_gpt2_static_step_through_each_kernel_equals_transformers_generate(atten
     _static_run("gpt2", attention, None, monkeypatch)
 
 
+def _kernel_here(attention: str) -> None:
+    """Skip a run through the CPU kernel on a CPU without AVX-512 (the decoder keeps SDPA there)."""
+    if attention == "cpu" and "avx512f" not in cpu_kernels._cpu_flags():
+        pytest.skip("this CPU has no AVX-512")
+
+
 def _static_run(kind, attention, compiled, monkeypatch):
+    _kernel_here(attention)
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     monkeypatch.setattr(graphs, "ATTENTION", attention)
     model = _model(kind)
@@ -166,8 +173,10 @@ def test_the_fused_kernel_refuses_what_it_cannot_run():
     assert decode_kernel.unsupported(4, 2, 8, torch.float16) == \
         "its head dim 8 is not a power of two of at least 16"
     decoder = architectures.decoder_for(_model("llama"), 2, 32, capture=False, paged=PAGED)
-    assert decoder.attention == "cpu" and decoder.describe().endswith(  # auto on a CPU: never the fused kernel
-        "attention cpu (forge's C kernel); GEMMs plain (torch.float32 (bfloat16 only))")
+    form = "cpu (forge's C kernel)" if "avx512f" in cpu_kernels._cpu_flags() else \
+        "sdpa (not the CPU kernel: this CPU has no AVX-512)"
+    assert decoder.describe().endswith(  # auto on a CPU: never the fused kernel
+        f"attention {form}; GEMMs plain (torch.float32 (bfloat16 only))")
     with pytest.raises(ValueError, match="the fused decoding attention cannot run here: its KV-cache blocks of 4 "
                                          "tokens are not a power of two of at least 16"):
         graphs.GraphDecoder._attention(decoder, "fused")
@@ -437,6 +446,7 @@ def test_paged_cache_step_equals_transformers_generate(kind, attention, block, m
     for 3 rows of up to 48 tokens (static slots would take 144): five prompts join late and leave early, a sequence
     waits for blocks when its prompt + max_tokens do not fit beside the running ones, blocks go back as rows leave;
     every row's greedy ids equal its own ``generate`` in float32, and every block is free at the end."""
+    _kernel_here(attention)
     monkeypatch.setattr(graphs, "FIRST_COLUMNS", 8)
     monkeypatch.setattr(graphs, "BLOCK_TOKENS", block)
     monkeypatch.setattr(graphs, "ATTENTION", attention)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
+import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -64,6 +66,21 @@ def _vllm_row() -> dict[str, str | None]:
             "enables": "forge serve of --target vllm repositories on this machine"}
 
 
+def _cpu_kernels_row() -> dict[str, str | None]:
+    """The C compiler and the AVX-512 the python target's CPU kernels need (forge_decoder.cpu_kernels compiles
+    them at load; without either, its CPU step runs through SDPA and torch's ops)."""
+    asked = os.environ.get("CC")
+    compiler = shutil.which(asked) if asked else shutil.which("cc") or shutil.which("gcc")
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    avx512 = "avx512f" in flags.split()
+    version = f"{compiler}, {'AVX-512' if avx512 else 'no AVX-512 on this CPU'}" if compiler else None
+    return {"name": "C compiler (CPU kernels)", "version": version,
+            "enables": "the python target's C attention, RMSNorm and picks on a CPU with AVX-512 (else SDPA)"}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print as json")
 
@@ -88,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     for tool in toolchain.TOOLS:
         rows.append({"name": tool.name, "version": toolchain.version(tool.name, tool.version_args),
                      "enables": tool.enables})
+    rows.append(_cpu_kernels_row())
     rows.append(_vllm_row())
     rows += _layouts()
     if args.json:
