@@ -1,4 +1,5 @@
-"""cpu_kernels's C kernel (the decoding step's attention on a CPU) against float64 attention, and its refusals.
+"""cpu_kernels' C kernels (the decoding step's attention, RMSNorm and greedy picks on a CPU) against float64
+attention and torch's ops, and their refusals.
 
 Compiled here with the machine's C compiler, as the served decoder does; on a CPU with AVX-512 a failure to load is a
 failure (where a CPU lacks it, the decoder keeps SDPA: tested below by hiding the compiler).

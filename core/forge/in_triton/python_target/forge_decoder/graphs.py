@@ -22,7 +22,7 @@ captures and their replays; each architecture's layers are in architectures.py.
 A step (or prefill) with a LoRA adapter in the batch runs eagerly through the projection modules, whose
 hooks add the adapters; steps without one replay the graphs. On a tensor-parallel rank (``reduce``) the row-parallel
 projections are summed by an all-reduce inside the step; prompt tables only touch prefill. The step's attention
-is decode_kernel's fused kernel where it runs on a GPU, cpu_kernels's on a CPU (``ATTENTION``), else SDPA.
+is decode_kernel's fused kernel where it runs on a GPU, cpu_kernels' on a CPU (``ATTENTION``), else SDPA.
 """
 
 from __future__ import annotations

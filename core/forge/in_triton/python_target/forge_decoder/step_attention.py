@@ -1,7 +1,7 @@
 """The decoding step's attention over the KV cache, in the form the decoder chose at load (``graphs.ATTENTION``).
 
 * ``fused`` (a GPU): decode_kernel's Triton kernel writes the step's keys and values and attends, one launch.
-* ``cpu`` (a CPU): cpu_kernels's C kernel writes the keys and values and reads each row's columns up to its
+* ``cpu`` (a CPU): cpu_kernels' C kernel writes the keys and values and reads each row's columns up to its
   position.
 * ``sdpa``: written, then ``scaled_dot_product_attention`` over the column bucket with a mask (a paged cache
   gathers each row's blocks first).
@@ -21,7 +21,7 @@ FORMS = ("auto", "fused", "cpu", "sdpa", "matmul")
 
 
 def choose(asked: str, heads: int, kv: int, dim: int, dtype: torch.dtype, device: torch.device, cache):
-    """(form, note for the log, cpu_kernels's library or None) for an ``ATTENTION`` value; asking for a kernel
+    """(form, note for the log, cpu_kernels' library or None) for an ``ATTENTION`` value; asking for a kernel
     that cannot run here is an error."""
     if asked not in FORMS:
         raise ValueError(f"attention {asked!r}: expected one of {', '.join(FORMS)}")
