@@ -97,7 +97,8 @@ def test_the_kernel_reads_the_decoders_own_layouts():
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_the_kernel_writes_the_steps_keys_and_values_where_write_step_does(paged):
-    """The step's keys and values as slices of one wider projection (the decoder's q/k/v GEMM output): written by
+    """The step's keys and values as a Llama step has them: keys sliced from the rotated queries-and-keys, values
+    from the wider q/k/v GEMM output (other row strides than the keys'): written by
     the kernel at each row's position (one at the spare column, beyond ``columns``) before it attends, the caches
     come out equal to ``write_step``'s and so does the answer."""
     kv, group, dim, rows, max_len = 2, 3, 32, 4, 64
@@ -114,9 +115,11 @@ def test_the_kernel_writes_the_steps_keys_and_values_where_write_step_does(paged
         cache.sync()
         for layer in (cache.keys[0], cache.values[0]):
             layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(5)))
-    wide = torch.randn(rows, kv * group + 2 * kv, dim, generator=gen)  # q heads, then k, then v
-    q = wide[:, :kv * group].reshape(rows, kv, group, dim) / 8
-    k, v = wide[:, kv * group:kv * group + kv], wide[:, kv * group + kv:]
+    wide = torch.randn(rows, kv * group + 2 * kv, dim, generator=gen)  # the GEMM's q heads, then k, then v
+    rotated = torch.randn(rows, kv * group + kv, dim, generator=gen)  # RoPE's output: q heads, then k
+    q = rotated[:, :kv * group].reshape(rows, kv, group, dim) / 8
+    k, v = rotated[:, kv * group:], wide[:, kv * group + kv:]
+    assert k.stride(0) != v.stride(0)
     assert cpu_kernels.writes(k, v) and not k.is_contiguous()
     table = mine.table if paged else None
     got = cpu_kernels.attend(_library(), q, mine.keys[0], mine.values[0], positions, 48, table, (k, v))

@@ -155,12 +155,13 @@ static void attend_unit(const void *q, const void *k, const void *v, void *out, 
 
 /* q: [rows, kv * group, dim] contiguous, scaled already; out: the same shape; k, v: a layer's cache (Layout);
    positions: [rows], each row's own position; new_k, new_v (may be NULL: written already): the step's keys and
-   values, [rows, kv, dim] with strides new_row, new_head (dim contiguous), written at each row's position first. A
-   row attends to columns [0, min(position + 1, columns)). Returns 0, or -1 for shapes it does not take. */
+   values, [rows, kv, dim] with strides (k_row, k_head) and (v_row, v_head) (dim contiguous), written at each row's
+   position first. A row attends to columns [0, min(position + 1, columns)). Returns 0, or -1 for shapes it does
+   not take. */
 int forge_attend(const void *q, void *k, void *v, void *out, const int64_t *positions, int rows, int kv, int group,
                  int dim, int bf16, int64_t columns, int64_t stride_row, int64_t stride_head, int64_t stride_column,
                  const int64_t *table, int64_t table_width, int64_t block, const void *new_k, const void *new_v,
-                 int64_t new_row, int64_t new_head, int threads) {
+                 int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head, int threads) {
     if (group < 1 || group > MAX_GROUP || dim < 16 || dim > 16 * MAX_LANES || dim % 16)
         return -1;
     const Layout at = {stride_row, stride_head, stride_column, table, table_width, block};
@@ -169,9 +170,9 @@ int forge_attend(const void *q, void *k, void *v, void *out, const int64_t *posi
     for (int unit = 0; unit < rows * kv; unit++) {
         const int64_t r = unit / kv, h = unit % kv;
         if (new_k) { /* only this unit reads or writes its row's head: no other thread touches these columns */
-            const int64_t o = offset(&at, r, h, positions[r]) * element, from = (r * new_row + h * new_head) * element;
-            memcpy((char *)k + o, (const char *)new_k + from, dim * element);
-            memcpy((char *)v + o, (const char *)new_v + from, dim * element);
+            const int64_t o = offset(&at, r, h, positions[r]) * element;
+            memcpy((char *)k + o, (const char *)new_k + (r * k_row + h * k_head) * element, dim * element);
+            memcpy((char *)v + o, (const char *)new_v + (r * v_row + h * v_head) * element, dim * element);
         }
         const int64_t n = positions[r] + 1 < columns ? positions[r] + 1 : columns;
         attend_unit((const char *)q + unit * unit_size, k, v, (char *)out + unit * unit_size, bf16, r, h, n, group,

@@ -58,7 +58,8 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def _load() -> ctypes.CDLL:
-    if not _cpu_flags().intersection({"avx512f"}):
+    flags = _cpu_flags()
+    if "avx512f" not in flags:
         raise RuntimeError("this CPU has no AVX-512")
     asked = os.environ.get("CC")
     compiler = shutil.which(asked) if asked else shutil.which("cc") or shutil.which("gcc")
@@ -66,7 +67,7 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError(f"the C compiler CC={asked} is not there" if asked else "no C compiler (cc) to build it")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS),
-                                    " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:20]
+                                    " ".join(sorted(flags))]).encode()).hexdigest()[:20]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         _compile(compiler, target)
@@ -75,18 +76,17 @@ def _load() -> ctypes.CDLL:
     added = _openmp_runtimes() - runtimes
     if runtimes and added:
         raise RuntimeError(f"it would load a second OpenMP runtime ({', '.join(sorted(added))}) beside torch's")
-    function = library.forge_attend
-    function.restype = ctypes.c_int
-    picks = library.forge_picks
-    picks.restype = ctypes.c_int
-    picks.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
-                      ctypes.c_void_p, ctypes.c_int]
-    norm = library.forge_rms_norm
-    norm.restype = ctypes.c_int
-    norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int]
-    function.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4
-                         + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-                         + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int])
+    signatures = {  # (the C function, its arguments) as cpu_kernels.c declares them
+        "forge_attend": [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4
+        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+        + [ctypes.c_int],
+        "forge_picks": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                        ctypes.c_void_p, ctypes.c_int],
+        "forge_rms_norm": [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_float, ctypes.c_int],
+    }
+    for name, arguments in signatures.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = ctypes.c_int, arguments
     return library
 
 
@@ -152,12 +152,14 @@ def attend(library: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: to
     stride = keys.stride()
     block = keys.shape[2] if table is not None else 0
     new_k, new_v = new if new is not None else (None, None)
+    k_stride = (0, 0) if new_k is None else new_k.stride()[:2]
+    v_stride = (0, 0) if new_v is None else new_v.stride()[:2]
     failed = library.forge_attend(
         q.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), positions.data_ptr(), b, kv, group, dim,
         DTYPES[q.dtype], columns, stride[0], stride[1], stride[2],
         None if table is None else table.data_ptr(), 0 if table is None else table.stride(0), block,
-        None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
-        0 if new_k is None else new_k.stride(0), 0 if new_k is None else new_k.stride(1), torch.get_num_threads())
+        None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(), *k_stride, *v_stride,
+        torch.get_num_threads())
     if failed:
         raise ValueError(f"cpu_kernels does not take {kv} key/value heads of {group} queries and dim {dim}")
     return out
@@ -196,6 +198,6 @@ def norms(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def writes(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``attend`` can write the step's keys and values [b, kv, dim] as they are: the same strides, each
-    head's dim contiguous."""
-    return k.stride() == v.stride() and k.stride(2) == 1 and k.dtype == v.dtype
+    """Whether ``attend`` can write the step's keys and values [b, kv, dim] as they are (any row and head strides,
+    each head's dim contiguous; a Llama step's keys come out of RoPE, its values straight from the q/k/v GEMM)."""
+    return k.stride(2) == 1 and v.stride(2) == 1 and k.dtype == v.dtype
