@@ -167,6 +167,8 @@ def test_the_python_target_serves_the_same_interface(tiny_gpt2, tmp_path):
     (["-o", "bls=true"], "has no tensorrt_llm_bls model"),
     (["-o", "batch_scheduler_policy=fifo"], "choose one of"),
     (["-o", "stream_interval=0"], "-o stream_interval must be at least 1"),
+    (["-o", "stream_interval=4", "-o", "decoupled=false"], "-o stream_interval=4 has nothing to space out"),
+    (["-o", "stream_interval=4", "-o", "decoupled=false", "--target", "python"], "does not stream"),
     (["-o", "stream_interval=3", "--target", "python", "--backend-version", "1.2.1"],
      "-o stream_interval is not a parameter of tensorrtllm_backend v1.2.1"),
 ])

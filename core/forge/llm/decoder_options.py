@@ -189,6 +189,10 @@ def check_options(spec) -> Profile:
                              f"(it exists in {elsewhere[name]})",
                              hint="drop it, or choose a --backend-version that has it")
     _check_beam_width(spec)
+    if int(options.get("stream_interval", 1)) > 1 and not truthy(options.get("decoupled", profile.llmapi)):
+        raise UsageError(f"-o stream_interval={options['stream_interval']} has nothing to space out: -o "
+                         "decoupled=false builds a tensorrt_llm model that does not stream",
+                         hint="drop -o decoupled=false, or -o stream_interval")
     if truthy(options.get("bls", False)) and not profile.has_model(BLS):
         first = next(p.version for p in profiles.PROFILES.values() if p.has_model(BLS))
         raise UsageError(f"-o bls=true needs tensorrtllm_backend {first} or newer; "
