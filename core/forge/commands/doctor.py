@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import platform
-import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -67,18 +65,17 @@ def _vllm_row() -> dict[str, str | None]:
 
 
 def _cpu_kernels_row() -> dict[str, str | None]:
-    """The C compiler and the AVX-512 the python target's CPU kernels need (forge_decoder.cpu_kernels compiles
-    them at load; without either, its CPU step runs through SDPA and torch's ops)."""
-    asked = os.environ.get("CC")
-    compiler = shutil.which(asked) if asked else shutil.which("cc") or shutil.which("gcc")
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    avx512 = "avx512f" in flags.split()
-    version = f"{compiler}, {'AVX-512' if avx512 else 'no AVX-512 on this CPU'}" if compiler else None
-    return {"name": "C compiler (CPU kernels)", "version": version,
-            "enables": "the python target's C attention, RMSNorm and picks on a CPU with AVX-512 (else SDPA)"}
+    """Whether the python target's C kernels for a CPU build and load here, as its decoder loads them at start-up
+    (compiled once into forge's cache); without them its CPU step runs through SDPA and torch's ops."""
+    row = {"name": "forge CPU kernels", "version": None,
+           "enables": "the python target's C attention, RMSNorm and picks on a CPU (else SDPA and torch's ops)"}
+    if importlib.util.find_spec("torch") is None:
+        return row
+    from ..in_triton.python_target.forge_decoder import cpu_kernels
+
+    library, why = cpu_kernels.load()
+    row["version"] = f"loaded ({library._name})" if library is not None else f"not used: {why}"
+    return row
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
