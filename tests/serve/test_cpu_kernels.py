@@ -116,8 +116,9 @@ def test_the_kernel_writes_the_steps_keys_and_values_where_write_step_does(paged
         for layer in (cache.keys[0], cache.values[0]):
             layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(5)))
     wide = torch.randn(rows, kv * group + 2 * kv, dim, generator=gen)  # the GEMM's q heads, then k, then v
-    rotated = torch.randn(rows, kv * group + kv, dim, generator=gen)  # RoPE's output: q heads, then k
-    q = rotated[:, :kv * group].reshape(rows, kv, group, dim) / 8
+    rotated = torch.randn(rows, kv * group + kv, dim, generator=gen) / 8  # RoPE's output: q heads, then k
+    q = rotated[:, :kv * group].reshape(rows, kv, group, dim)  # read in place: its rows are wider than q's
+    assert not q.is_contiguous()
     k, v = rotated[:, kv * group:], wide[:, kv * group + kv:]
     assert k.stride(0) != v.stride(0)
     assert cpu_kernels.writes(k, v) and not k.is_contiguous()

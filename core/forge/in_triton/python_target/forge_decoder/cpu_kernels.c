@@ -153,7 +153,8 @@ static void attend_unit(const void *q, const void *k, const void *v, void *out, 
     }
 }
 
-/* q: [rows, kv * group, dim] contiguous, scaled already; out: the same shape; k, v: a layer's cache (Layout);
+/* q: [rows, kv * group, dim], scaled already, its rows q_row elements apart (each row's heads contiguous: a slice
+   of the rotated queries and keys needs no copy); out: the same shape, contiguous; k, v: a layer's cache (Layout);
    positions: [rows], each row's own position; new_k, new_v (may be NULL: written already): the step's keys and
    values, [rows, kv, dim] with strides (k_row, k_head) and (v_row, v_head) (dim contiguous), written at each row's
    position first. A row attends to columns [0, min(position + 1, columns)). Returns 0, or -1 for shapes it does
@@ -161,7 +162,7 @@ static void attend_unit(const void *q, const void *k, const void *v, void *out, 
 int forge_attend(const void *q, void *k, void *v, void *out, const int64_t *positions, int rows, int kv, int group,
                  int dim, int bf16, int64_t columns, int64_t stride_row, int64_t stride_head, int64_t stride_column,
                  const int64_t *table, int64_t table_width, int64_t block, const void *new_k, const void *new_v,
-                 int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head, int threads) {
+                 int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head, int64_t q_row, int threads) {
     if (group < 1 || group > MAX_GROUP || dim < 16 || dim > 16 * MAX_LANES || dim % 16)
         return -1;
     const Layout at = {stride_row, stride_head, stride_column, table, table_width, block};
@@ -175,8 +176,8 @@ int forge_attend(const void *q, void *k, void *v, void *out, const int64_t *posi
             memcpy((char *)v + o, (const char *)new_v + (r * v_row + h * v_head) * element, dim * element);
         }
         const int64_t n = positions[r] + 1 < columns ? positions[r] + 1 : columns;
-        attend_unit((const char *)q + unit * unit_size, k, v, (char *)out + unit * unit_size, bf16, r, h, n, group,
-                    dim, &at);
+        attend_unit((const char *)q + r * q_row * element + h * unit_size, k, v, (char *)out + unit * unit_size,
+                    bf16, r, h, n, group, dim, &at);
     }
     return 0;
 }

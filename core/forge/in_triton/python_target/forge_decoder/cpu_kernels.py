@@ -78,7 +78,7 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError(f"it would load a second OpenMP runtime ({', '.join(sorted(added))}) beside torch's")
     signatures = {  # (the C function, its arguments) as cpu_kernels.c declares them
         "forge_attend": [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_int64] * 4
-        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4
+        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
         + [ctypes.c_int],
         "forge_picks": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
                         ctypes.c_void_p, ctypes.c_int],
@@ -146,7 +146,8 @@ def attend(library: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: to
     (any strides), written at each row's position first (``writes`` says whether the kernel takes them as they
     are)."""
     b, kv, group, dim = q.shape
-    q = q.contiguous()
+    if q.stride()[1:] != (group * dim, dim, 1):  # each row's heads one after another, as the kernel reads them
+        q = q.contiguous()
     out = torch.empty((b, kv * group * dim), dtype=q.dtype)
     positions = positions.contiguous()
     stride = keys.stride()
@@ -159,7 +160,7 @@ def attend(library: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: to
         DTYPES[q.dtype], columns, stride[0], stride[1], stride[2],
         None if table is None else table.data_ptr(), 0 if table is None else table.stride(0), block,
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(), *k_stride, *v_stride,
-        torch.get_num_threads())
+        q.stride(0), torch.get_num_threads())
     if failed:
         raise ValueError(f"cpu_kernels does not take {kv} key/value heads of {group} queries and dim {dim}")
     return out
