@@ -107,8 +107,10 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def _cache_dir() -> Path:
-    """forge's cache (``FORGE_CACHE_DIR``, else ~/.cache/forge), where writable; else a temporary directory."""
-    root = Path(os.environ.get("FORGE_CACHE_DIR") or Path.home() / ".cache" / "forge") / "kernels"
+    """forge's cache, where writable, else a temporary directory: forge.cache.cache_dir's rule on Linux
+    (``FORGE_CACHE_DIR``, else the user cache directory), written out since the runtime ships without forge."""
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forge"
+    root = Path(os.environ.get("FORGE_CACHE_DIR") or user) / "kernels"
     try:
         root.mkdir(parents=True, exist_ok=True)
         if os.access(root, os.W_OK):
