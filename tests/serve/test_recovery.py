@@ -374,8 +374,10 @@ def test_a_drain_after_such_a_reload_does_not_wait_for_the_dead_generation(serve
     last = served.said("drain", since, timeout=10)  # "drained and stopped in …" or "the drain was not clean: …"
     said = "".join(served.stderr[since:])
     assert served.proc.returncode == 0 and "drained and stopped" in last, said[-3000:]
-    # tritonserver either waits for that generation (forge ends it) or aborts unloading it (its python backend's
-    # lock, held by the dead process): the drain is clean either way
-    assert "waits only for the models whose process died holding requests (p_ensemble, p_tensorrt_llm;" in said \
-        or "aborted while it unloaded the models whose process died holding requests" in said, said[-3000:]
+    # tritonserver waits for that generation (forge ends it), aborts unloading it (its python backend's lock, held
+    # by the dead process), or unloads it at once (the requests it held were released before the drain): the drain
+    # is clean and short every way, never the exit timeout (30 s of drain + 10 s)
+    waited = "waits only for the models whose process died holding requests (p_ensemble, p_tensorrt_llm;" in said
+    assert waited or "aborted while it unloaded the models whose process died holding requests" in said \
+        or took < 20, said[-3000:]
     print(f"drained in {took:.1f} s: {said.strip().splitlines()[-1]}")

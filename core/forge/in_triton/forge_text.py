@@ -40,13 +40,109 @@ def resolve_dir(value: str, model_repository: str, model_version: str) -> str:
     return os.path.join(model_repository, str(model_version), value)
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False, fast: bool = False):
     """The Hugging Face tokenizer stored in ``path`` (no network access); a text model's process does without
-    the libraries of vision models (:func:`forge_glue.skip_vision_libraries`)."""
+    the libraries of vision models (:func:`forge_glue.skip_vision_libraries`). ``fast``: the
+    :class:`BackendTokenizer` forge build wrote beside it, where it did and the files are the ones it checked."""
+    if fast and not trust_remote_code:
+        found = BackendTokenizer.from_dir(path)
+        if found is not None:
+            return found
     forge_glue.skip_vision_libraries(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+#: beside a tokenizer: its ``tokenizers`` backend and what transformers adds to it, checked by forge build
+BACKEND_FILE = "forge_tokenizer.json"
+#: the files the backend was read from (a changed one makes BACKEND_FILE stale)
+_SOURCES = tuple(n for n in forge_glue.TOKENIZER_FILES if not n.startswith(("generation_", "chat_", "config")))
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # transformers' clean_up_tokenization
+
+
+def _sources_digest(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        full = os.path.join(path, name)
+        digest.update(name.encode() + (open(full, "rb").read() if os.path.isfile(full) else b"-"))
+    return digest.hexdigest()
+
+
+class BackendTokenizer:
+    """What a model process asks of a Hugging Face fast tokenizer (encode, decode, ids to tokens, specials,
+    length), from its ``tokenizers`` backend alone.
+
+    transformers' tokenizer classes import its modeling machinery (``torch._dynamo``, ``torch.distributed``):
+    about 2 s of every start of a model process on a 2-core CPU. forge build writes :data:`BACKEND_FILE`
+    (:func:`describe_backend`) only where this class answers as transformers' tokenizer does on a probe set.
+    """
+
+    def __init__(self, doc: dict):
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_str(doc["backend"])
+        self.all_special_ids = [int(t) for t in doc["special_ids"]]
+        self.clean_up_tokenization_spaces = bool(doc["clean_up"])
+        self._len = int(doc["len"])
+
+    @classmethod
+    def from_dir(cls, path: str) -> "BackendTokenizer | None":
+        """The tokenizer of :data:`BACKEND_FILE` in ``path`` (None: none there, or written for other files)."""
+        try:
+            with open(os.path.join(path, BACKEND_FILE)) as handle:
+                doc = json.load(handle)
+            return cls(doc) if doc.get("sources") == _sources_digest(path) else None
+        except (OSError, ValueError, KeyError, ImportError):
+            return None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        text = self.backend_tokenizer.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
+        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
+        for before, after in _CLEAN_UP if clean else ():
+            text = text.replace(before, after)
+        return text
+
+    def convert_ids_to_tokens(self, token_id: int) -> str | None:
+        return self.backend_tokenizer.id_to_token(int(token_id))
+
+
+def describe_backend(tokenizer, path: str, probes: Sequence[str]) -> tuple[bytes | None, str]:
+    """(:data:`BACKEND_FILE`'s bytes for the transformers ``tokenizer`` loaded from ``path``, or None; why not).
+    Written only where a :class:`BackendTokenizer` of it encodes every probe (with and without special tokens)
+    and decodes the ids (skipping special tokens and not, cleaned up by default and not) as ``tokenizer`` does."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None, f"{type(tokenizer).__name__} has no tokenizers backend"
+    spaced = token_ids("a . b ? c ! d , e n't f 's", tokenizer, False)  # whether its decode cleans up spaces
+    clean_up = tokenizer.decode(spaced) != tokenizer.decode(spaced, clean_up_tokenization_spaces=False)
+    doc = {"backend": backend.to_str(), "special_ids": [int(t) for t in tokenizer.all_special_ids],
+           "clean_up": clean_up, "len": len(tokenizer), "sources": _sources_digest(path)}
+    mine = BackendTokenizer(doc)
+    for text in [*probes, _PROBE]:
+        for special in (True, False):
+            ids = token_ids(text, tokenizer, special)
+            if mine.encode(text, special) != ids:
+                return None, f"encoding {text[:40]!r} differs from transformers'"
+            for skip in (True, False):
+                for clean in (None, False):
+                    if mine.decode(ids, skip, clean) != tokenizer.decode(ids, skip_special_tokens=skip,
+                                                                         clean_up_tokenization_spaces=clean):
+                        return None, f"decoding {text[:40]!r} differs from transformers'"
+    sample = sorted(set(range(0, len(tokenizer), max(1, len(tokenizer) // 512))) | set(doc["special_ids"]))
+    if any(mine.convert_ids_to_tokens(t) != tokenizer.convert_ids_to_tokens(t) for t in sample):
+        return None, "its ids map to other tokens than transformers'"
+    return json.dumps(doc).encode(), ""
 
 
 def model_setup(args: dict) -> tuple[dict, dict[str, str], Any]:

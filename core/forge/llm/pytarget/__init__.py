@@ -169,14 +169,24 @@ def _text_parameters(component: Component, ctx) -> dict[str, Any]:
             "trust_remote_code": ctx.spec.trust_remote_code}
 
 
-def _text_files(source: Path) -> dict[str, Path | bytes]:
-    """The tokenizer files beside the weights (``1/hf``, as the LLM-API layout lays them out) and the text modules
-    the front imports."""
+def _text_files(source: Path, trust_remote_code: bool) -> dict[str, Path | bytes]:
+    """The tokenizer files beside the weights (``1/hf``, as the LLM-API layout lays them out), the text modules
+    the front imports, and the tokenizer's backend where it answers as transformers' tokenizer does
+    (``forge_text.describe_backend``: the model process then loads without transformers' tokenizer classes)."""
+    from ...in_triton import forge_text
     from ..llmapi import checkpoint_files  # its CHECKPOINT_DIR is this WEIGHTS_DIR: one layout of 1/hf
 
     files: dict[str, Path | bytes] = dict(checkpoint_files(source, []))
     files["1/forge_llmapi.py"] = in_triton.LLMAPI.read_bytes()
     files["1/forge_text.py"] = in_triton.TEXT.read_bytes()
+    if not trust_remote_code:
+        tokenizer = forge_text.load_tokenizer(str(source))
+        specials = " ".join(str(t) for t in tokenizer.all_special_tokens)
+        probes = [f"{specials} Hello, world! It's {specials}here .", "  leading spaces , and 'quotes' n't 's",
+                  "Line one\nLine two\r\n\ttab 12345 3.14 x=f(y) {\"k\": [1, 2]}", "émoji 🙂 日本語 café — ok"]
+        data, _why = forge_text.describe_backend(tokenizer, str(source), probes)
+        if data is not None:
+            files[f"1/{WEIGHTS_DIR}/{forge_text.BACKEND_FILE}"] = data
     return files
 
 
@@ -232,7 +242,7 @@ def emit_model(adapter, component: Component, artifact: Artifact, ctx, profile) 
         extra_inputs, extra_outputs = extension_io()  # forge's additions (token-id prompts, log-probs), optional
         inputs, outputs = inputs + extra_inputs, outputs + extra_outputs
         parameters.update(_text_parameters(component, ctx))
-        files.update(_text_files(component.source))
+        files.update(_text_files(component.source, spec.trust_remote_code))
         batch, batching = 0, False
     config = tc.model_config(
         component.model_name("tensorrt_llm"), backend="python", max_batch_size=batch,

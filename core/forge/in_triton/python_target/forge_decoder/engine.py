@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import graphs, guided, kvcache, sampling, toplogprobs
+from . import graphs, guided, sampling, toplogprobs
 from . import device as where
 from .graph_steps import GraphSteps
 from .request import Limits
@@ -141,7 +141,7 @@ class Engine(Scheduler, GraphSteps):
         self._pending: deque[Sequence] = deque()
         self._active: list[Sequence] = []
         self._admitting: list[Sequence] = []  # taken from the queue by this step, until its prefill has run
-        self._batch: kvcache.BatchCache | None = None
+        self._batch = None  # kvcache.BatchCache of the Hugging Face forward's rows (no static decoder)
         self._cond = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -342,6 +342,8 @@ class Engine(Scheduler, GraphSteps):
         if self.graphs is not None:
             self._prefill_static(admitted)
             return
+        from . import kvcache  # transformers' cache classes: only the Hugging Face forward needs them
+
         lengths = [len(s.tokens) for s in admitted]
         width = max(lengths)
         ids = torch.zeros((len(admitted), width), dtype=torch.long)

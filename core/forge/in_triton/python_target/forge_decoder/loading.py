@@ -19,6 +19,7 @@ except ImportError:  # forge's own tree (tests)
 
 from . import guided
 from . import lora as lora_mod
+from . import native
 from .request import Limits, RequestError
 
 
@@ -76,8 +77,10 @@ def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[
         from . import distributed
 
         model, make_engine = distributed.lead(tp, weights, device, dtype, threads)
+        how = "transformers"
     else:
-        model, make_engine = engine_mod.load_model(weights, device, dtype), engine_mod.Engine
+        model, how = _single(config, weights, device, dtype, warn)
+        make_engine = engine_mod.Engine
     vocab = int(model.get_output_embeddings().weight.shape[0])
     limits = Limits(vocab_size=vocab, hidden_size=int(model.get_input_embeddings().embedding_dim),
                     max_input_len=int(parameter(config, "max_input_len", "1024")),
@@ -85,25 +88,33 @@ def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[
     guides = _guides(config, here, weights, threads, limits, info, name)
     rows = engine_mod.choose_rows(device, int(parameter(config, "inflight_sequences", "0") or 0),
                                   int(parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
-    engine = make_engine(
-        model, limits, max_rows=rows,
-        max_prefill_tokens=int(parameter(config, "max_num_tokens", "8192")),
-        cancel_check_ms=float(parameter(config, "cancellation_check_period_ms", "100")), log=error)
+    settings = dict(max_rows=rows, max_prefill_tokens=int(parameter(config, "max_num_tokens", "8192")),
+                    cancel_check_ms=float(parameter(config, "cancellation_check_period_ms", "100")), log=error)
     loras = lora_mod.from_parameters(model, lambda key, default: parameter(config, key, default),
                                      dtype=dtype, device=device, here=here, log=info)
-    engine.lora = None if loras is None else loras.modules
-    compiled = parameter(config, "torch_compile", "auto")
     reuse = parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
     fraction = float(parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
-    # tp > 1: every rank builds rank 0's decoder (or, where it is off, repeats rank 0's Hugging Face forward)
-    graphs = engine.use_graphs(parameter(config, "cuda_graphs", "auto"), compile=compiled,
-                               paged=parameter(config, "paged_kv_cache", "auto"), reuse=reuse,
-                               memory_fraction=fraction, overlap=parameter(config, "overlap_steps", "auto"))
+
+    def engine_for(model) -> tuple[Any, str]:
+        engine = make_engine(model, limits, **settings)
+        engine.lora = None if loras is None else loras.modules
+        # tp > 1: every rank builds rank 0's decoder (or, where it is off, repeats rank 0's Hugging Face forward)
+        return engine, engine.use_graphs(parameter(config, "cuda_graphs", "auto"),
+                                         compile=parameter(config, "torch_compile", "auto"),
+                                         paged=parameter(config, "paged_kv_cache", "auto"), reuse=reuse,
+                                         memory_fraction=fraction, overlap=parameter(config, "overlap_steps", "auto"))
+
+    engine, graphs = engine_for(model)
+    if engine.graphs is None and native.loaded_here(model):  # it has no forward of its own
+        warn(f"forge python target {name!r}: the static decoder does not run ({graphs}); loading the model "
+             "through transformers for its forward")
+        model, how = engine_mod.load_model(weights, device, dtype), "transformers"
+        engine, graphs = engine_for(model)
     if (reuse or fraction) and engine.graphs is None:
         warn("-o enable_kv_cache_reuse / kv_cache_free_gpu_mem_fraction have no effect: they apply to the "
              "CUDA-graph decoder, which is off here")
-    summary = (f"{type(model).__name__} on {device} ({dtype}, tp {tp}, {torch.get_num_threads()} torch threads), "
-               f"{rows} sequences in flight")
+    summary = (f"{type(model).__name__} ({how}) on {device} ({dtype}, tp {tp}, {torch.get_num_threads()} torch "
+               f"threads), {rows} sequences in flight")
     return Loaded(engine, limits, guides, loras, device, summary, graphs)
 
 
@@ -135,3 +146,19 @@ def _guides(config: dict, here: Path, weights: Path, threads: int, limits: Limit
         f"available (xgrammar {guided.version()}, tokenizer {found})" if reason is None
         else f"unavailable: {reason}; guided requests get an error"))
     return guides
+
+
+def _single(config: dict, weights: Path, device, dtype, warn: Callable[[str], None]) -> tuple[Any, str]:
+    """One rank's model and how it was loaded: its weights alone (``native``) where the static decoder will
+    compute its steps, else the transformers model."""
+    from . import engine as engine_mod
+
+    reason = ("-o cuda_graphs=false runs the transformers forward"
+              if parameter(config, "cuda_graphs", "auto").lower() == "false"
+              else native.why_not(native.read_config(weights)))
+    if reason is None:
+        try:
+            return native.load(weights, device, dtype), "weights loaded by forge"
+        except (ValueError, OSError) as exc:
+            warn(f"forge decoder: loading the weights through transformers: {exc}")
+    return engine_mod.load_model(weights, device, dtype), "transformers"

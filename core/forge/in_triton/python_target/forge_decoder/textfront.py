@@ -26,7 +26,7 @@ class TextFront:
     """Tokenizer, end ids and the request mapping of one LLM-API model of the python target."""
 
     def __init__(self, tokenizer_dir: str, params: Mapping[str, str], *, trust_remote_code: bool = False):
-        self.tokenizer = forge_text.load_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code)
+        self.tokenizer = forge_text.load_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code, fast=True)
         forge_text.token_ids("", self.tokenizer, False)  # the first encode resets truncation: never under load
         self.add_special = forge_text.parse_bool(params.get("add_special_tokens"), True)
         self.codec = forge_text.TokenBytes(self.tokenizer, forge_text.parse_bool(params.get("skip_special_tokens"),
