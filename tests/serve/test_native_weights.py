@@ -84,6 +84,16 @@ def test_tied_and_untied_heads_follow_the_config(tmp_path):
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
+def test_sharded_checkpoints_load_from_every_shard(tmp_path):
+    hf = _hf("qwen3")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    model = native.load(tmp_path / "sharded", torch.device("cpu"), torch.float32)
+    theirs = dict(hf.named_parameters())
+    mine = dict(model.named_parameters())
+    assert mine.keys() <= theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 @pytest.mark.parametrize("change, reason", [
     ({"quantization_config": {"quant_method": "awq"}}, "quantized"),
     ({"hidden_act": "gelu"}, "activation is gelu"),
