@@ -167,7 +167,8 @@ def _metaspace_tokenizer(path: Path, clean_up: bool) -> Path:
     return path
 
 
-TEXTS = ["Hello world , it's a test .", "  two  spaces\nand a tab\t!", "émoji 🙂 日本語 — done ?", "<s>x</s> y n't"]
+TEXTS = ["Hello world , it's a test .", "  two  spaces\nand a tab\t!", "émoji 🙂 日本語 — done ?",
+         "<s>x</s> y n't"]
 
 
 @pytest.mark.parametrize("which", ["gpt2", "metaspace", "metaspace-clean-up"])
@@ -185,6 +186,8 @@ def test_the_backend_tokenizer_answers_as_transformers(which, tiny_gpt2, tmp_pat
     mine = forge_text.load_tokenizer(path, fast=True)
     assert isinstance(mine, forge_text.BackendTokenizer) and len(mine) == len(theirs)
     assert sorted(mine.all_special_ids) == sorted(theirs.all_special_ids)
+    assert [(mine.bos_token_id, mine.eos_token_id, mine.pad_token_id)] == [
+        (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)]
     for text in TEXTS + ["Paris ."]:
         for special in (True, False):
             ids = forge_text.token_ids(text, theirs, special)
@@ -228,6 +231,9 @@ def test_a_text_model_process_loads_without_transformers_model_or_tokenizer_clas
 
     here = repos["ls_"] / "ls_tensorrt_llm" / "1"
     assert (here / "hf" / forge_text.BACKEND_FILE).is_file()
+    for text_model in ("preprocessing", "postprocessing"):  # the engine layout's text models load it too
+        assert isinstance(forge_text.load_tokenizer(str(repos[""] / text_model / "1" / "tokenizer"), fast=True),
+                          forge_text.BackendTokenizer)
     with urllib.request.urlopen(f"http://{server.http_url}/v2/models/ls_tensorrt_llm/config") as response:
         config = response.read().decode()
     code = f"""

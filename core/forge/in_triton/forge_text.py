@@ -88,6 +88,7 @@ class BackendTokenizer:
         self.all_special_ids = [int(t) for t in doc["special_ids"]]
         self.clean_up_tokenization_spaces = bool(doc["clean_up"])
         self._len = int(doc["len"])
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (doc["ids"].get(k) for k in ("bos", "eos", "pad"))
 
     @classmethod
     def from_dir(cls, path: str) -> "BackendTokenizer | None":
@@ -108,13 +109,24 @@ class BackendTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool | None = None) -> str:
         text = self.backend_tokenizer.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
-        clean = self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces
-        for before, after in _CLEAN_UP if clean else ():
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        for before, after in _CLEAN_UP if clean_up_tokenization_spaces else ():
             text = text.replace(before, after)
         return text
 
     def convert_ids_to_tokens(self, token_id: int) -> str | None:
         return self.backend_tokenizer.id_to_token(int(token_id))
+
+
+def backend_file(path: str) -> bytes | None:
+    """:data:`BACKEND_FILE`'s bytes for the tokenizer in ``path`` (a Hugging Face directory), or None where a
+    :class:`BackendTokenizer` would not answer as transformers' tokenizer does (:func:`describe_backend`)."""
+    tokenizer = load_tokenizer(path)
+    specials = " ".join(str(t) for t in tokenizer.all_special_tokens)
+    probes = [f"{specials} Hello, world! It's {specials}here .", "  leading spaces , and 'quotes' n't 's",
+              "Line one\nLine two\r\n\ttab 12345 3.14 x=f(y) {\"k\": [1, 2]}", "émoji 🙂 日本語 café — ok"]
+    return describe_backend(tokenizer, path, probes)[0]
 
 
 def describe_backend(tokenizer, path: str, probes: Sequence[str]) -> tuple[bytes | None, str]:
@@ -126,8 +138,10 @@ def describe_backend(tokenizer, path: str, probes: Sequence[str]) -> tuple[bytes
         return None, f"{type(tokenizer).__name__} has no tokenizers backend"
     spaced = token_ids("a . b ? c ! d , e n't f 's", tokenizer, False)  # whether its decode cleans up spaces
     clean_up = tokenizer.decode(spaced) != tokenizer.decode(spaced, clean_up_tokenization_spaces=False)
+    ids = {key: getattr(tokenizer, f"{key}_token_id", None) for key in ("bos", "eos", "pad")}
     doc = {"backend": backend.to_str(), "special_ids": [int(t) for t in tokenizer.all_special_ids],
-           "clean_up": clean_up, "len": len(tokenizer), "sources": _sources_digest(path)}
+           "clean_up": clean_up, "len": len(tokenizer), "sources": _sources_digest(path),
+           "ids": {key: None if value is None else int(value) for key, value in ids.items()}}
     mine = BackendTokenizer(doc)
     for text in [*probes, _PROBE]:
         for special in (True, False):
@@ -150,7 +164,7 @@ def model_setup(args: dict) -> tuple[dict, dict[str, str], Any]:
     config = forge_glue.model_config(args)
     params = parameters(config)
     path = resolve_dir(params.get("tokenizer_dir") or "tokenizer", args["model_repository"], args["model_version"])
-    tokenizer = load_tokenizer(path, trust_remote_code=parse_bool(params.get("trust_remote_code"), False))
+    tokenizer = load_tokenizer(path, trust_remote_code=parse_bool(params.get("trust_remote_code"), False), fast=True)
     return config, params, tokenizer
 
 

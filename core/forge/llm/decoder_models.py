@@ -255,6 +255,11 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     meta = dict(artifact.meta or {})
     tokenizer = tokenizer_files(component.source)
     defaults = tokenizer_defaults(component.source, ctx.spec)
+    from ..in_triton import forge_text
+
+    backend = None if ctx.spec.trust_remote_code else forge_text.backend_file(str(component.source))
+    if backend is not None:  # the text models then load without transformers' tokenizer classes
+        tokenizer[forge_text.BACKEND_FILE] = backend
     builder = LLM_BUILDERS.get(ctx.target)
     if builder is None:
         raise UsageError(f"decoders build for --target {' or '.join(LLM_BUILDERS)}, not {ctx.target}")

@@ -179,14 +179,9 @@ def _text_files(source: Path, trust_remote_code: bool) -> dict[str, Path | bytes
     files: dict[str, Path | bytes] = dict(checkpoint_files(source, []))
     files["1/forge_llmapi.py"] = in_triton.LLMAPI.read_bytes()
     files["1/forge_text.py"] = in_triton.TEXT.read_bytes()
-    if not trust_remote_code:
-        tokenizer = forge_text.load_tokenizer(str(source))
-        specials = " ".join(str(t) for t in tokenizer.all_special_tokens)
-        probes = [f"{specials} Hello, world! It's {specials}here .", "  leading spaces , and 'quotes' n't 's",
-                  "Line one\nLine two\r\n\ttab 12345 3.14 x=f(y) {\"k\": [1, 2]}", "émoji 🙂 日本語 café — ok"]
-        data, _why = forge_text.describe_backend(tokenizer, str(source), probes)
-        if data is not None:
-            files[f"1/{WEIGHTS_DIR}/{forge_text.BACKEND_FILE}"] = data
+    data = None if trust_remote_code else forge_text.backend_file(str(source))
+    if data is not None:
+        files[f"1/{WEIGHTS_DIR}/{forge_text.BACKEND_FILE}"] = data
     return files
 
 

@@ -8,10 +8,9 @@ dead process. :func:`load` builds the same tree from ``config.json`` and the saf
 models (Llama, Mistral, Qwen2, Qwen3): plain ``nn.Linear`` / ``nn.Embedding`` modules, an RMSNorm holding its
 weight and epsilon, and the rotary embedding (the default, ``linear`` and ``llama3`` RoPE; anything else is left
 to transformers); for GPT-2: LayerNorms, Conv1D projections and the MLP with transformers' own arithmetic (the
-static decoder calls those modules). The tree has no forward:
-only a build whose decoding runs through the static decoder loads it (``loading.load`` decides, and loads the
-transformers model where the static decoder turns out not to run). :func:`why_not` says why a checkpoint keeps
-the transformers model.
+static decoder calls those modules). The tree has no forward: only a build whose decoding runs through the
+static decoder loads it (``loading.load`` decides, and loads the transformers model where the static decoder
+turns out not to run). :func:`why_not` says why a checkpoint keeps the transformers model.
 """
 
 from __future__ import annotations
@@ -182,7 +181,8 @@ class NativeCausalLM(nn.Module):
         inner.embed_tokens = nn.Embedding.from_pretrained(state.pop("model.embed_tokens.weight"), freeze=True)
         inner.layers = nn.ModuleList(_Layer(state, f"model.layers.{i}", eps, values["head_dim"]) for i in range(layers))
         inner.norm = _norm(state, "model.norm", eps)
-        inner.rotary_emb = Rotary(inv_freq(_rope(values), values["head_dim"], int(values["max_position_embeddings"])))
+        positions = int(values.get("max_position_embeddings") or 2048)
+        inner.rotary_emb = Rotary(inv_freq(_rope(values), values["head_dim"], positions))
         self.model = inner
         self.lm_head = _head(state, inner.embed_tokens, values["tie_word_embeddings"])
         _no_more(state)
@@ -261,9 +261,11 @@ class NativeGPT2(nn.Module):
         for i in range(int(values["n_layer"])):
             prefix = f"transformer.h.{i}"
             block = nn.Module()
-            block.ln_1, block.ln_2 = _layer_norm(state, f"{prefix}.ln_1", eps), _layer_norm(state, f"{prefix}.ln_2", eps)
+            block.ln_1 = _layer_norm(state, f"{prefix}.ln_1", eps)
+            block.ln_2 = _layer_norm(state, f"{prefix}.ln_2", eps)
             block.attn = nn.Module()
-            block.attn.c_attn, block.attn.c_proj = _conv(state, f"{prefix}.attn.c_attn"), _conv(state, f"{prefix}.attn.c_proj")
+            block.attn.c_attn = _conv(state, f"{prefix}.attn.c_attn")
+            block.attn.c_proj = _conv(state, f"{prefix}.attn.c_proj")
             block.mlp = _GPT2MLP(_conv(state, f"{prefix}.mlp.c_fc"), _conv(state, f"{prefix}.mlp.c_proj"), act)
             blocks.append(block)
         inner.h = nn.ModuleList(blocks)
