@@ -7,7 +7,8 @@ native weights (Llama with GQA, Qwen2's biases, Qwen3's q/k norms, tied and unti
 GPT-2), the rotary tables equal transformers' own, what is left to transformers and why, checkpoints whose
 tensors do not match (refused, then loaded through transformers), and the tokenizer's answers. Bad inputs tried:
 a quantized config, another activation, yarn RoPE, a partial rotary embedding, an unknown architecture, an extra
-tensor, a missing tensor, tokenizer files changed after the build, a tokenizer that decodes differently.
+tensor, a missing tensor, a missing config key, tokenizer files changed after the build, a backend file
+this tokenizers release cannot read, a tokenizer that decodes differently.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def test_checkpoints_whose_tensors_differ_are_refused_then_loaded_through_transf
     warned = []
     model, how = loading._single({}, path, torch.device("cpu"), torch.float32, warned.append)
     assert how == "transformers" and not native.loaded_here(model) and "up_proj" in warned[0]
+    config = native.read_config(path)
+    del config["num_hidden_layers"]
+    with pytest.raises(ValueError, match="no config key num_hidden_layers"):
+        native.load(path, torch.device("cpu"), torch.float32, config)
 
 
 def _config(**parameters: str) -> dict:
@@ -211,9 +216,14 @@ def test_a_stale_or_unequal_backend_is_not_used(tiny_gpt2, tmp_path):
     theirs = AutoTokenizer.from_pretrained(path)
     data, _ = forge_text.describe_backend(theirs, str(path), TEXTS)
     (path / forge_text.BACKEND_FILE).write_bytes(data)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 7}))
+    original = (path / "tokenizer_config.json").read_bytes()
+    (path / "tokenizer_config.json").write_text(json.dumps({**json.loads(original), "model_max_length": 7}))
     assert forge_text.BackendTokenizer.from_dir(str(path)) is None  # the files changed after the build
+    (path / "tokenizer_config.json").write_bytes(original)
+    assert forge_text.BackendTokenizer.from_dir(str(path)) is not None
+    doc = json.loads(data)
+    (path / forge_text.BACKEND_FILE).write_text(json.dumps({**doc, "backend": '{"version": "9.9", "model": 1}'}))
+    assert forge_text.BackendTokenizer.from_dir(str(path)) is None  # unreadable by this tokenizers release
 
     class Louder(type(theirs)):
         def decode(self, ids, **kwargs):

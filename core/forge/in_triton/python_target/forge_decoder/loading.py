@@ -159,6 +159,6 @@ def _single(config: dict, weights: Path, device, dtype, warn: Callable[[str], No
     if reason is None:
         try:
             return native.load(weights, device, dtype), "weights loaded by forge"
-        except (ValueError, OSError) as exc:
-            warn(f"forge decoder: loading the weights through transformers: {exc}")
+        except Exception as exc:  # noqa: BLE001 - transformers then loads it, or says what is wrong with it
+            warn(f"forge decoder: loading the weights through transformers: {type(exc).__name__}: {exc}")
     return engine_mod.load_model(weights, device, dtype), "transformers"

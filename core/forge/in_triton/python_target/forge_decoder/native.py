@@ -306,8 +306,9 @@ def load(model_dir: Path, device: torch.device, dtype: torch.dtype, config: dict
     arch = config["architectures"][0]
     try:
         model = type(arch, (NativeGPT2 if arch == GPT2 else NativeCausalLM,), {})(config, state)
-    except KeyError as exc:
-        raise ValueError(f"the checkpoint has no tensor {exc.args[0]}") from None
+    except KeyError as exc:  # tensor names have dots, config keys none
+        key = str(exc.args[0])
+        raise ValueError(f"the checkpoint has no {'tensor' if '.' in key else 'config key'} {key}") from None
     return model.eval()
 
 
