@@ -146,9 +146,11 @@ def test_the_weights_alone_where_the_static_decoder_runs_else_transformers(tmp_p
     windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=16))
     windowed.save_pretrained(tmp_path / "1" / "hf")
     warned = []
-    loaded = loading.load(_config(weights="hf", max_seq_len="64", compute_dtype="float32"), tmp_path / "1",
-                          print, warned.append, print)
+    lora = '{"1": "model.layers.{i}.self_attn.q_proj"}'  # its adapters hook the model loaded again
+    loaded = loading.load(_config(weights="hf", max_seq_len="64", compute_dtype="float32", lora_modules=lora),
+                          tmp_path / "1", print, warned.append, print)
     assert "(transformers)" in loaded.summary and loaded.engine.graphs is None
+    assert loaded.loras.modules.model is loaded.engine.model and not native.loaded_here(loaded.engine.model)
     assert any("sliding window" in w and "through transformers" in w for w in warned)
 
 

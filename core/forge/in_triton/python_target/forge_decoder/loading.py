@@ -90,26 +90,27 @@ def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[
                                   int(parameter(config, "max_num_sequences", "") or config.get("max_batch_size") or 8))
     settings = dict(max_rows=rows, max_prefill_tokens=int(parameter(config, "max_num_tokens", "8192")),
                     cancel_check_ms=float(parameter(config, "cancellation_check_period_ms", "100")), log=error)
-    loras = lora_mod.from_parameters(model, lambda key, default: parameter(config, key, default),
-                                     dtype=dtype, device=device, here=here, log=info)
     reuse = parameter(config, "enable_kv_cache_reuse", "false").lower() in forge_glue.TRUE
     fraction = float(parameter(config, "kv_cache_free_gpu_mem_fraction", "") or 0) or None
 
-    def engine_for(model) -> tuple[Any, str]:
+    def engine_for(model) -> tuple[Any, Any, str]:
+        """The engine of ``model``, its adapter cache (hooked on ``model``'s modules) and its decoder's choice."""
+        loras = lora_mod.from_parameters(model, lambda key, default: parameter(config, key, default),
+                                         dtype=dtype, device=device, here=here, log=info)
         engine = make_engine(model, limits, **settings)
         engine.lora = None if loras is None else loras.modules
         # tp > 1: every rank builds rank 0's decoder (or, where it is off, repeats rank 0's Hugging Face forward)
-        return engine, engine.use_graphs(parameter(config, "cuda_graphs", "auto"),
-                                         compile=parameter(config, "torch_compile", "auto"),
-                                         paged=parameter(config, "paged_kv_cache", "auto"), reuse=reuse,
-                                         memory_fraction=fraction, overlap=parameter(config, "overlap_steps", "auto"))
+        return engine, loras, engine.use_graphs(
+            parameter(config, "cuda_graphs", "auto"), compile=parameter(config, "torch_compile", "auto"),
+            paged=parameter(config, "paged_kv_cache", "auto"), reuse=reuse, memory_fraction=fraction,
+            overlap=parameter(config, "overlap_steps", "auto"))
 
-    engine, graphs = engine_for(model)
+    engine, loras, graphs = engine_for(model)
     if engine.graphs is None and native.loaded_here(model):  # it has no forward of its own
         warn(f"forge python target {name!r}: the static decoder does not run ({graphs}); loading the model "
              "through transformers for its forward")
         model, how = engine_mod.load_model(weights, device, dtype), "transformers"
-        engine, graphs = engine_for(model)
+        engine, loras, graphs = engine_for(model)
     if (reuse or fraction) and engine.graphs is None:
         warn("-o enable_kv_cache_reuse / kv_cache_free_gpu_mem_fraction have no effect: they apply to the "
              "CUDA-graph decoder, which is off here")
