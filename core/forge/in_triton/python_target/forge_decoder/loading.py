@@ -19,7 +19,6 @@ except ImportError:  # forge's own tree (tests)
 
 from . import guided
 from . import lora as lora_mod
-from . import native
 from .request import Limits, RequestError
 
 
@@ -66,6 +65,7 @@ def load(config: dict, here: Path, info: Callable[[str], None], warn: Callable[[
     import torch
 
     from . import engine as engine_mod
+    from . import native  # its weights without transformers: the engine's side only, as the engine module
 
     device = choose_device(config)
     dtype = engine_mod.choose_dtype(device, parameter(config, "compute_dtype", "auto"), parameter(config, "dtype", "float16"))
@@ -153,13 +153,14 @@ def _single(config: dict, weights: Path, device, dtype, warn: Callable[[str], No
     """One rank's model and how it was loaded: its weights alone (``native``) where the static decoder will
     compute its steps, else the transformers model."""
     from . import engine as engine_mod
+    from . import native
 
+    checkpoint = native.read_config(weights)
     reason = ("-o cuda_graphs=false runs the transformers forward"
-              if parameter(config, "cuda_graphs", "auto").lower() == "false"
-              else native.why_not(native.read_config(weights)))
+              if parameter(config, "cuda_graphs", "auto").lower() == "false" else native.why_not(checkpoint))
     if reason is None:
         try:
-            return native.load(weights, device, dtype), "weights loaded by forge"
+            return native.load(weights, device, dtype, checkpoint), "weights loaded by forge"
         except Exception as exc:  # noqa: BLE001 - transformers then loads it, or says what is wrong with it
             warn(f"forge decoder: loading the weights through transformers: {type(exc).__name__}: {exc}")
     return engine_mod.load_model(weights, device, dtype), "transformers"

@@ -23,10 +23,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-#: architectures whose layers ``architectures.LlamaDecoder`` computes, and the defaults their configs leave out
-LLAMA_STYLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-GPT2 = "GPT2LMHeadModel"
-ARCHITECTURES = (*LLAMA_STYLE, GPT2)
+from .architectures import GPT2_STYLE, LLAMA_STYLE
+
+ARCHITECTURES = LLAMA_STYLE + GPT2_STYLE  # those the static decoder computes
+#: what Llama-style configs leave out
 DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "rope_theta": 10000.0}
 ROPE_TYPES = ("default", "linear", "llama3")
 #: checkpoint tensors that are not weights (older checkpoints saved the rotary frequencies)
@@ -53,7 +53,7 @@ def why_not(config: dict) -> str | None:
         return f"{arch} is not one of {', '.join(ARCHITECTURES)}"
     if config.get("quantization_config"):
         return "the checkpoint is quantized"
-    if arch == GPT2:
+    if arch in GPT2_STYLE:
         act = config.get("activation_function", "gelu_new")
         return None if act in GELU else f"its activation is {act}, not one of {', '.join(GELU)}"
     if config.get("hidden_act", DEFAULTS["hidden_act"]) != "silu":
@@ -143,9 +143,6 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = _norm(state, f"{prefix}.post_attention_layernorm", eps)
 
 
-NO_FORWARD = "this model holds weights for forge's static decoder and has no forward of its own"
-
-
 def _head(state: dict, embed: nn.Embedding, tied: bool) -> nn.Linear:
     """The output projection: the embeddings' weight where the config ties them (as transformers ties it,
     whatever the checkpoint holds), else the checkpoint's ``lm_head.weight``."""
@@ -165,9 +162,27 @@ def _no_more(state: dict) -> None:
         raise ValueError(f"the checkpoint has tensors the model does not: {', '.join(sorted(left)[:4])}")
 
 
-class NativeCausalLM(nn.Module):
-    """The weights of a Llama-style causal LM under transformers' names, ``config`` its config.json as
-    attributes. Its class is named after the checkpoint's architecture (what ``architectures`` dispatches on)."""
+class _Weights(nn.Module):
+    """A causal LM's weights under transformers' names, ``config`` its config.json as attributes, ``lm_head`` its
+    output projection and ``embeddings`` the name of its token embeddings. Its class is named after the
+    checkpoint's architecture (what ``architectures`` dispatches on). No forward of its own."""
+
+    embeddings = ""
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.get_submodule(self.embeddings)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this model holds weights for forge's static decoder and has no forward of its own")
+
+
+class NativeCausalLM(_Weights):
+    """A Llama-style causal LM's weights (``model.layers[i].self_attn.q_proj`` …)."""
+
+    embeddings = "model.embed_tokens"
 
     def __init__(self, config: dict, state: dict[str, torch.Tensor]):
         super().__init__()
@@ -186,15 +201,6 @@ class NativeCausalLM(nn.Module):
         self.model = inner
         self.lm_head = _head(state, inner.embed_tokens, values["tie_word_embeddings"])
         _no_more(state)
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(NO_FORWARD)
 
 
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:  # transformers' NewGELUActivation, the same operations
@@ -242,8 +248,10 @@ def _conv(state: dict, name: str) -> Conv1D:
     return Conv1D(state.pop(f"{name}.weight"), state.pop(f"{name}.bias"))
 
 
-class NativeGPT2(nn.Module):
-    """GPT-2's weights under transformers' names (``transformer.h[i].attn.c_attn`` …); no forward of its own."""
+class NativeGPT2(_Weights):
+    """GPT-2's weights (``transformer.h[i].attn.c_attn`` …)."""
+
+    embeddings = "transformer.wte"
 
     def __init__(self, config: dict, state: dict[str, torch.Tensor]):
         super().__init__()
@@ -274,15 +282,6 @@ class NativeGPT2(nn.Module):
         self.lm_head = _head(state, inner.wte, values["tie_word_embeddings"])
         _no_more(state)
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.transformer.wte
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(NO_FORWARD)
-
 
 def _files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
@@ -292,9 +291,9 @@ def _files(model_dir: Path) -> list[Path]:
 
 
 def load(model_dir: Path, device: torch.device, dtype: torch.dtype, config: dict | None = None) -> nn.Module:
-    """The checkpoint in ``model_dir`` (safetensors; :func:`why_not` None) as a :class:`NativeCausalLM` or
-    :class:`NativeGPT2` on
-    ``device`` in ``dtype``; ValueError where its tensors are not the architecture's."""
+    """The checkpoint in ``model_dir`` (safetensors; :func:`why_not` None; ``config``: its config.json, read here
+    when not given) as a :class:`NativeCausalLM` or :class:`NativeGPT2` on ``device`` in ``dtype``; ValueError
+    where its tensors or config keys are not the architecture's."""
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
@@ -305,7 +304,7 @@ def load(model_dir: Path, device: torch.device, dtype: torch.dtype, config: dict
             state[name] = tensor if tensor.dtype == dtype or not tensor.is_floating_point() else tensor.to(dtype)
     arch = config["architectures"][0]
     try:
-        model = type(arch, (NativeGPT2 if arch == GPT2 else NativeCausalLM,), {})(config, state)
+        model = type(arch, (NativeGPT2 if arch in GPT2_STYLE else NativeCausalLM,), {})(config, state)
     except KeyError as exc:  # tensor names have dots, config keys none
         key = str(exc.args[0])
         raise ValueError(f"the checkpoint has no {'tensor' if '.' in key else 'config key'} {key}") from None
@@ -314,4 +313,4 @@ def load(model_dir: Path, device: torch.device, dtype: torch.dtype, config: dict
 
 def loaded_here(model) -> bool:
     """Whether ``model`` is one :func:`load` made (weights only: no forward)."""
-    return isinstance(model, (NativeCausalLM, NativeGPT2))
+    return isinstance(model, _Weights)
