@@ -44,11 +44,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, fast: bool = Fals
     """The Hugging Face tokenizer stored in ``path`` (no network access); a text model's process does without
     the libraries of vision models (:func:`forge_glue.skip_vision_libraries`). ``fast``: the
     :class:`BackendTokenizer` forge build wrote beside it, where it did and the files are the ones it checked."""
-    if fast and not trust_remote_code:
-        found = BackendTokenizer.from_dir(path)
-        if found is not None:
-            return found
-    forge_glue.skip_vision_libraries(path)
+    forge_glue.skip_vision_libraries(path)  # also for transformers imported later (a guided request's grammar)
+    found = BackendTokenizer.from_dir(path) if fast and not trust_remote_code else None
+    if found is not None:
+        return found
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -119,9 +118,12 @@ class BackendTokenizer:
         return self.backend_tokenizer.id_to_token(int(token_id))
 
 
-def backend_file(path: str) -> bytes | None:
+def backend_file(path: str, trust_remote_code: bool = False) -> bytes | None:
     """:data:`BACKEND_FILE`'s bytes for the tokenizer in ``path`` (a Hugging Face directory), or None where a
-    :class:`BackendTokenizer` would not answer as transformers' tokenizer does (:func:`describe_backend`)."""
+    :class:`BackendTokenizer` would not answer as transformers' tokenizer does (:func:`describe_backend`) or the
+    tokenizer runs code of its own (``trust_remote_code``)."""
+    if trust_remote_code:
+        return None
     tokenizer = load_tokenizer(path)
     specials = " ".join(str(t) for t in tokenizer.all_special_tokens)
     probes = [f"{specials} Hello, world! It's {specials}here .", "  leading spaces , and 'quotes' n't 's",

@@ -257,7 +257,7 @@ def emit(adapter, component: Component, artifact: Artifact, ctx) -> list[TritonM
     defaults = tokenizer_defaults(component.source, ctx.spec)
     from ..in_triton import forge_text
 
-    backend = None if ctx.spec.trust_remote_code else forge_text.backend_file(str(component.source))
+    backend = forge_text.backend_file(str(component.source), ctx.spec.trust_remote_code)
     if backend is not None:  # the text models then load without transformers' tokenizer classes
         tokenizer[forge_text.BACKEND_FILE] = backend
     builder = LLM_BUILDERS.get(ctx.target)

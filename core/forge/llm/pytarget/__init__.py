@@ -179,7 +179,7 @@ def _text_files(source: Path, trust_remote_code: bool) -> dict[str, Path | bytes
     files: dict[str, Path | bytes] = dict(checkpoint_files(source, []))
     files["1/forge_llmapi.py"] = in_triton.LLMAPI.read_bytes()
     files["1/forge_text.py"] = in_triton.TEXT.read_bytes()
-    data = None if trust_remote_code else forge_text.backend_file(str(source))
+    data = forge_text.backend_file(str(source), trust_remote_code)
     if data is not None:
         files[f"1/{WEIGHTS_DIR}/{forge_text.BACKEND_FILE}"] = data
     return files
