@@ -78,11 +78,21 @@ class Engine:
         self.writer = writer
         self.metrics = metrics
         self.tasks: dict[str, asyncio.Task] = {}
+        self.outbox: list[bytes] = []  # messages written together once the loop's ready tasks have run
+        self.loop = asyncio.get_running_loop()
         self.engine = None
         self.loras: dict[str, str] = {}
 
     def send(self, message: dict) -> None:
-        self.writer.write(wire.pack(message))
+        """Queue ``message``: the outputs of one engine step go to the stub in one write (one wake-up there)."""
+        self.outbox.append(wire.pack(message))
+        if len(self.outbox) == 1:
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self.outbox:
+            self.writer.write(b"".join(self.outbox))
+            self.outbox.clear()
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -220,6 +230,7 @@ async def serve(version_dir: str, fd: int, parent: int, metrics: bool = False) -
     except Exception as exc:  # noqa: BLE001 - told to the stub in one line, then this process ends
         traceback.print_exc()
         engine.send({"op": "fatal", "error": f"{type(exc).__name__}: {exc}"})
+        engine.flush()
         await writer.drain()
         return 1
     import vllm

@@ -24,8 +24,34 @@ def unpack(data: bytes) -> dict:
     return json.loads(data)
 
 
+class Reader:
+    """The messages of one socket, read in large pieces: the messages of one engine step arrive together and
+    cost one system call."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buffer = bytearray()
+
+    def receive(self) -> dict | None:
+        """The next message (blocking), or None once the other side has closed the socket."""
+        while True:
+            if len(self.buffer) >= HEADER.size:
+                end = HEADER.size + HEADER.unpack_from(self.buffer)[0]
+                if len(self.buffer) >= end:
+                    body = bytes(self.buffer[HEADER.size:end])
+                    del self.buffer[:end]
+                    return unpack(body)
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            self.buffer += chunk
+
+
 def receive(sock: socket.socket) -> dict | None:
-    """The next message (blocking), or None once the other side has closed the socket."""
+    """The next message of an unbuffered reader (blocking), or None once the other side has closed the socket."""
     head = _exactly(sock, HEADER.size)
     if head is None:
         return None

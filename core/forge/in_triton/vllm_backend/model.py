@@ -36,7 +36,8 @@ PYTHON_ENV = "FORGE_VLLM_PYTHON"
 RETURNS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
 OUTPUT_TYPES = {"text_output": np.object_, "finish_reason": np.object_, "cumulative_logprob": np.float32,
                 "logprobs": np.object_, "num_input_tokens": np.uint32, "num_output_tokens": np.uint32}
-CANCEL_POLL_S = 0.1  # how often requests that are not streamed are asked whether their client went away
+REPORT_S = 0.25  # vLLM's statistics reach tritonserver's metrics at most this late (merged meanwhile)
+CANCEL_POLL_S = 0.1  # how often each request's client is asked whether it went away (a round trip to tritonserver)
 
 
 class Answer:
@@ -111,7 +112,8 @@ class TritonPythonModel:
              "--version-dir", version_dir, "--fd", str(theirs.fileno()), *(["--metrics"] if reported else [])],
             pass_fds=[theirs.fileno()], cwd=version_dir)
         theirs.close()
-        first = wire.receive(self.sock)
+        self.inbox = wire.Reader(self.sock)
+        first = self.inbox.receive()
         if first is None or first.get("op") != "ready":
             status = self.process.wait()
             why = first["error"] if first else f"it exited with status {status}"
@@ -189,7 +191,7 @@ class TritonPythonModel:
     # -- responses out -------------------------------------------------------------------------
     def _read(self) -> None:
         while True:
-            message = wire.receive(self.sock)
+            message = self.inbox.receive()
             if message is None:
                 break
             if message.get("op") == "stats":
@@ -208,9 +210,6 @@ class TritonPythonModel:
                 state.fail(message["error"])
                 continue
             final = bool(message.get("final"))
-            if state.stream and not final and state.client_gone():
-                self._cancel(rid)
-                continue
             try:
                 outputs = [pb_utils.Tensor(name, np.asarray(values, dtype=OUTPUT_TYPES[name]))
                            for name, values in message["outputs"].items()]
@@ -231,11 +230,17 @@ class TritonPythonModel:
         """The metrics thread: each engine step's statistics into the model's metrics, until ``finalize``."""
         stats = self.stats
         while (message := stats.get()) is not None:
+            batch = [message]
+            time.sleep(REPORT_S)  # the steps of the next REPORT_S join this one's
+            while not stats.empty() and batch[-1] is not None:
+                batch.append(stats.get())
             try:
-                self.metrics.record(message)
+                self.metrics.record(metrics.merge([m for m in batch if m is not None]))
             except Exception as exc:  # noqa: BLE001 - the metrics stop; the requests are served on
                 pb_utils.Logger.log_warn(f"{self.name}: vLLM's statistics are no longer reported as metrics: {exc}")
                 self.stats = None
+                return
+            if batch[-1] is None:
                 return
 
     def _cancel(self, rid: str, answer: bool = True) -> None:
@@ -252,12 +257,12 @@ class TritonPythonModel:
             state.fail("Request was cancelled", pb_utils.TritonError.CANCELLED)
 
     def _watch_cancellation(self) -> None:
-        """Requests that are not streamed send nothing until they end: their clients are asked every
-        CANCEL_POLL_S whether they went away (streamed ones are asked at each response)."""
+        """Every request's client is asked every CANCEL_POLL_S whether it went away; streamed responses are not
+        held up by asking at each one (a round trip to tritonserver per token)."""
         while not self.stopping:
             time.sleep(CANCEL_POLL_S)
             with self.lock:
-                waiting = [(rid, answer) for rid, answer in self.requests.items() if not answer.stream]
+                waiting = list(self.requests.items())
             for rid, answer in waiting:
                 if answer.client_gone():
                     self._cancel(rid)
