@@ -268,6 +268,25 @@ def test_chat_template_fields_continue_echo_and_template_kwargs(client, served, 
     assert post(f"{base}/detokenize", {"tokens": tokens["tokens"]}) == (200, {"prompt": "Hello world"})
 
 
+def test_the_api_loads_its_tokenizer_without_torch(served, tokenizer):
+    """forge serve's own process (the API's) imports transformers taking torch as not installed, and says nothing
+    about it: the chat prompt (tools included) and the token ids equal transformers' with torch, and torch stays
+    importable for any other code of that process."""
+    code = ("import json, sys\nfrom forge.openai_front import catalog\n"
+            f"t = catalog.load({str(served[0])!r}).generator.tokenizer\n"
+            f"p = t.apply_chat_template({QUESTION!r}, tools=[{WEATHER!r}], tokenize=False, add_generation_prompt=True)\n"
+            "loaded = sys.modules.get('torch') is not None\nimport torch\n"
+            "print(json.dumps({'torch': loaded, 'prompt': p, 'ids': t.encode('Hello world, héllo')}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["torch"] is False
+    assert got["prompt"] == tokenizer.apply_chat_template(QUESTION, tools=[WEATHER], tokenize=False,
+                                                          add_generation_prompt=True)
+    assert got["ids"] == tokenizer.encode("Hello world, héllo")
+    assert "PyTorch was not found" not in run.stderr
+
+
 def test_tokenize_detokenize_and_the_info_routes(client, served, tokenizer):
     import forge
 

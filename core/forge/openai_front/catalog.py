@@ -9,6 +9,9 @@ generator is a model taking ``text_input`` and a token budget (``max_tokens``, o
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -158,9 +161,10 @@ def _tokenizer_of(model: str, configs: dict[str, _Config]) -> tuple[Any, bool, d
         if not value or value.startswith("${"):
             continue
         path = forge_text.resolve_dir(value, str(directory), "1")
+        remote = forge_text.parse_bool(params.get("trust_remote_code"), False)
         try:
-            tokenizer = forge_text.load_tokenizer(path, trust_remote_code=forge_text.parse_bool(
-                params.get("trust_remote_code"), False))
+            with contextlib.nullcontext() if remote else _transformers_without_torch():
+                tokenizer = forge_text.load_tokenizer(path, trust_remote_code=remote)
         except Exception as exc:  # noqa: BLE001 - said once at start-up, the API still serves what it can
             raise UsageError(f"the OpenAI API cannot load the tokenizer of model {name!r} ({path}): {exc}") from None
         # the first encode may reset the truncation and padding that tokenizer.json sets; done here, it cannot
@@ -168,6 +172,35 @@ def _tokenizer_of(model: str, configs: dict[str, _Config]) -> tuple[Any, bool, d
         forge_text.token_ids("", tokenizer, False)
         return tokenizer, forge_text.parse_bool(params.get("add_special_tokens"), True), params
     return None, True, {}
+
+
+@contextlib.contextmanager
+def _transformers_without_torch():
+    """Where neither transformers nor torch is imported yet (forge serve's own process): transformers is imported
+    taking torch and torchvision as not installed, which it remembers. The API only tokenizes and renders chat
+    templates, and transformers with torch imports ``torch._dynamo`` and torchvision on the way: about 650 MB and
+    3 s of a 2-core CPU. torch itself stays importable for any other code of the process."""
+    if "transformers" in sys.modules or "torch" in sys.modules:
+        yield
+        return
+    hidden = [name for name in ("torch", "torchvision") if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # reads as not installed, to import and to importlib.util.find_spec
+    said = logging.getLogger("transformers")  # its "PyTorch was not found" advice is not for forge's users
+    quiet = _Quiet()
+    said.addFilter(quiet)
+    try:
+        yield
+    finally:
+        said.removeFilter(quiet)
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PyTorch was not found" not in record.getMessage()
 
 
 def _int(params: dict[str, str], key: str) -> int | None:
