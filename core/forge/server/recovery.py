@@ -44,17 +44,21 @@ def reload(server: TritonServer, model: str, held: bool = False) -> None:
     except InferenceServerException as exc:
         reason = _first_line(exc.message() or "") or str(exc.status() or "no answer")
         raise ForgeError(f"could not load model {model!r} again: {reason}") from None
-    configs = _configs(server) if held else {}
-    if held and decoupled(configs, model) is not False:
+    if not held:
+        return
+    configs = _configs(server)
+    own = decoupled(configs, model) is not False  # tritonserver answers a plain model's requests itself
+    ensembles = ensembles_of(configs, model)
+    if own or ensembles:
         if server.held is None:
             server.held = Held(others={m["name"] for m in server.models()})
-        server.held.add(model, ensembles_of(configs, model))
+        server.held.add(model, ensembles, own=own)
 
 
 class Held:
-    """The model generations a running tritonserver never unloads: each dead process's generation of a model
-    loaded again while it held requests (the OpenAI API's, answered by the API itself), the generation of each
-    ensemble with that model as a step (loaded again with it; its requests wait on the dead one), and the
+    """The model generations a running tritonserver never unloads: each dead process's generation of a decoupled
+    model loaded again while it held requests (the OpenAI API's, answered by the API itself), the generation of
+    each ensemble with that model (decoupled or not) as a step (loaded again with it; its requests stay), and the
     ensembles' other steps, which those requests keep loaded. At a stop, tritonserver logs each second how many
     models it still waits for: when every other model has unloaded and only these are left, it can be ended."""
 
@@ -64,9 +68,12 @@ class Held:
         self.steps: set[str] = set()  # models held loaded by those ensembles' requests
         self.others = others  # every model of the server
 
-    def add(self, model: str, ensembles: dict[str, list[str]]) -> None:
-        self.generations += 1 + len(ensembles)
-        self.names |= {model, *ensembles}
+    def add(self, model: str, ensembles: dict[str, list[str]], own: bool = True) -> None:
+        """``model`` was loaded again while its dead process held requests; ``own``: its dead generation is held
+        too (a decoupled model's), else only the generations of its ``ensembles`` (a plain step's requests get
+        tritonserver's error, while the ensemble requests around them stay)."""
+        self.generations += int(own) + len(ensembles)
+        self.names |= {*([model] if own else []), *ensembles}
         self.steps |= {step for steps in ensembles.values() for step in steps} - {model}
 
     def only_left(self, log: str) -> bool:
