@@ -68,8 +68,9 @@ def main() -> None:
             if prompt == "slow":
                 time.sleep(0.2)
 
+    inbox = wire.Reader(sock)
     while True:
-        message = wire.receive(sock)
+        message = inbox.receive()
         if message is None:
             return
         if message["op"] == "abort":

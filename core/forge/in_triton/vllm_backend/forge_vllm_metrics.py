@@ -4,9 +4,9 @@ The names, kinds and buckets are those Triton's vLLM backend reports (``vllm:pro
 ``vllm:time_to_first_token_seconds`` …, labels ``model`` and ``version``), plus the scheduler's gauges under the
 names vLLM's own server uses (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc``). The engine process sends one ``stats`` message per engine step
-(:func:`forge_vllm_engine.stats_message`); the stub merges what came meanwhile (:func:`merge`) and
-:meth:`VllmMetrics.record` adds it to the metrics tritonserver serves on its metrics port: each metric call is a
-round trip to tritonserver, so fewer calls leave the engine's CPU alone.
+(:func:`forge_vllm_engine.stats_message`); :meth:`VllmMetrics.record` adds those that came meanwhile to the
+metrics tritonserver serves on its metrics port, with as few calls as they allow: each is a round trip to
+tritonserver, and fewer leave the engine's CPU alone.
 """
 
 from __future__ import annotations
@@ -36,20 +36,6 @@ def one_two_five(limit: int) -> list[int]:
                 return buckets
             buckets.append(value)
         exponent += 1
-
-
-def merge(messages: list[dict]) -> dict:
-    """Several steps' ``stats`` messages as one: counters summed, histograms' values joined, gauges the last."""
-    merged: dict = {}
-    for message in messages:
-        for key, value in message.items():
-            if isinstance(value, list):
-                merged.setdefault(key, []).extend(value)
-            elif key in ("prompt_tokens", "generation_tokens"):
-                merged[key] = merged.get(key, 0) + value
-            else:
-                merged[key] = value
-    return merged
 
 
 class VllmMetrics:
@@ -90,14 +76,20 @@ class VllmMetrics:
             "kv_cache_usage": family("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                      gauge)}
 
-    def record(self, message: dict) -> None:
+    def record(self, messages: list[dict]) -> None:
+        """Some engine steps' ``stats`` messages: each counter incremented once by their sum, every histogram
+        value observed, each gauge set to its last value where that changed (each call is a round trip to
+        tritonserver)."""
         for key, metric in self.counters.items():
-            if message.get(key):
-                metric.increment(float(message[key]))
+            total = sum(message.get(key) or 0 for message in messages)
+            if total:
+                metric.increment(float(total))
         for key, metric in self.histograms.items():
-            for value in message.get(key, ()):
-                metric.observe(float(value))
+            for message in messages:
+                for value in message.get(key, ()):
+                    metric.observe(float(value))
         for key, metric in self.gauges.items():
-            if key in message and message[key] != self.last.get(key):
-                metric.set(float(message[key]))
-                self.last[key] = message[key]
+            values = [message[key] for message in messages if key in message]
+            if values and values[-1] != self.last.get(key):
+                metric.set(float(values[-1]))
+                self.last[key] = values[-1]

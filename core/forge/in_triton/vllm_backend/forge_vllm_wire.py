@@ -25,8 +25,8 @@ def unpack(data: bytes) -> dict:
 
 
 class Reader:
-    """The messages of one socket, read in large pieces: the messages of one engine step arrive together and
-    cost one system call."""
+    """The messages of one socket (blocking), read in large pieces: the messages of one engine step arrive
+    together and cost one system call."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -48,26 +48,3 @@ class Reader:
             if not chunk:
                 return None
             self.buffer += chunk
-
-
-def receive(sock: socket.socket) -> dict | None:
-    """The next message of an unbuffered reader (blocking), or None once the other side has closed the socket."""
-    head = _exactly(sock, HEADER.size)
-    if head is None:
-        return None
-    body = _exactly(sock, HEADER.unpack(head)[0])
-    return None if body is None else unpack(body)
-
-
-def _exactly(sock: socket.socket, size: int) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        try:
-            chunk = sock.recv(min(left, 1 << 20))
-        except OSError:
-            return None
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)

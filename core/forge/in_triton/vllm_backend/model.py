@@ -235,7 +235,7 @@ class TritonPythonModel:
             while not stats.empty() and batch[-1] is not None:
                 batch.append(stats.get())
             try:
-                self.metrics.record(metrics.merge([m for m in batch if m is not None]))
+                self.metrics.record([m for m in batch if m is not None])
             except Exception as exc:  # noqa: BLE001 - the metrics stop; the requests are served on
                 pb_utils.Logger.log_warn(f"{self.name}: vLLM's statistics are no longer reported as metrics: {exc}")
                 self.stats = None
