@@ -177,13 +177,16 @@ def _tokenizer_of(model: str, configs: dict[str, _Config]) -> tuple[Any, bool, d
 @contextlib.contextmanager
 def _transformers_without_torch():
     """Where neither transformers nor torch is imported yet (forge serve's own process): transformers is imported
-    taking torch and torchvision as not installed, which it remembers. The API only tokenizes and renders chat
-    templates, and transformers with torch imports ``torch._dynamo`` and torchvision on the way: about 650 MB and
-    3 s of a 2-core CPU. torch itself stays importable for any other code of the process."""
+    taking torch and the vision libraries (torchvision, scipy) as not installed, which it remembers. The API
+    only tokenizes and renders chat templates, and transformers with torch imports ``torch._dynamo`` and
+    torchvision on the way: about 650 MB and 3 s of a 2-core CPU. They stay importable for any other code of
+    the process."""
     if "transformers" in sys.modules or "torch" in sys.modules:
         yield
         return
-    hidden = [name for name in ("torch", "torchvision") if name not in sys.modules]
+    from ..in_triton.forge_glue import VISION_LIBRARIES
+
+    hidden = [name for name in ("torch", *VISION_LIBRARIES) if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # reads as not installed, to import and to importlib.util.find_spec
     said = logging.getLogger("transformers")  # its "PyTorch was not found" advice is not for forge's users

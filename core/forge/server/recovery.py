@@ -26,8 +26,9 @@ def reload(server: TritonServer, model: str, held: bool = False) -> None:
     tritonserver takes a load request for a loaded model whose files did not change as done, even when its
     process is dead (until a request found it so): the model is unloaded first, which returns at once (an old
     process that lives ends once it answered what it held). ``held``: the dead process held requests (the
-    OpenAI API's, which it answered itself); a decoupled model's old generation then never unloads, which
-    ``server.held`` counts for its stop.
+    OpenAI API's, which it answered itself); a decoupled model's old generation then never unloads, nor does the
+    old generation of an ensemble with the model (decoupled or not) as a step, which ``server.held`` counts for
+    its stop (:class:`Held`).
 
     Through gRPC: tritonserver answers a model-control request on the thread that took it, and an HTTP one
     blocks one of its HTTP threads for the whole load, holding up the streams of the other models' HTTP
