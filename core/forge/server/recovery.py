@@ -75,7 +75,8 @@ class Held:
         tritonserver's error, while the ensemble requests around them stay)."""
         self.generations += int(own) + len(ensembles)
         self.names |= {*([model] if own else []), *ensembles}
-        self.steps |= {step for steps in ensembles.values() for step in steps} - {model}
+        # a plain step's new generation is among the steps those ensemble requests keep loaded
+        self.steps |= {step for steps in ensembles.values() for step in steps} - ({model} if own else set())
 
     def only_left(self, log: str) -> bool:
         """Whether the stopping server's log (from its start) says it waits for these alone."""
