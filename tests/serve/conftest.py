@@ -4,7 +4,7 @@ Repositories are built through the real CLI (``forge build --family gpt --target
 the newest engine release (v1.2.1), the newest release's LLM-API layout (``l_`` with ``-o decoupled=false``, ``ls_`` the
 default: decoupled, ``li_`` with ``-o stream_interval=3``), the engine
 release with ``--decoupled`` (streaming), ``--decoupled -o engine_process=true``
-(the engine in a process of its own), ``--backend-version v0.5.0`` (UINT32 lengths), ``--backend-version
+(the engine in a process of its own; ``p1_`` with one sender thread), ``--backend-version v0.5.0`` (UINT32 lengths), ``--backend-version
 v0.13.0 -o bls=true`` (tensorrtllm_backend's tools) and seed 000's ``--target hf-pipeline`` model. They are merged into one model repository (different name prefixes)
 and served by one real tritonserver for the whole session, which keeps CI time low.
 """
@@ -33,6 +33,8 @@ BUILDS = {  # name prefix → extra build arguments (the engine layout of ENGINE
     "s_": ["--decoupled", "-o", "cancellation_check_period_ms=10"],
     # the engine in a process of its own; its cancel watcher asks every poll (5 ms), not every 100 ms
     "p_": ["--decoupled", "-o", "engine_process=true", "-o", "cancellation_check_period_ms=1"],
+    # ... with one sender thread, which many streams outpace
+    "p1_": ["--decoupled", "-o", "engine_process=true", "-o", "sender_threads=1"],
     "v5_": ["--backend-version", "v0.5.0"],
     "v13_": ["--backend-version", "v0.13.0", "-o", "bls=true"],  # the release of the tool tests, with BLS
     "hf_": ["--target", "hf-pipeline", "--dtype", "float32"],  # seed 000's per-request pipeline model

@@ -526,6 +526,34 @@ def test_the_engine_process_serves_concurrent_requests_and_the_ensemble(server, 
     assert mine == theirs and len(mine) == 10
 
 
+def test_streams_that_outpace_the_sender_get_every_token_since_their_last_response(server, tokenizer):
+    """One sender thread (``p1_``) and 32 streams of 40 tokens: the engine process makes tokens faster than one
+    thread sends responses, so a lagging stream's next response carries every token since its last instead of
+    the engine waiting. Each stream's pieces still add up to its non-streamed answer, in order, the last one
+    final; a lone stream still gets one response a token."""
+    prompts = [tokenizer.encode(f"hello world {i} " * (1 + i % 4)) for i in range(32)]
+    answers = {i: stream(server, "p1_tensorrt_llm", llm_tensors(ids, 40))[0].as_numpy("output_ids")[0, 0].tolist()
+               for i, ids in enumerate(prompts)}
+    pieces: dict[int, list] = {}
+
+    def ask(index: int) -> None:
+        pieces[index] = stream(server, "p1_tensorrt_llm", llm_tensors(prompts[index], 40,
+                                                                       streaming=np.array([[True]])))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(pieces) == list(range(32))
+    for i, responses in pieces.items():
+        ids = [t for r in responses for t in r.as_numpy("output_ids").reshape(-1).tolist()]
+        assert prompts[i] + ids == answers[i], i
+    assert sum(len(responses) for responses in pieces.values()) < 32 * 40  # some carried several tokens
+    alone = stream(server, "p1_tensorrt_llm", llm_tensors(prompts[0], 12, streaming=np.array([[True]])))
+    assert [r.as_numpy("output_ids").size for r in alone] == [1] * 12
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"guided_decoding_guide_type": np.array([["regex".encode()]], object),
       "guided_decoding_guide": np.array([["([a-z]".encode()]], object)}, "guided_decoding_guide"),
@@ -604,9 +632,10 @@ def test_zz_a_killed_engine_process_fails_its_requests_in_bounded_time(server, t
 
     import tritonclient.grpc as grpc
 
-    from forge.server.processes import engine_processes, repository_processes
+    from forge.server.processes import engine_model, engine_processes, repository_processes
 
-    (pid,) = engine_processes(repository_processes(server.repo))
+    (pid,) = [pid for pid in engine_processes(repository_processes(server.repo))
+              if engine_model(pid) == "p_tensorrt_llm"]
     ids = tokenizer.encode("hello")
     client = grpc.InferenceServerClient(server.grpc_url)
     events: queue.Queue = queue.Queue()

@@ -24,6 +24,7 @@ RESTARTS, RESTART_WINDOW_S = 5, 600
 START_ATTEMPTS = 3  # tries of each restart's start: one can fail under load (a model process slow to come up)
 RANK_GRACE_S = 3.0  # a multi-rank world whose model processes died ends within this when a rank died
 RANK_ENGINE_GRACE_S = 30.0  # and one whose engine process died (its followers notice, then mpirun ends the world)
+RELOAD_DEATH_GRACE_S = 3.0  # a reload that failed because tritonserver is dying (an abort's stack dump): its end
 
 
 class Stop(Exception):
@@ -130,6 +131,10 @@ def supervise(server, restarts: Restarts, front: Callable[[], object] = lambda: 
                     recovery.reload(server, model, held=failed > 0 and any(
                         dead == model and pid not in supervisor.engine_deaths for pid, dead in deaths))
             except ForgeError as exc:
+                try:  # its model control answers "Socket closed" before the dying process is gone
+                    process.wait(RELOAD_DEATH_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    pass
                 if server.process is not process or process.poll() is not None:
                     return  # tritonserver itself ended meanwhile: the session restarts it, once
                 if not restarts.attempt(f"{exc}", counted=True):

@@ -7,11 +7,13 @@ decoding steps and new ones join at any step, and hands every update to a sender
 the responses and sends them while the engine runs its next step (on a GPU the engine waits for the
 device without the GIL). There are SENDERS of them, each request's updates in order on one: a send waits
 for the server's round trip without the GIL, so several keep more streams moving. In decoupled mode
-streaming requests get one response per generated token.
+streaming requests get one response per generated token while the senders keep up, and every token since the
+last response in one where they fall behind.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import queue
@@ -19,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +31,12 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 import forge_glue  # noqa: E402  (shipped next to this file)
 from forge_decoder import hosted, loading  # noqa: E402
 from forge_decoder.request import GenerationRequest, RequestError, is_stop, parse  # noqa: E402
-from forge_decoder.responses import OutputSpec, RowResult, assemble, carried  # noqa: E402
+from forge_decoder.responses import OutputSpec, Progress, Queued, RowResult, assemble, carried  # noqa: E402
 from forge_decoder.sequences import Sequence, Update  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
+COALESCE_BACKLOG = 16  # items waiting for one sender past which a streamed token joins its sequence's waiting item
 ENGINE_METRICS_S = 0.5  # metrics are published this often while the engine has work (each is an IPC call)
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds",
                    "prefills")
@@ -60,6 +63,8 @@ class _Request:
         self.results: dict[int, RowResult] = {}
         self.started: set = set()  # streaming rows that sent their first response
         self.held: dict[Sequence, Update] = {}  # their tokens waiting for the next response (-o stream_interval)
+        self.queued: dict[Sequence, Queued] = {}  # each streaming sequence's last item in its sender's queue
+        self.queue_lock = threading.Lock()  # around an item's update and its taking
         self.ended: set = set()  # rows whose last update the sender delivered
         self.outbox = model.outboxes[next(model.turns) % len(model.outboxes)]  # its updates' sender, in order
         self.done = False
@@ -82,7 +87,7 @@ class _Request:
 
     def _pad(self) -> int:
         row = self.rows[0]
-        return row.pad_id if row.pad_id is not None else (row.end_id if row.end_id is not None else 0)
+        return next((i for i in (row.pad_id, row.end_id) if i is not None), 0)
 
     def _send(self, results: list[RowResult] | None, final: bool, error: str | None = None) -> None:
         if not final:
@@ -120,15 +125,24 @@ class _Request:
         """Engine callback (engine thread): queue the update for the sender thread with what it reads of the
         sequence as of now (the engine goes on appending to it). A request that does not stream has nothing
         to send before its sequence ends: its tokens are counted then, and the sender thread (which shares
-        the GIL with the engine) is not woken for each of them."""
+        the GIL with the engine) is not woken for each of them. Where more than COALESCE_BACKLOG items wait for
+        the sender, an update joins its sequence's item that the sender has not taken yet: a sender that falls
+        behind sends every token since the sequence's last response in one, so the engine never waits for the
+        senders and their queue stays short."""
         if not (self.streaming or update.finished):
             return
         if self.streaming and self.model.stream_interval > 1:
             update = self._due(seq, update, self.model.stream_interval)
             if update is None:
                 return
-        self.outbox.put((self, seq, update, _Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns,
-                                                            len(seq.output))))
+        progress = Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns, len(seq.output))
+        with self.queue_lock:
+            last = self.queued.get(seq)
+            if last is not None and not last.taken and self.outbox.qsize() > COALESCE_BACKLOG:
+                last.update, last.progress = last.update.then(update), progress
+                return
+            item = self.queued[seq] = Queued(self, seq, update, progress, self.queue_lock)
+        self.outbox.put(item)
 
     def _due(self, seq: Sequence, update: Update, interval: int) -> Update | None:
         """``-o stream_interval``: the first token at once, then ``interval`` a response, and the last; None: held."""
@@ -139,7 +153,7 @@ class _Request:
         self.held[seq] = update
         return None
 
-    def deliver(self, seq: Sequence, update: Update, progress: "_Progress") -> None:
+    def deliver(self, seq: Sequence, update: Update, progress: Progress) -> None:
         """Sender thread: send what the update completes."""
         self.model.count(update, len(update.tokens) if self.streaming else progress.output_tokens)
         with self.lock:
@@ -178,7 +192,7 @@ class _Request:
             elif last:
                 self._send([self.results[i] for i in sorted(self.results)], True)
 
-    def _row(self, seq, progress: "_Progress", ids, logprobs, generation_logits, context: bool = False,
+    def _row(self, seq, progress: Progress, ids, logprobs, generation_logits, context: bool = False,
              reason: str | None = None, top: list | None = None) -> RowResult:
         req = seq.request
         return RowResult(ids=list(ids), logprobs=list(logprobs), cum_logprob=progress.cum_logprob,
@@ -189,15 +203,6 @@ class _Request:
                          first_token_ns=progress.first_token_ns, last_token_ns=progress.last_token_ns,
                          input_tokens=len(req.prompt), output_tokens=progress.output_tokens, reason=reason,
                          top=list(top or ()), prompt_top=seq.prompt_top if context else None)
-
-
-class _Progress(NamedTuple):
-    """A sequence's running figures when the engine reported an update."""
-
-    cum_logprob: float
-    first_token_ns: int
-    last_token_ns: int
-    output_tokens: int
 
 
 class TritonPythonModel:
@@ -237,7 +242,7 @@ class TritonPythonModel:
         self.requests: dict[int, _Request] = {}
         self.lock = threading.Lock()
         self._metrics()
-        # (request, sequence, update, progress) per sender thread; None: stop
+        # Queued items per sender thread; None: stop
         senders = int(_parameter(config, "sender_threads", "") or SENDERS)
         if senders < 1:
             raise ValueError(f"sender_threads is {senders}: at least one thread must send the responses")
@@ -251,9 +256,7 @@ class TritonPythonModel:
                         for i, box in enumerate(self.outboxes)]
         for thread in self.senders:
             thread.start()
-        if isinstance(self.engine, hosted.EngineHost):  # the engine waits while the senders are behind
-            self.engine.throttle(lambda: sum(box.qsize() for box in self.outboxes), 2 * senders)
-        else:
+        if not isinstance(self.engine, hosted.EngineHost):
             self.engine.start()
         pb_utils.Logger.log_info(
             f"forge python target {self.name!r}: {summary}, {senders} sender threads, max_input_len "
@@ -387,9 +390,9 @@ class TritonPythonModel:
     def _send_loop(self, outbox: queue.SimpleQueue) -> None:
         while (item := outbox.get()) is not None:
             forge_glue.exit_if_orphaned()
-            request, seq, update, progress = item
+            request = item.owner
             try:
-                request.deliver(seq, update, progress)
+                request.deliver(item.seq, *item.take())
             except Exception as exc:  # one request's failure must not stop everyone's responses
                 self.log_warn(f"could not answer request {request.request_id!r}: {type(exc).__name__}: {exc}")
                 request.cancel()
@@ -453,8 +456,9 @@ class TritonPythonModel:
         for outbox in self.outboxes:  # the senders answer what the engine reported up to here, then stop
             outbox.put(None)
         deadline = time.monotonic() + 5.0
-        sent = all([_joined(thread, max(0.0, deadline - time.monotonic())) for thread in self.senders])
-        ended = ended and sent
+        for thread in self.senders:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        ended = ended and not any(thread.is_alive() for thread in self.senders)
         with self.lock:
             left = list(self.requests.values())
             self.requests.clear()
@@ -470,31 +474,14 @@ class TritonPythonModel:
                 request.lock.release()
         if ended:  # nothing left that counts: release the metrics while their channel is open
             self.busy_gauge = self.token_counter = self.finished = self.engine_counters = self.response_counters = None
-            self.waiting_gauge = self.metric_waiting = None
+            self.waiting_gauge = self.metric_waiting = self.metric_responses = None
             self.metric_sequences = self.metric_finished = self.metric_tokens = self.metric_engine = None
-            self.metric_responses = None
         # Finished requests are cycles (request → sequence → its callback → request) that only the cyclic
         # collector frees; left to the interpreter's teardown, their senders' destructors use the stub's
         # shared memory after it is gone (a segfault in ResponseSender::~ResponseSender under
         # Py_FinalizeEx). Collect them now.
-        import gc
-
         gc.collect()
 
 
-def _joined(thread: threading.Thread, timeout: float) -> bool:
-    thread.join(timeout)
-    return not thread.is_alive()
-
-
-class _ClosedSender:
-    """A response sender after ``finalize``: sends nothing, and every request reads as cancelled."""
-
-    def send(self, *args, **kwargs) -> None:
-        pass
-
-    def is_cancelled(self) -> bool:
-        return True
-
-
-_CLOSED = _ClosedSender()
+#: A response sender after ``finalize``: sends nothing, and every request reads as cancelled.
+_CLOSED = SimpleNamespace(send=lambda *args, **kwargs: None, is_cancelled=lambda: True)

@@ -10,10 +10,10 @@ model and runs the engine. They talk over a socket pair, pickled messages:
 * child → stub: ``ready`` or ``failed`` (after loading), ``log``, ``batch`` (every update of one engine step,
   with the engine's counters and its queue's length; a step that changed that length and has no update sends
   one too: a request that does not stream has no update before its last), ``stopped``;
-* stub → child: ``ack`` for each batch, once the responses waiting for the stub's sender threads are few again.
-  The engine runs at most WINDOW batches ahead of the acks: where the stub cannot send responses as fast as
-  the engine makes tokens (streaming, one response per token), the engine waits for it, as it did inside the
-  stub, instead of piling up tokens that every stream's next response would wait behind.
+* stub → child: ``ack`` for each batch once its updates are in the stub's sequences. The engine runs at most
+  WINDOW batches ahead of the acks. Where the stub's senders cannot send a response per token as fast as the
+  engine makes them, each streamed sequence's tokens wait in one pending update that its next response carries
+  (``model.py``), so the engine never waits for the senders.
 
 The stub's ``Sequence`` objects stay what ``model.py`` reads: the host copies each update's figures into them
 before calling their callback, so responses are built exactly as with the engine in the stub. The child exits
@@ -41,7 +41,6 @@ from .sequences import Sequence, Update
 
 CANCEL_POLL_S = 0.005  # how often the host looks for sequences the stub cancelled (a stop request, an error)
 WINDOW = 2  # batches the engine process may send ahead of the stub's acks
-BACKLOG_POLL_S = 0.0005  # how often the stub looks whether its senders' backlog went down before an ack
 COUNTERS = ("step_ns", "prefill_ns", "decode_steps", "decoded_rows", "admitted", "queued_ns", "prefills", "device_ns",
             "wait_ns", "waiting")  # waiting: a gauge, the engine's queue as of its last step
 
@@ -74,8 +73,6 @@ class EngineHost:
         for counter in COUNTERS:
             setattr(self, counter, 0)
         self.timed = False
-        self.backlog: Callable[[], int] = lambda: 0  # responses waiting for the stub's senders (``throttle``)
-        self.backlog_limit = 0
         path = adoption.socket_path(name)
         adopted = adoption.adopt(path, config, str(here), name)
         if adopted is not None:  # the engine our model's previous process left loaded (adoption.py)
@@ -127,11 +124,6 @@ class EngineHost:
                 return
 
     # -- what model.py calls -------------------------------------------------------------------------
-    def throttle(self, backlog: Callable[[], int], limit: int) -> None:
-        """Ack each batch only once ``backlog()`` (the updates waiting for the sender threads) is at most
-        ``limit``."""
-        self.backlog, self.backlog_limit = backlog, limit
-
     @property
     def busy(self) -> int:
         return len(self.live)
@@ -180,8 +172,6 @@ class EngineHost:
                 kind = message[0]
                 if kind == "batch":
                     self._deliver(message[1], message[2])
-                    while self.backlog() > self.backlog_limit and self.dead is None:
-                        time.sleep(BACKLOG_POLL_S)
                     with self.lock:
                         self.conn.send(("ack",))
                 elif kind == "log":

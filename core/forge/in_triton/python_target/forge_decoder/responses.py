@@ -15,9 +15,35 @@ a client that asks for them gets no such tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
+
+
+class Progress(NamedTuple):
+    """A sequence's running figures when the engine reported an update."""
+
+    cum_logprob: float
+    first_token_ns: int
+    last_token_ns: int
+    output_tokens: int
+
+
+class Queued:
+    """One item of a sender thread's queue: a sequence's update and its progress as of that update. Later
+    updates may join it (under ``lock``) until a sender takes it."""
+
+    __slots__ = ("owner", "seq", "update", "progress", "lock", "taken")
+
+    def __init__(self, owner: Any, seq: Any, update: Any, progress: Progress, lock):
+        self.owner, self.seq, self.update, self.progress, self.lock = owner, seq, update, progress, lock
+        self.taken = False
+
+    def take(self) -> tuple[Any, Progress]:
+        """Sender thread: the update (with every one that joined it) and the latest progress."""
+        with self.lock:
+            self.taken = True
+            return self.update, self.progress
 
 
 @dataclass(frozen=True)
