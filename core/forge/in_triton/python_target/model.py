@@ -13,6 +13,7 @@ last response in one where they fall behind.
 
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
 import os
@@ -66,7 +67,8 @@ class _Request:
         self.queued: dict[Sequence, Queued] = {}  # each streaming sequence's last item in its sender's queue
         self.queue_lock = threading.Lock()  # around an item's update and its taking
         self.ended: set = set()  # rows whose last update the sender delivered
-        self.outbox = model.outboxes[next(model.turns) % len(model.outboxes)]  # its updates' sender, in order
+        turn = next(model.turns) % len(model.outboxes)
+        self.outbox, self.firsts = model.outboxes[turn], model.firsts[turn]  # its updates' sender, in order
         self.done = False
         self.counted = False  # in forge_glue.in_flight, until the final response is sent
         self.stopped = False  # a TensorRT-LLM ``stop`` request ended it: answer with what was generated
@@ -128,7 +130,8 @@ class _Request:
         the GIL with the engine) is not woken for each of them. Where more than COALESCE_BACKLOG items wait for
         the sender, an update joins its sequence's item that the sender has not taken yet: a sender that falls
         behind sends every token since the sequence's last response in one, so the engine never waits for the
-        senders and their queue stays short."""
+        senders and their queue stays short. A stream's first update also goes to the sender's ``firsts``, which
+        it sends before the rest of its queue: the first token does not wait behind other streams' tokens."""
         if not (self.streaming or update.finished):
             return
         if self.streaming and self.model.stream_interval > 1:
@@ -142,6 +145,8 @@ class _Request:
                 last.update, last.progress = last.update.then(update), progress
                 return
             item = self.queued[seq] = Queued(self, seq, update, progress, self.queue_lock)
+        if last is None and self.streaming:  # (in the queue too: it wakes the sender, which skips it once taken)
+            self.firsts.append(item)
         self.outbox.put(item)
 
     def _due(self, seq: Sequence, update: Update, interval: int) -> Update | None:
@@ -247,13 +252,14 @@ class TritonPythonModel:
         if senders < 1:
             raise ValueError(f"sender_threads is {senders}: at least one thread must send the responses")
         self.outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(senders)]
+        self.firsts: list[collections.deque] = [collections.deque() for _ in range(senders)]  # streams' first items
         self.turns = itertools.count()
         self.count_lock = threading.Lock()  # the metrics' local sums, shared by the senders
         self.publisher_stop = threading.Event()
         self.publisher = threading.Thread(target=self._publisher, name="forge-metrics", daemon=True)
         self.publisher.start()
-        self.senders = [threading.Thread(target=self._send_loop, args=(box,), name=f"forge-sender-{i}", daemon=True)
-                        for i, box in enumerate(self.outboxes)]
+        self.senders = [threading.Thread(target=self._send_loop, args=(self.outboxes[i], self.firsts[i]),
+                                         name=f"forge-sender-{i}", daemon=True) for i in range(senders)]
         for thread in self.senders:
             thread.start()
         if not isinstance(self.engine, hosted.EngineHost):
@@ -387,15 +393,22 @@ class TritonPythonModel:
                 counter.increment(value - self.published_engine[kind])
                 self.published_engine[kind] = value
 
-    def _send_loop(self, outbox: queue.SimpleQueue) -> None:
+    def _send_loop(self, outbox: queue.SimpleQueue, firsts: collections.deque) -> None:
         while (item := outbox.get()) is not None:
             forge_glue.exit_if_orphaned()
-            request = item.owner
-            try:
-                request.deliver(item.seq, *item.take())
-            except Exception as exc:  # one request's failure must not stop everyone's responses
-                self.log_warn(f"could not answer request {request.request_id!r}: {type(exc).__name__}: {exc}")
-                request.cancel()
+            while firsts:
+                self._deliver(firsts.popleft())
+            self._deliver(item)
+
+    def _deliver(self, item: Queued) -> None:
+        if (taken := item.take()) is None:  # a stream's first item, sent ahead of the queue
+            return
+        request = item.owner
+        try:
+            request.deliver(item.seq, *taken)
+        except Exception as exc:  # one request's failure must not stop everyone's responses
+            self.log_warn(f"could not answer request {request.request_id!r}: {type(exc).__name__}: {exc}")
+            request.cancel()
 
     def log_warn(self, message: str) -> None:
         pb_utils.Logger.log_warn(message)

@@ -39,9 +39,11 @@ class Queued:
         self.owner, self.seq, self.update, self.progress, self.lock = owner, seq, update, progress, lock
         self.taken = False
 
-    def take(self) -> tuple[Any, Progress]:
-        """Sender thread: the update (with every one that joined it) and the latest progress."""
+    def take(self) -> tuple[Any, Progress] | None:
+        """Sender thread: the update (with every one that joined it) and the latest progress; None once taken."""
         with self.lock:
+            if self.taken:
+                return None
             self.taken = True
             return self.update, self.progress
 
