@@ -1,14 +1,13 @@
 """Triton python-backend model written by forge: a decoder behind the tensorrt_llm tensor interface.
 
-forge copies this file to ``<repository>/tensorrt_llm/1/model.py``, the runtime package beside it
-(``forge_decoder/``) and the Hugging Face weights to ``1/hf/``. ``execute`` only checks and queues
-requests; a continuous-batching engine thread generates, so requests of different lengths share
-decoding steps and new ones join at any step, and hands every update to a sender thread, which builds
-the responses and sends them while the engine runs its next step (on a GPU the engine waits for the
-device without the GIL). There are SENDERS of them, each request's updates in order on one: a send waits
-for the server's round trip without the GIL, so several keep more streams moving. In decoupled mode
-streaming requests get one response per generated token while the senders keep up, and every token since the
-last response in one where they fall behind.
+forge copies this file to ``<repository>/tensorrt_llm/1/model.py``, the runtime package beside it (``forge_decoder/``)
+and the Hugging Face weights to ``1/hf/``. ``execute`` only checks and queues requests; a continuous-batching engine
+thread generates, so requests of different lengths share decoding steps and new ones join at any step, and hands every
+update to a sender thread, which builds the responses and sends them while the engine runs its next step (on a GPU the
+engine waits for the device without the GIL). There are SENDERS of them, each request's updates in order on one: a
+send waits for the server's round trip without the GIL, so several keep more streams moving. In decoupled mode
+streaming requests get one response per generated token while the senders keep up, and every token since the last
+response in one where they fall behind.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from forge_decoder.sequences import Sequence, Update  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SENDERS = 4  # sender threads (-o sender_threads); one round trip to the server per response each
-COALESCE_BACKLOG = 16  # items waiting for one sender past which a streamed token joins its sequence's waiting item
+COALESCE_BACKLOG = 4  # items waiting for one sender past which a streamed token may join its sequence's waiting one
 ENGINE_METRICS_S = 0.5  # metrics are published this often while the engine has work (each is an IPC call)
 ENGINE_COUNTERS = ("step_seconds", "prefill_seconds", "decode_steps", "decoded_rows", "admitted", "queued_seconds",
                    "prefills")
@@ -65,10 +64,10 @@ class _Request:
         self.started: set = set()  # streaming rows that sent their first response
         self.held: dict[Sequence, Update] = {}  # their tokens waiting for the next response (-o stream_interval)
         self.queued: dict[Sequence, Queued] = {}  # each streaming sequence's last item in its sender's queue
-        self.queue_lock = threading.Lock()  # around an item's update and its taking
+        self.untaken: dict[Sequence, int] = {}  # each streaming sequence's items its sender has not taken
         self.ended: set = set()  # rows whose last update the sender delivered
-        turn = next(model.turns) % len(model.outboxes)
-        self.outbox, self.firsts = model.outboxes[turn], model.firsts[turn]  # its updates' sender, in order
+        self.turn = next(model.turns) % len(model.outboxes)  # its updates' sender, in order
+        self.outbox, self.firsts = model.outboxes[self.turn], model.firsts[self.turn]
         self.done = False
         self.counted = False  # in forge_glue.in_flight, until the final response is sent
         self.stopped = False  # a TensorRT-LLM ``stop`` request ended it: answer with what was generated
@@ -76,9 +75,8 @@ class _Request:
         self.finishing = threading.Lock()  # held around the final response and ``done``, see is_cancelled
 
     def is_cancelled(self) -> bool:
-        """Whether the client went away. Never asked of the server once the final response is sent: tritonserver
-        frees the request's response factory then, and asking crashes it (SIGSEGV in
-        TRITONBACKEND_ResponseFactoryIsCancelled; seen under load with the engine process's cancel watcher)."""
+        """Whether the client went away; never asked once the final response is sent: tritonserver frees the
+        response factory then, and asking crashes it (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled)."""
         with self.finishing:
             return self.done or self.sender.is_cancelled()
 
@@ -124,14 +122,12 @@ class _Request:
         self.model.sent(built - started, time.perf_counter_ns() - built)
 
     def on_update(self, seq: Sequence, update: Update) -> None:
-        """Engine callback (engine thread): queue the update for the sender thread with what it reads of the
-        sequence as of now (the engine goes on appending to it). A request that does not stream has nothing
-        to send before its sequence ends: its tokens are counted then, and the sender thread (which shares
-        the GIL with the engine) is not woken for each of them. Where more than COALESCE_BACKLOG items wait for
-        the sender, an update joins its sequence's item that the sender has not taken yet: a sender that falls
-        behind sends every token since the sequence's last response in one, so the engine never waits for the
-        senders and their queue stays short. A stream's first update also goes to the sender's ``firsts``, which
-        it sends before the rest of its queue: the first token does not wait behind other streams' tokens."""
+        """Engine callback (engine thread): queue the update, with what it reads of the sequence as of now, for
+        the sender thread (a request that does not stream: only its last). Where more than COALESCE_BACKLOG
+        items, some of other sequences, wait for the sender, an update joins its sequence's item not taken yet:
+        a sender behind its streams sends every token since a sequence's last response in one, the engine never
+        waits for it, and a lone stream gets a response per token, as from TensorRT-LLM. A stream's first item
+        also goes to ``firsts``, which the sender sends before the rest of its queue."""
         if not (self.streaming or update.finished):
             return
         if self.streaming and self.model.stream_interval > 1:
@@ -139,15 +135,21 @@ class _Request:
             if update is None:
                 return
         progress = Progress(seq.cum_logprob, seq.first_token_ns, seq.last_token_ns, len(seq.output))
-        with self.queue_lock:
-            last = self.queued.get(seq)
-            if last is not None and not last.taken and self.outbox.qsize() > COALESCE_BACKLOG:
+        model = self.model
+        with model.queue_lock:
+            last, mine, waiting = self.queued.get(seq), self.untaken.get(seq, 0), model.untaken[self.turn]
+            if last is not None and not last.taken and waiting > max(COALESCE_BACKLOG, mine):
                 last.update, last.progress = last.update.then(update), progress
                 return
-            item = self.queued[seq] = Queued(self, seq, update, progress, self.queue_lock)
+            item = self.queued[seq] = Queued(self, seq, update, progress, model.queue_lock, self._taken)
+            self.untaken[seq], model.untaken[self.turn] = mine + 1, waiting + 1
         if last is None and self.streaming:  # (in the queue too: it wakes the sender, which skips it once taken)
             self.firsts.append(item)
         self.outbox.put(item)
+
+    def _taken(self, seq: Sequence) -> None:  # (the model's queue_lock held) a sender took one of seq's items
+        self.untaken[seq] -= 1
+        self.model.untaken[self.turn] -= 1
 
     def _due(self, seq: Sequence, update: Update, interval: int) -> Update | None:
         """``-o stream_interval``: the first token at once, then ``interval`` a response, and the last; None: held."""
@@ -253,6 +255,8 @@ class TritonPythonModel:
             raise ValueError(f"sender_threads is {senders}: at least one thread must send the responses")
         self.outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(senders)]
         self.firsts: list[collections.deque] = [collections.deque() for _ in range(senders)]  # streams' first items
+        self.untaken = [0] * senders  # items each sender has not taken (the queue less the firsts sent ahead)
+        self.queue_lock = threading.Lock()  # the counts, and an item's update and its taking
         self.turns = itertools.count()
         self.count_lock = threading.Lock()  # the metrics' local sums, shared by the senders
         self.publisher_stop = threading.Event()
@@ -334,10 +338,8 @@ class TritonPythonModel:
     def sent(self, build_ns: int, send_ns: int) -> None:
         """A sender thread sent one response: ``build_ns`` building its tensors, ``send_ns`` in the send call."""
         with self.count_lock:
-            waiting = self.unpublished_responses
-            waiting["responses"] += 1
-            waiting["build_seconds"] += build_ns / 1e9
-            waiting["send_seconds"] += send_ns / 1e9
+            for kind, value in (("responses", 1), ("build_seconds", build_ns / 1e9), ("send_seconds", send_ns / 1e9)):
+                self.unpublished_responses[kind] += value
 
     def count(self, update: Update, tokens: int) -> None:
         """Metrics are IPC calls to the server, each holding this stub's GIL: count ``tokens`` generated and
@@ -456,11 +458,9 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        """Stop before the stub tears down: the engine thread ends (bounded wait) failing what it held, the
-        sender threads send what the engine reported (bounded wait), whatever is still pending gets its error
-        now, and every response sender and metric is released while the stub's channels still work (one
-        destroyed during interpreter teardown crashes the stub). A request's sender is then a closed one: an
-        engine thread still inside a step sends nothing after this returns."""
+        """Stop before the stub tears down: the engine thread ends failing what it held, the senders send what it
+        reported (bounded waits), what is still pending gets its error, and every response sender and metric is
+        released while the stub's channels work (one destroyed in interpreter teardown crashes the stub)."""
         forge_glue.exit_if_orphaned()  # a dead server: nothing to answer, and calls into it can block
         self.publisher_stop.set()
         self.publisher.join(timeout=2.0)

@@ -15,7 +15,7 @@ a client that asks for them gets no such tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -31,13 +31,14 @@ class Progress(NamedTuple):
 
 class Queued:
     """One item of a sender thread's queue: a sequence's update and its progress as of that update. Later
-    updates may join it (under ``lock``) until a sender takes it."""
+    updates may join it (under ``lock``) until a sender takes it; ``on_take(seq)`` runs (under ``lock``) when one
+    does."""
 
-    __slots__ = ("owner", "seq", "update", "progress", "lock", "taken")
+    __slots__ = ("owner", "seq", "update", "progress", "lock", "on_take", "taken")
 
-    def __init__(self, owner: Any, seq: Any, update: Any, progress: Progress, lock):
+    def __init__(self, owner: Any, seq: Any, update: Any, progress: Progress, lock, on_take: Callable[[Any], None]):
         self.owner, self.seq, self.update, self.progress, self.lock = owner, seq, update, progress, lock
-        self.taken = False
+        self.on_take, self.taken = on_take, False
 
     def take(self) -> tuple[Any, Progress] | None:
         """Sender thread: the update (with every one that joined it) and the latest progress; None once taken."""
@@ -45,6 +46,7 @@ class Queued:
             if self.taken:
                 return None
             self.taken = True
+            self.on_take(self.seq)
             return self.update, self.progress
 
 
